@@ -1,0 +1,32 @@
+# Everything from nothing: `make test` builds the virtual environment, fetches the Kafka broker
+# jars, starts PostgreSQL when it is installed, and runs the suite against a real broker.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: venv test lint postgres kafka-jars demo clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+kafka-jars: venv
+	$(BIN)/python -c "from pipeline.config import load_config; from pipeline.kafka_local import LocalBroker, ensure_jars; c = load_config(); ensure_jars(LocalBroker.from_config(c), c.kafka.version)"
+
+# PostgreSQL from Debian's packages (root only; CI runs as root). Sets RTRL_TEST_POSTGRES.
+postgres:
+	bash scripts/postgres.sh
+
+lint: venv
+	$(BIN)/lint-imports
+
+test: venv kafka-jars
+	$(BIN)/lint-imports
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,52 @@
+"""`rtrl` — the command line. Commands mirror nouns; each parses, calls one function, prints.
+
+    rtrl kafka up|down|status      the local Kafka broker
+    rtrl db upgrade|current        schema migrations
+    rtrl ingest                    consume events into the store (exactly once)
+    rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
+    rtrl export                    write stored events out as NDJSON(.gz)
+    rtrl status                    lag, table counts, dead letters
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pipeline.cli import db as db_cmds
+from pipeline.cli import events as event_cmds
+from pipeline.cli import kafka as kafka_cmds
+from pipeline.cli.common import CONTEXT_SETTINGS, Context
+from pipeline.logs import setup_logging
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="RTRL_CONFIG",
+              help="TOML config file (default: embedded defaults; RTRL_* variables override).")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Structured (JSON) log level on stderr.")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, log_level: str) -> None:
+    """rtrl: a real-time RL loop that learns from production feedback.
+
+    Events stream through Kafka into a store; rewards, LoRA training, gating and promotion
+    follow on a schedule. Start with `rtrl kafka up`, `rtrl db upgrade`, `rtrl ingest`.
+    """
+    setup_logging(log_level)
+    ctx.obj = Context(config_path)
+
+
+cli.add_command(kafka_cmds.kafka)
+cli.add_command(db_cmds.db)
+for command in event_cmds.COMMANDS:
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="rtrl")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

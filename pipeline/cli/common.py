@@ -1,0 +1,41 @@
+"""What every command shares: the lazily loaded config and store, and error reporting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import click
+from sqlalchemy import Engine
+
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.store import SchemaError, make_engine, require_current_schema
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@dataclass
+class Context:
+    config_path: str | None = None
+    _engine: Engine | None = field(default=None, repr=False)
+
+    @cached_property
+    def config(self) -> Config:
+        try:
+            return load_config(self.config_path)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    def engine(self, check_schema: bool = True) -> Engine:
+        """The store's engine; refuses a database whose schema is behind the code."""
+        if self._engine is None:
+            self._engine = make_engine(self.config.db_url)
+        if check_schema:
+            try:
+                require_current_schema(self._engine)
+            except SchemaError as exc:
+                raise click.ClickException(str(exc)) from None
+        return self._engine
+
+
+pass_ctx = click.make_pass_decorator(Context)

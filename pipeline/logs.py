@@ -1,0 +1,39 @@
+"""Structured logs: one JSON object per line on stderr.
+
+Modules log with the standard library and put their fields in `extra={"fields": {...}}`:
+
+    log.info("batch stored", extra={"fields": {"events": 500, "dead_letters": 2}})
+    -> {"ts": "...", "level": "info", "logger": "rtrl.ingest", "msg": "batch stored", "events": 500, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # kafka-python and alembic are chatty at INFO; their warnings still show
+    for noisy in ("kafka", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

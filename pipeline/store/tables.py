@@ -1,0 +1,151 @@
+"""The store's tables: the single schema source. Alembic migrations are generated from here.
+
+Raw facts (interactions, feedback, dead letters) are append-only and keyed by the producer's
+`event_id`, so a record delivered twice is stored once. Consumer offsets live beside them and
+are written in the same transaction as the rows they cover: that is what makes ingest
+exactly-once. Everything else (rewards, runs, decisions) is derived and can be recomputed.
+
+Timestamps are stored as naive UTC (`DateTime` without zone) so SQLite and PostgreSQL agree.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+# Deterministic constraint names, so autogenerate and both dialects agree.
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+ID = String(256)
+
+interactions = Table(
+    "interactions",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("event_id", ID, nullable=False, unique=True),
+    Column("request_id", ID, nullable=False, index=True),
+    Column("schema_version", Integer, nullable=False),
+    Column("ts", DateTime, nullable=False, index=True),
+    Column("session_id", ID, nullable=False),
+    Column("user_id", ID, nullable=False),
+    Column("tenant", ID, nullable=False),
+    Column("policy_version", ID, nullable=False, index=True),
+    Column("prompt", JSON, nullable=False),
+    Column("completion", JSON, nullable=False),
+    Column("completion_token_ids", JSON),
+    Column("behavior_logprobs", JSON),
+    Column("sampling", JSON),
+    Column("latency_ms", Float),
+    Column("metadata", JSON),
+    Column("extra", JSON),  # fields the contract does not name, kept verbatim
+    # where the row came from, for tracing; not part of the event
+    Column("source", String(512), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("ingested_at", DateTime, nullable=False),
+)
+
+feedback = Table(
+    "feedback",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("event_id", ID, nullable=False, unique=True),
+    Column("request_id", ID, nullable=False, index=True),
+    Column("schema_version", Integer, nullable=False),
+    Column("ts", DateTime, nullable=False, index=True),
+    Column("kind", ID, nullable=False, index=True),
+    Column("value", Float, nullable=False),
+    Column("value_is_bool", Boolean, nullable=False),
+    Column("payload", JSON),
+    Column("extra", JSON),
+    Column("source", String(512), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("ingested_at", DateTime, nullable=False),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("source", String(512), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("reason", String(64), nullable=False, index=True),
+    Column("detail", Text, nullable=False),
+    Column("raw", LargeBinary, nullable=False),
+    Column("created_at", DateTime, nullable=False),
+    # one dead letter per log position: re-delivery after a crash is absorbed like events
+    UniqueConstraint("source", "partition", "offset"),
+)
+
+consumer_offsets = Table(
+    "consumer_offsets",
+    metadata,
+    Column("group_id", String(256), primary_key=True),
+    Column("topic", String(256), primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("next_offset", BigInteger, nullable=False),
+    Column("updated_at", DateTime, nullable=False),
+)
+
+# --- derived data the later stages write ---------------------------------------------------
+
+rewards = Table(
+    "rewards",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("request_id", ID, nullable=False),
+    Column("spec_version", String(256), nullable=False),
+    Column("value", Float, nullable=False),
+    Column("components", JSON, nullable=False),  # signal name -> contribution, for tracing hacks
+    Column("final", Boolean, nullable=False),  # the ripeness window has passed
+    Column("computed_at", DateTime, nullable=False),
+    UniqueConstraint("request_id", "spec_version"),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("owner", String(256), nullable=False),
+    Column("expires_at", DateTime, nullable=False),
+    Column("heartbeat_at", DateTime, nullable=False),
+)
+
+alias_moves = Table(
+    "alias_moves",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("model_name", String(256), nullable=False),
+    Column("alias", String(64), nullable=False),
+    Column("from_version", String(64)),
+    Column("to_version", String(64), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("actor", String(256), nullable=False),  # "automatic" or a named operator
+    Column("at", DateTime, nullable=False),
+)
+
+Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)
+
+EVENT_TABLES = {"interaction": interactions, "feedback": feedback}

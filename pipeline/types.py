@@ -1,0 +1,138 @@
+"""Shared, dependency-free types: the event contract v1 and the dead-letter reasons.
+
+Every Kafka record carries exactly one JSON event. Two types exist in v1:
+
+    interaction  what the serving policy produced for a request (prompt, completion, ...)
+    feedback     what a user or the environment did about it afterwards (accepted, edited, ...)
+
+Both share the envelope `schema_version, event_id, type, ts, request_id`. Unknown fields are
+kept (`extra="allow"`), so a producer may add fields without a coordinated release; a *newer*
+`schema_version` than this code supports is refused (dead letter), never guessed at.
+
+This module imports only pydantic and the standard library: every stage may depend on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
+
+SCHEMA_VERSION = 1
+"""The newest event schema version this code understands."""
+
+FEEDBACK_KINDS_KNOWN = (
+    "accepted", "rejected", "edited", "persisted", "followup", "thumbs", "tool_error", "test_result",
+)
+"""Feedback kinds with a documented meaning. The set is open: any other kind is stored as-is."""
+
+
+class DeadLetterReason(str, enum.Enum):
+    """Why a record could not become an event. Stored as the short string value."""
+
+    INVALID_UTF8 = "invalid_utf8"
+    MALFORMED_JSON = "malformed_json"
+    SCHEMA_VIOLATION = "schema_violation"
+    UNSUPPORTED_SCHEMA_VERSION = "unsupported_schema_version"
+    OVERSIZED = "oversized"
+
+
+def _identifier(value: str) -> str:
+    # Identifiers end up in indexed text columns: PostgreSQL text cannot hold NUL.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
+def _utc(value: datetime) -> datetime:
+    # RFC 3339 requires an offset; a naive timestamp is ambiguous, so it is refused.
+    if value.tzinfo is None:
+        raise ValueError("must carry a UTC offset (RFC 3339), e.g. 2026-01-01T12:00:00Z")
+    return value.astimezone(timezone.utc)
+
+
+Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_identifier)]
+EventTime = Annotated[datetime, AfterValidator(_utc)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+ChatMessage = dict[str, Any]
+"""A chat message as OpenAI-style dicts: {"role": "user"|"assistant"|"tool"|..., "content": ...}."""
+
+
+class _Envelope(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True, str_strip_whitespace=False)
+
+    schema_version: StrictInt = Field(ge=1, le=SCHEMA_VERSION)
+    event_id: Identifier
+    ts: EventTime
+    request_id: Identifier
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Fields the contract does not name, kept verbatim."""
+        return dict(self.model_extra or {})
+
+
+class InteractionEvent(_Envelope):
+    """What the serving policy produced. `completion` is text, or for a multi-step agent
+    trajectory a list of assistant and tool messages (only assistant tokens are trained)."""
+
+    type: Literal["interaction"]
+    session_id: Identifier
+    user_id: Identifier
+    tenant: Identifier
+    policy_version: Identifier
+    prompt: Union[str, list[ChatMessage]]
+    completion: Union[str, list[ChatMessage]]
+    completion_token_ids: list[StrictInt] | None = None
+    behavior_logprobs: list[FiniteFloat] | None = None
+    sampling: dict[str, Any] | None = None
+    latency_ms: FiniteFloat | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None
+
+
+class FeedbackEvent(_Envelope):
+    """What happened after serving. `kind` is an open set (see FEEDBACK_KINDS_KNOWN)."""
+
+    type: Literal["feedback"]
+    kind: Identifier
+    value: Union[StrictBool, StrictInt, FiniteFloat]
+    payload: dict[str, Any] | str | None = None
+
+
+Event = Annotated[Union[InteractionEvent, FeedbackEvent], Field(discriminator="type")]
+
+
+class DeadLetter(BaseModel):
+    """A record that did not become an event: the raw bytes, why, and where it came from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    reason: DeadLetterReason
+    detail: str
+    raw: bytes
+    source: str  # Kafka topic, or "file:<path>" for replays from files
+    partition: int  # -1 for files
+    offset: int  # Kafka offset, or line number for files
+
+
+class SourcePosition(BaseModel):
+    """Where a record was read from, so rows can be traced back to the log."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: str
+    partition: int
+    offset: int

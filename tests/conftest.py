@@ -1,0 +1,127 @@
+"""Shared fixtures: one real Kafka broker per session, and stores on SQLite and PostgreSQL.
+
+- Kafka: `RTRL_KAFKA_BOOTSTRAP` when set, else a broker started through `pipeline.kafka_local`
+  (the same code as `rtrl kafka up`) on free ports under a temporary state folder.
+- PostgreSQL: `RTRL_TEST_POSTGRES` is a URL of a database whose role may CREATE DATABASE;
+  each test gets a fresh database. Outside CI the PostgreSQL cases skip when it is unset; in
+  CI (CI=true) they fail instead, so a missing PostgreSQL can never pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from pipeline.config import Config, load_config
+from pipeline.store import db as store_db
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory) -> str:
+    if os.environ.get("RTRL_KAFKA_BOOTSTRAP"):
+        yield os.environ["RTRL_KAFKA_BOOTSTRAP"]
+        return
+    from pipeline import kafka_local
+
+    state = tmp_path_factory.mktemp("kafka-state")
+    cfg = Config(state_dir=state)
+    cfg.kafka.port, cfg.kafka.controller_port = _free_port(), _free_port()
+    broker = kafka_local.up(cfg, progress=lambda msg: None)
+    try:
+        yield broker.bootstrap
+    finally:
+        kafka_local.down(cfg)
+
+
+def _postgres_database():
+    admin_url = os.environ.get("RTRL_TEST_POSTGRES")
+    if not admin_url:
+        if IN_CI:
+            pytest.fail("RTRL_TEST_POSTGRES is unset in CI: .ci/run must start PostgreSQL")
+        pytest.skip("PostgreSQL tests need RTRL_TEST_POSTGRES (set by `make test` when PostgreSQL is available)")
+    name = f"rtrl_t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def drop():
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return url, drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_db_url(request, tmp_path) -> str:
+    """A URL of an empty database, on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'rtrl.db'}"
+        return
+    url, drop = _postgres_database()
+    try:
+        yield url
+    finally:
+        drop()
+
+
+@pytest.fixture
+def db_url(empty_db_url) -> str:
+    """A migrated database on each backend."""
+    store_db.upgrade(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def engine(db_url):
+    eng = store_db.make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def topics(kafka_bootstrap) -> dict[str, str]:
+    """Fresh interaction and feedback topics (3 partitions each) for one test."""
+    from pipeline.kafka_local import ensure_topics
+
+    suffix = uuid.uuid4().hex[:8]
+    names = {"interactions": f"t-{suffix}.interactions", "feedback": f"t-{suffix}.feedback"}
+    ensure_topics(kafka_bootstrap, list(names.values()), partitions=3)
+    return names
+
+
+@pytest.fixture
+def cfg_env(tmp_path, db_url, kafka_bootstrap, topics) -> dict[str, str]:
+    """RTRL_* variables that point a subprocess (or load_config) at this test's store and topics."""
+    return {
+        "RTRL_STATE_DIR": str(tmp_path / "state"),
+        "RTRL_DB_URL": db_url,
+        "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"],
+        "RTRL_KAFKA__FEEDBACK_TOPIC": topics["feedback"],
+        "RTRL_INGEST__GROUP_ID": f"g-{uuid.uuid4().hex[:8]}",
+        "RTRL_INGEST__SESSION_TIMEOUT_MS": "6000",
+    }
+
+
+@pytest.fixture
+def cfg(cfg_env) -> Config:
+    return load_config(environ=cfg_env)
+
+
+REPO = Path(__file__).resolve().parents[1]

@@ -1,0 +1,122 @@
+"""The decoder: every bad-input class has its reason, good events keep unknown fields, and no
+input whatsoever gets an exception out of it (hypothesis fuzz)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.decode import decode
+from pipeline.types import DeadLetter, FeedbackEvent, InteractionEvent, SourcePosition
+from tests.factories import encode, feedback, interaction
+
+POS = SourcePosition(source="t", partition=2, offset=41)
+MAX = 64 * 1024
+
+
+def test_valid_interaction_keeps_unknown_fields_and_normalises_time():
+    ev = interaction(1, ts="2026-11-01T13:00:00+01:00", shiny_new_field={"a": 1})
+    out = decode(encode(ev), POS, MAX)
+    assert isinstance(out, InteractionEvent)
+    assert out.extra == {"shiny_new_field": {"a": 1}}
+    assert out.ts.isoformat() == "2026-11-01T12:00:00+00:00"
+
+
+def test_agent_trajectory_completion_is_accepted():
+    traj = [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "ls", "arguments": "{}"}]},
+        {"role": "tool", "content": "a.py"},
+        {"role": "assistant", "content": "done"},
+    ]
+    assert isinstance(decode(encode(interaction(2, completion=traj)), POS, MAX), InteractionEvent)
+
+
+@pytest.mark.parametrize("value", [True, 0, 0.25, -3])
+def test_feedback_values(value):
+    out = decode(encode(feedback(1, kind="some_new_kind", value=value)), POS, MAX)
+    assert isinstance(out, FeedbackEvent) and out.value == value and out.kind == "some_new_kind"
+
+
+BAD = {
+    "invalid_utf8": b'{"schema_version": 1, "x": "\xff\xfe"}',
+    "utf16_is_not_utf8": '{"schema_version": 1}'.encode("utf-16"),
+    "malformed_json": b'{"schema_version": 1,',
+    "nan_literal": b'{"schema_version": 1, "value": NaN}',
+    "not_an_object": b"[1, 2, 3]",
+    "empty": b"",
+    "deep_nesting": b"[" * 30_000 + b"]" * 30_000,
+    "newer_schema": encode(interaction(1, schema_version=2)),
+    "missing_field": encode({k: v for k, v in interaction(1).items() if k != "completion"}),
+    "wrong_type": encode(interaction(1, latency_ms="fast")),
+    "unknown_type": encode(dict(interaction(1), type="purchase")),
+    "naive_ts": encode(interaction(1, ts="2026-11-01T12:00:00")),
+    "nul_in_id": encode(interaction(1, request_id="r\x00")),
+    "lone_surrogate": b'{"schema_version":1,"event_id":"e","type":"feedback","ts":"2026-11-01T00:00:00Z",'
+                      b'"request_id":"r","kind":"thumbs","value":1,"payload":"\\ud800"}',
+    "bool_schema_version": encode(interaction(1, schema_version=True)),
+    "oversized": encode(interaction(1, size=MAX + 10)),
+    "gzip_bytes": gzip.compress(encode(interaction(1))),
+}
+EXPECTED = {
+    "invalid_utf8": "invalid_utf8",
+    "utf16_is_not_utf8": "invalid_utf8",
+    "malformed_json": "malformed_json",
+    "nan_literal": "malformed_json",
+    "not_an_object": "malformed_json",
+    "empty": "malformed_json",
+    "deep_nesting": "malformed_json",
+    "newer_schema": "unsupported_schema_version",
+    "missing_field": "schema_violation",
+    "wrong_type": "schema_violation",
+    "unknown_type": "schema_violation",
+    "naive_ts": "schema_violation",
+    "nul_in_id": "schema_violation",
+    "lone_surrogate": "schema_violation",
+    "bool_schema_version": "schema_violation",
+    "oversized": "oversized",
+    "gzip_bytes": "invalid_utf8",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_each_bad_input_class_is_a_dead_letter_with_its_reason(case):
+    out = decode(BAD[case], POS, MAX)
+    assert isinstance(out, DeadLetter), out
+    assert out.reason.value == EXPECTED[case], out.detail
+    assert out.raw == BAD[case]
+    assert (out.source, out.partition, out.offset) == ("t", 2, 41)
+    assert out.detail
+
+
+def test_none_value_is_a_dead_letter():
+    out = decode(None, POS, MAX)
+    assert isinstance(out, DeadLetter) and out.raw == b""
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.binary(max_size=4096))
+def test_fuzz_arbitrary_bytes_never_raise(raw):
+    out = decode(raw, POS, 2048)
+    assert isinstance(out, (DeadLetter, InteractionEvent, FeedbackEvent))
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(base=st.sampled_from([interaction(3), feedback(3)]), key=st.sampled_from(sorted(interaction(3))), junk=_json)
+def test_fuzz_mutated_events_never_raise(base, key, junk):
+    mutated = dict(base)
+    mutated[key] = junk
+    out = decode(json.dumps(mutated).encode(), POS, MAX)
+    assert isinstance(out, (DeadLetter, InteractionEvent, FeedbackEvent))
+    if isinstance(out, DeadLetter):
+        assert out.reason.value in {"schema_violation", "unsupported_schema_version"}

@@ -1,0 +1,157 @@
+"""Ingest against the real broker, on SQLite and PostgreSQL: exactly N rows even when the
+ingest process is SIGKILLed mid-stream, bad input lands in dead letters, compressed batches
+are read, SIGTERM stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from sqlalchemy import func, select
+
+from ingest.consumer import run_ingest
+from pipeline.store.events import stored_offsets, table_counts
+from pipeline.store.tables import dead_letters, feedback, interactions
+from tests.conftest import REPO
+from tests.factories import encode, feedback as fb, interaction
+from tests.test_decode import BAD, EXPECTED
+
+pytestmark = pytest.mark.kafka
+
+
+def produce(bootstrap: str, topic: str, values: list[bytes], *, keys: list[bytes] | None = None,
+            compression: str | None = None) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, compression_type=compression, linger_ms=5,
+                             max_request_size=4 << 20, acks="all")
+    for i, value in enumerate(values):
+        producer.send(topic, value=value, key=keys[i] if keys else None)
+    producer.flush()
+    producer.close()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)  # polling with a deadline, not synchronisation by sleep
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def count(engine, table) -> int:
+    with engine.connect() as conn:
+        return conn.scalar(select(func.count()).select_from(table))
+
+
+def ids(engine, table) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.scalars(select(table.c.event_id)))
+
+
+def ingest_until_idle(cfg, engine, idle: float = 3.0):
+    return run_ingest(cfg, engine, threading.Event(), idle_exit_s=idle)
+
+
+def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap):
+    n = 1500
+    evs = [interaction(i) for i in range(n)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
+            keys=[e["request_id"].encode() for e in evs])
+    produce(kafka_bootstrap, topics["feedback"], [encode(fb(i)) for i in range(300)],
+            keys=[f"ev-r-{i}".encode() for i in range(300)])
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.events == n + 300 and stats.dead_letters == 0
+    assert count(engine, interactions) == n and count(engine, feedback) == 300
+    # stored offsets cover everything; the same offsets were committed to Kafka
+    offsets = stored_offsets(engine, cfg.ingest.group_id)
+    assert sum(o for (t, _), o in offsets.items() if t == topics["interactions"]) == n
+    check = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=cfg.ingest.group_id, enable_auto_commit=False)
+    committed = {tp: check.committed(TopicPartition(*tp)) for tp in offsets}
+    check.close()
+    assert committed == offsets
+    # a second run finds nothing new
+    again = ingest_until_idle(cfg, engine, idle=1.5)
+    assert again.events == 0 and count(engine, interactions) == n
+
+
+def test_sigkill_mid_stream_still_exactly_n(cfg_env, cfg, engine, topics, kafka_bootstrap):
+    n = 12_000
+    evs = [interaction(i, prefix="k") for i in range(n)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
+            keys=[e["request_id"].encode() for e in evs])
+    env = dict(os.environ, **cfg_env, RTRL_INGEST__BATCH_MAX_RECORDS="150", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "ingest", "--no-progress"]
+    kills = 0
+    for threshold in (500, 2500, 5000, 8000):
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_for(lambda: count(engine, interactions) >= threshold or proc.poll() is not None,
+                     timeout=120, what=f"{threshold} rows")
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        finally:
+            proc.wait(timeout=30)
+            proc.stderr.close()
+        assert count(engine, interactions) < n, "killed too late to test anything"
+    assert kills == 4
+    final = subprocess.run(cmd + ["--idle-exit", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    stored = ids(engine, interactions)
+    assert len(stored) == n and set(stored) == {e["event_id"] for e in evs}
+    assert sum(stored_offsets(engine, cfg.ingest.group_id).values()) == n
+
+
+def test_every_bad_input_class_lands_in_dead_letters(cfg, engine, topics, kafka_bootstrap):
+    cfg.ingest.max_event_bytes = 64 * 1024  # the limit the BAD cases were built for
+    values = [BAD[c] for c in sorted(BAD)]
+    produce(kafka_bootstrap, topics["feedback"], values)
+    produce(kafka_bootstrap, topics["feedback"], [encode(fb(1))])
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.events == 1 and stats.dead_letters == len(BAD)
+    with engine.connect() as conn:
+        rows = conn.execute(select(dead_letters)).all()
+    by_raw = {r.raw: r for r in rows}
+    for case in sorted(BAD):
+        row = by_raw[BAD[case]]
+        assert row.reason == EXPECTED[case], case
+        assert row.source == topics["feedback"] and row.offset >= 0 and row.detail
+
+
+def test_tombstone_record_is_a_dead_letter(cfg, engine, topics, kafka_bootstrap):
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    producer.send(topics["feedback"], value=None, key=b"k")
+    producer.flush()
+    producer.close()
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.dead_letters == 1 and table_counts(engine)["dead_letters"] == 1
+
+
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+def test_compressed_batches_are_read(cfg, engine, topics, kafka_bootstrap, codec):
+    evs = [interaction(i, prefix=codec, size=2000) for i in range(400)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs], compression=codec)
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.events == 400 and count(engine, interactions) == 400
+
+
+def test_sigterm_flushes_commits_and_exits_cleanly(cfg_env, cfg, engine, topics, kafka_bootstrap):
+    produce(kafka_bootstrap, topics["interactions"], [encode(interaction(i, prefix="t")) for i in range(3000)])
+    env = dict(os.environ, **cfg_env, RTRL_INGEST__BATCH_MAX_RECORDS="100")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "ingest", "--no-progress"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: count(engine, interactions) >= 500, timeout=120, what="500 rows")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "ingested" in out
+    stored = count(engine, interactions)
+    # what is stored and what the store says it has consumed agree exactly
+    assert sum(stored_offsets(engine, cfg.ingest.group_id).values()) == stored
