@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv test lint postgres kafka-jars demo clean
+.PHONY: venv test lint postgres kafka-jars clean
 
 venv: $(VENV)/.installed
 
@@ -17,16 +17,17 @@ $(VENV)/.installed: pyproject.toml
 kafka-jars: venv
 	$(BIN)/python -c "from pipeline.config import load_config; from pipeline.kafka_local import LocalBroker, ensure_jars; c = load_config(); ensure_jars(LocalBroker.from_config(c), c.kafka.version)"
 
-# PostgreSQL from Debian's packages (root only; CI runs as root). Sets RTRL_TEST_POSTGRES.
+# PostgreSQL from Debian's packages (root only); prints the test database URL.
 postgres:
-	bash scripts/postgres.sh
+	@bash scripts/postgres.sh
 
 lint: venv
 	$(BIN)/lint-imports
 
+# PostgreSQL: RTRL_TEST_POSTGRES if set, else scripts/postgres.sh installs/starts one (as root).
 test: venv kafka-jars
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info
