@@ -31,7 +31,8 @@ def decode_records(records: Iterable[Any], max_event_bytes: int) -> DecodedBatch
         if isinstance(result, DeadLetter):
             batch.letters.append(result)
         else:
-            batch.events.append(Positioned(result, pos))
+            # decode() succeeded, so the value is valid UTF-8 JSON: stored verbatim
+            batch.events.append(Positioned(result, pos, rec.value.decode("utf-8")))
         key = (rec.topic, rec.partition)
         batch.next_offsets[key] = max(batch.next_offsets.get(key, 0), rec.offset + 1)
     return batch

@@ -117,6 +117,8 @@ def run_ingest(
     def assigned() -> None:
         nonlocal last_data
         last_data = time.monotonic()
+        if stats.batches == 0:
+            stats.started = last_data  # rates count from the first assignment, not the join
 
     consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, assigned))
     log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics}})

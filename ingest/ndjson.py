@@ -7,7 +7,6 @@ bytes) means gzip. `-` is stdin/stdout.
 from __future__ import annotations
 
 import gzip
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from typing import IO
 
 from sqlalchemy import Engine
 
-from pipeline.store.events import iter_events
+from pipeline.store.events import iter_event_bodies
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -67,8 +66,8 @@ def export_events(engine: Engine, path: str, on_progress=None) -> int:
     """Write every stored event to `path` as NDJSON(.gz); returns how many."""
     n = 0
     with open_write(path) as out:
-        for event in iter_events(engine):
-            out.write(json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+        for body in iter_event_bodies(engine):
+            out.write(body.encode("utf-8"))
             out.write(b"\n")
             n += 1
             if on_progress and n % 10_000 == 0:

@@ -185,7 +185,7 @@ def replay_dead_letters(cfg: Config, engine: Engine, dry_run: bool = False) -> R
         if isinstance(result, DeadLetter):
             report.still_dead += 1
         else:
-            fixed.append((row.id, Positioned(result, pos)))
+            fixed.append((row.id, Positioned(result, pos, row.raw.decode("utf-8"))))
     report.recovered = len(fixed)
     if not dry_run:
         for start in range(0, len(fixed), _BATCH):

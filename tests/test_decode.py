@@ -75,7 +75,7 @@ EXPECTED = {
     "unknown_type": "schema_violation",
     "naive_ts": "schema_violation",
     "nul_in_id": "schema_violation",
-    "lone_surrogate": "schema_violation",
+    "lone_surrogate": "malformed_json",
     "bool_schema_version": "schema_violation",
     "oversized": "oversized",
     "gzip_bytes": "invalid_utf8",

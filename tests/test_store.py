@@ -24,7 +24,7 @@ def _positioned(ev: dict, offset: int, source="t") -> Positioned:
     pos = SourcePosition(source=source, partition=0, offset=offset)
     out = decode(encode(ev), pos, 1 << 20)
     assert not isinstance(out, DeadLetter), out
-    return Positioned(out, pos)
+    return Positioned(out, pos, encode(ev).decode())
 
 
 def test_migrations_upgrade_downgrade_upgrade(empty_db_url):

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 08:44:54.190556
+Create Date: 2026-11-30
 """
 from typing import Sequence, Union
 
@@ -60,9 +60,7 @@ def upgrade() -> None:
     sa.Column('ts', sa.DateTime(), nullable=False),
     sa.Column('kind', sa.String(length=256), nullable=False),
     sa.Column('value', sa.Float(), nullable=False),
-    sa.Column('value_is_bool', sa.Boolean(), nullable=False),
-    sa.Column('payload', sa.JSON(), nullable=True),
-    sa.Column('extra', sa.JSON(), nullable=True),
+    sa.Column('body', sa.Text(), nullable=False),
     sa.Column('source', sa.String(length=512), nullable=False),
     sa.Column('partition', sa.Integer(), nullable=False),
     sa.Column('offset', sa.BigInteger(), nullable=False),
@@ -86,14 +84,7 @@ def upgrade() -> None:
     sa.Column('user_id', sa.String(length=256), nullable=False),
     sa.Column('tenant', sa.String(length=256), nullable=False),
     sa.Column('policy_version', sa.String(length=256), nullable=False),
-    sa.Column('prompt', sa.JSON(), nullable=False),
-    sa.Column('completion', sa.JSON(), nullable=False),
-    sa.Column('completion_token_ids', sa.JSON(), nullable=True),
-    sa.Column('behavior_logprobs', sa.JSON(), nullable=True),
-    sa.Column('sampling', sa.JSON(), nullable=True),
-    sa.Column('latency_ms', sa.Float(), nullable=True),
-    sa.Column('metadata', sa.JSON(), nullable=True),
-    sa.Column('extra', sa.JSON(), nullable=True),
+    sa.Column('body', sa.Text(), nullable=False),
     sa.Column('source', sa.String(length=512), nullable=False),
     sa.Column('partition', sa.Integer(), nullable=False),
     sa.Column('offset', sa.BigInteger(), nullable=False),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+import orjson
 from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
@@ -23,13 +24,17 @@ class SchemaError(RuntimeError):
     """The database schema is missing or behind the code."""
 
 
+# orjson for the JSON columns: several per event row, ~10x faster than the json module.
+_JSON = {"json_serializer": lambda obj: orjson.dumps(obj).decode(), "json_deserializer": orjson.loads}
+
+
 def make_engine(url: str) -> Engine:
     """Create an engine; for SQLite, create the folder and set the pragmas on every connection."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 60})
+        engine = create_engine(url, connect_args={"timeout": 60}, **_JSON)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):  # pragma: no cover - trivial
@@ -40,7 +45,7 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, **_JSON)
 
 
 @cache

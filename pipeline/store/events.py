@@ -33,8 +33,7 @@ from pipeline.types import (
     SourcePosition,
 )
 
-# Rows per INSERT statement: below SQLite's 32k bound-parameter limit for the widest table.
-_CHUNK = 500
+_CHUNK = 500  # ids per IN (...) query
 
 
 def utcnow() -> datetime:
@@ -48,10 +47,11 @@ def _naive_utc(ts: datetime) -> datetime:
 
 @dataclass
 class Positioned:
-    """An event together with the log position it was read from."""
+    """An event, its exact JSON text, and the log position it was read from."""
 
     event: InteractionEvent | FeedbackEvent
     position: SourcePosition
+    body: str
 
 
 @dataclass
@@ -66,40 +66,24 @@ class WriteResult:
 
 
 def event_row(item: Positioned, ingested_at: datetime) -> dict[str, Any]:
-    """The row for one event: contract fields, unknown fields in `extra`, and provenance."""
+    """The row for one event: the body verbatim, the fields stages query, and provenance."""
     ev, pos = item.event, item.position
     row: dict[str, Any] = {
         "event_id": ev.event_id,
         "request_id": ev.request_id,
         "schema_version": ev.schema_version,
         "ts": _naive_utc(ev.ts),
-        "extra": ev.extra or None,
+        "body": item.body,
         "source": pos.source,
         "partition": pos.partition,
         "offset": pos.offset,
         "ingested_at": ingested_at,
     }
     if isinstance(ev, InteractionEvent):
-        row.update(
-            session_id=ev.session_id,
-            user_id=ev.user_id,
-            tenant=ev.tenant,
-            policy_version=ev.policy_version,
-            prompt=ev.prompt,
-            completion=ev.completion,
-            completion_token_ids=ev.completion_token_ids,
-            behavior_logprobs=ev.behavior_logprobs,
-            sampling=ev.sampling,
-            latency_ms=ev.latency_ms,
-            metadata=ev.metadata,
-        )
+        row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
+                   policy_version=ev.policy_version)
     else:
-        row.update(
-            kind=ev.kind,
-            value=float(ev.value),
-            value_is_bool=isinstance(ev.value, bool),
-            payload=ev.payload,
-        )
+        row.update(kind=ev.kind, value=float(ev.value))
     return row
 
 
@@ -115,16 +99,52 @@ def dead_letter_row(dl: DeadLetter, created_at: datetime) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _InsertPlan:
+    sql: str
+    columns: tuple[str, ...]
+    processors: tuple[Any, ...]  # per column: the dialect's bind processor, or None
+    positional: bool
+
+
+_PLANS: dict[tuple[str, str], _InsertPlan] = {}
+
+
+def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
+    """`INSERT .. ON CONFLICT (key) DO NOTHING`, compiled once per table and dialect."""
+    cache_key = (table.name, conn.dialect.name)
+    if cache_key not in _PLANS:
+        dialect_mod = sqlite if conn.dialect.name == "sqlite" else postgresql
+        cols = [c for c in table.columns if not (c.primary_key and c.autoincrement is True)]
+        compiled = dialect_mod.insert(table).on_conflict_do_nothing(index_elements=key).compile(
+            dialect=conn.dialect, column_keys=[c.key for c in cols]
+        )
+        names = tuple(compiled.positiontup) if compiled.positional else tuple(c.key for c in cols)
+        by_name = {c.key: c for c in cols}
+        _PLANS[cache_key] = _InsertPlan(
+            sql=str(compiled),
+            columns=names,
+            processors=tuple(by_name[n].type.dialect_impl(conn.dialect).bind_processor(conn.dialect) for n in names),
+            positional=compiled.positional,
+        )
+    return _PLANS[cache_key]
+
+
 def _insert_ignore(conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str]) -> int:
-    """INSERT .. ON CONFLICT DO NOTHING; returns how many rows were new."""
-    dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
-    added = 0
-    for start in range(0, len(rows), _CHUNK):
-        chunk = rows[start : start + _CHUNK]
-        stmt = dialect.insert(table).values(list(chunk)).on_conflict_do_nothing(index_elements=key)
-        # RETURNING counts the rows really inserted on both dialects (rowcount is -1 on psycopg)
-        added += len(conn.execute(stmt.returning(table.c[key[0]])).all())
-    return added
+    """Insert many rows, skipping those whose `key` exists; returns how many were new.
+
+    The hot path of ingest: one statement compiled once, executed by the driver's
+    executemany (sqlite3's C loop, psycopg's pipeline), without SQLAlchemy's per-row
+    parameter processing. Both drivers sum rowcount over the rows actually inserted.
+    """
+    if not rows:
+        return 0
+    plan = _insert_plan(conn, table, key)
+    params: list[Any] = []
+    for row in rows:
+        values = [row[n] if p is None else p(row[n]) for n, p in zip(plan.columns, plan.processors)]
+        params.append(tuple(values) if plan.positional else dict(zip(plan.columns, values)))
+    return conn.exec_driver_sql(plan.sql, params).rowcount
 
 
 def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
@@ -210,52 +230,18 @@ def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
 
 # --- reading events back out (export) -------------------------------------------------------
 
-def _iso(ts: datetime) -> str:
-    return ts.replace(tzinfo=timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-_CONTRACT_COLUMNS = {
-    "interaction": [
-        "session_id", "user_id", "tenant", "policy_version", "prompt", "completion",
-        "completion_token_ids", "behavior_logprobs", "sampling", "latency_ms", "metadata",
-    ],
-    "feedback": ["kind", "value", "payload"],
-}
-
-
-def row_to_event_dict(kind: str, row: Any) -> dict[str, Any]:
-    """Rebuild the event JSON object from its row (unknown fields restored from `extra`)."""
-    m = row._mapping
-    out: dict[str, Any] = dict(m["extra"] or {})
-    out.update(
-        schema_version=m["schema_version"],
-        event_id=m["event_id"],
-        type=kind,
-        ts=_iso(m["ts"]),
-        request_id=m["request_id"],
-    )
-    for col in _CONTRACT_COLUMNS[kind]:
-        value = m[col]
-        if value is None:
-            continue
-        if col == "value":
-            value = bool(value) if m["value_is_bool"] else (int(value) if value.is_integer() else value)
-        out[col] = value
-    return out
-
-
-def iter_events(engine: Engine, batch: int = 1000) -> Iterator[dict[str, Any]]:
-    """All stored events as contract dicts, interactions then feedback, in id order (streamed)."""
-    for kind, table in (("interaction", interactions), ("feedback", feedback)):
+def iter_event_bodies(engine: Engine, batch: int = 1000) -> Iterator[str]:
+    """Every stored event's JSON text, interactions then feedback, in id order (streamed)."""
+    for table in (interactions, feedback):
         last_id = 0
         while True:
-            stmt = select(table).where(table.c.id > last_id).order_by(table.c.id).limit(batch)
+            stmt = select(table.c.id, table.c.body).where(table.c.id > last_id).order_by(table.c.id).limit(batch)
             with engine.connect() as conn:
                 rows = conn.execute(stmt).all()
             if not rows:
                 break
             for row in rows:
-                yield row_to_event_dict(kind, row)
+                yield row.body
             last_id = rows[-1].id
 
 

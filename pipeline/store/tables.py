@@ -38,6 +38,9 @@ metadata = MetaData(
 
 ID = String(256)
 
+# Raw facts keep the event exactly as received in `body` (UTF-8 JSON text, unknown fields
+# included): export is byte-exact and ingest never re-serialises. The columns beside it are
+# the fields stages filter and join on, normalised (ts in UTC).
 interactions = Table(
     "interactions",
     metadata,
@@ -50,14 +53,7 @@ interactions = Table(
     Column("user_id", ID, nullable=False),
     Column("tenant", ID, nullable=False),
     Column("policy_version", ID, nullable=False, index=True),
-    Column("prompt", JSON, nullable=False),
-    Column("completion", JSON, nullable=False),
-    Column("completion_token_ids", JSON),
-    Column("behavior_logprobs", JSON),
-    Column("sampling", JSON),
-    Column("latency_ms", Float),
-    Column("metadata", JSON),
-    Column("extra", JSON),  # fields the contract does not name, kept verbatim
+    Column("body", Text, nullable=False),
     # where the row came from, for tracing; not part of the event
     Column("source", String(512), nullable=False),
     Column("partition", Integer, nullable=False),
@@ -74,10 +70,8 @@ feedback = Table(
     Column("schema_version", Integer, nullable=False),
     Column("ts", DateTime, nullable=False, index=True),
     Column("kind", ID, nullable=False, index=True),
-    Column("value", Float, nullable=False),
-    Column("value_is_bool", Boolean, nullable=False),
-    Column("payload", JSON),
-    Column("extra", JSON),
+    Column("value", Float, nullable=False),  # booleans as 1.0 / 0.0; the body keeps the original
+    Column("body", Text, nullable=False),
     Column("source", String(512), nullable=False),
     Column("partition", Integer, nullable=False),
     Column("offset", BigInteger, nullable=False),

@@ -1,0 +1,208 @@
+"""Ingest throughput on one topic of realistic events (~2 KB each), on a real local broker.
+
+    (a) raw kafka-python consume, no processing        -- the ceiling
+    (b) rtrl ingest -> SQLite                           -- decode, validate, store, commit
+    (c) rtrl ingest -> PostgreSQL                       -- needs RTRL_TEST_POSTGRES (admin URL)
+    (d) naive: one ORM row per message, commit per message (first 10k events only)
+
+Each phase runs in its own child process so its peak RSS is its own. Prints events/s, the
+ratios b/a, c/a, b/d, and peak RSS.
+
+    .venv/bin/python benchmarks/ingest.py --events 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import resource
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # noqa: E402
+from sqlalchemy import create_engine, text  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy.orm import Session, declarative_base  # noqa: E402
+
+from ingest.consumer import run_ingest  # noqa: E402
+from pipeline import kafka_local  # noqa: E402
+from pipeline.config import Config, load_config  # noqa: E402
+from pipeline.store import db as store_db  # noqa: E402
+from pipeline.store.tables import interactions  # noqa: E402
+from tests.factories import encode, interaction  # noqa: E402
+
+PARTITIONS = 4
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def produce(bootstrap: str, topic: str, n: int) -> int:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=512 * 1024,
+                             compression_type="lz4", acks=1)
+    size = 0
+    template = [encode(interaction(i, prefix="b", size=2048)) for i in range(1000)]
+    for i in range(n):
+        # unique event ids, realistic 2 KB bodies
+        value = template[i % 1000].replace(b'"b-i-', f'"b{i // 1000}-i-'.encode(), 1)
+        size += len(value)
+        producer.send(topic, value=value, key=str(i).encode())
+    producer.flush()
+    producer.close()
+    return size // n
+
+
+def phase_raw(bootstrap: str, topic: str, n: int, q) -> None:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                             max_poll_records=2000)
+    tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    seen, start = 0, time.monotonic()
+    while seen < n:
+        for recs in consumer.poll(timeout_ms=1000).values():
+            seen += len(recs)
+    q.put((seen / (time.monotonic() - start), peak_rss_mb()))
+    consumer.close()
+
+
+def phase_rtrl(cfg: Config, n: int, q) -> None:
+    """Clock: from partition assignment (the group join is not throughput) to the batch
+    that stores the n-th event."""
+    engine = store_db.make_engine(cfg.db_url)
+    end = {}
+
+    def on_batch(stats):
+        end["t"] = time.monotonic()
+
+    stats = run_ingest(cfg, engine, threading.Event(), on_batch=on_batch, max_records=n)
+    assert stats.events == n, f"stored {stats.events} of {n}"
+    q.put((n / (end["t"] - stats.started), peak_rss_mb()))
+
+
+Base = declarative_base()
+
+
+class NaiveInteraction(Base):
+    __table__ = interactions
+
+
+def phase_naive(bootstrap: str, topic: str, db_url: str, n: int, q) -> None:
+    """The loop most teams write first: ORM object per message, commit per message."""
+    from datetime import datetime
+
+    engine = create_engine(db_url)
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"naive-{uuid.uuid4().hex[:6]}",
+                             auto_offset_reset="earliest", enable_auto_commit=False)
+    seen, start = 0, time.perf_counter()
+    with Session(engine) as session:
+        for msg in consumer:
+            ev = json.loads(msg.value)
+            row = NaiveInteraction(
+                event_id=ev["event_id"], request_id=ev["request_id"], schema_version=ev["schema_version"],
+                ts=datetime.fromisoformat(ev["ts"].replace("Z", "+00:00")).replace(tzinfo=None),
+                session_id=ev["session_id"], user_id=ev["user_id"], tenant=ev["tenant"],
+                policy_version=ev["policy_version"], body=msg.value.decode(),
+                source=msg.topic, partition=msg.partition, offset=msg.offset, ingested_at=datetime.utcnow(),
+            )
+            session.add(row)
+            session.commit()
+            consumer.commit()
+            seen += 1
+            if seen >= n:
+                break
+    q.put((seen / (time.perf_counter() - start), peak_rss_mb()))
+    consumer.close()
+
+
+def run_phase(target, *args):
+    """Run one phase in a forked child; its result is (events/s, peak RSS MB)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, q))
+    proc.start()
+    while True:
+        try:
+            result = q.get(timeout=1)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} died with exit code {proc.exitcode}") from None
+    proc.join()
+    return result
+
+
+def postgres_db(admin_url: str) -> str:
+    name = f"rtrl_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--naive-events", type=int, default=10_000)
+    ap.add_argument("--bootstrap", default=os.environ.get("RTRL_KAFKA_BOOTSTRAP"),
+                    help="an existing broker; default: start one under a temporary folder")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="rtrl-bench-"))
+    broker_cfg = None
+    bootstrap = args.bootstrap
+    if not bootstrap:
+        broker_cfg = Config(state_dir=tmp / "state")
+        broker_cfg.kafka.port, broker_cfg.kafka.controller_port = 29092, 29093
+        bootstrap = kafka_local.up(broker_cfg, progress=print).bootstrap
+    try:
+        topic = f"bench-{uuid.uuid4().hex[:6]}"
+        kafka_local.ensure_topics(bootstrap, [topic], PARTITIONS)
+        t = time.perf_counter()
+        avg = produce(bootstrap, topic, args.events)
+        print(f"produced {args.events} events, {avg} bytes each, in {time.perf_counter() - t:.1f}s")
+
+        results = {}
+        results["a"] = run_phase(phase_raw, bootstrap, topic, args.events)
+        print(f"(a) raw kafka-python consume: {results['a'][0]:10,.0f} events/s  peak RSS {results['a'][1]:.0f} MB")
+
+        def rtrl_cfg(db_url: str) -> Config:
+            store_db.upgrade(db_url)
+            return load_config(environ={
+                "RTRL_DB_URL": db_url, "RTRL_KAFKA_BOOTSTRAP": bootstrap, "RTRL_INGEST__TOPICS": topic,
+                "RTRL_INGEST__GROUP_ID": f"bench-{uuid.uuid4().hex[:6]}", "RTRL_STATE_DIR": str(tmp)})
+
+        results["b"] = run_phase(phase_rtrl, rtrl_cfg(f"sqlite:///{tmp / 'b.db'}"), args.events)
+        print(f"(b) rtrl ingest -> SQLite:    {results['b'][0]:10,.0f} events/s  peak RSS {results['b'][1]:.0f} MB")
+        pg = os.environ.get("RTRL_TEST_POSTGRES")
+        if pg:
+            results["c"] = run_phase(phase_rtrl, rtrl_cfg(postgres_db(pg)), args.events)
+            print(f"(c) rtrl ingest -> PostgreSQL:{results['c'][0]:10,.0f} events/s  peak RSS {results['c'][1]:.0f} MB")
+        else:
+            print("(c) skipped: set RTRL_TEST_POSTGRES to an admin URL")
+        naive_url = f"sqlite:///{tmp / 'd.db'}"
+        store_db.upgrade(naive_url)
+        results["d"] = run_phase(phase_naive, bootstrap, topic, naive_url, min(args.naive_events, args.events))
+        print(f"(d) naive ORM, commit/message:{results['d'][0]:10,.0f} events/s  peak RSS {results['d'][1]:.0f} MB")
+        a, b, d = results["a"][0], results["b"][0], results["d"][0]
+        print(f"b/a = {b / a:.2f}   (target >= 0.5)")
+        if "c" in results:
+            print(f"c/a = {results['c'][0] / a:.2f}")
+        print(f"b/d = {b / d:.1f}   (target >= 10)")
+    finally:
+        if broker_cfg is not None:
+            kafka_local.down(broker_cfg)
+
+
+if __name__ == "__main__":
+    main()
