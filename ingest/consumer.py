@@ -1,17 +1,19 @@
 """Live ingest: a consumer-group member that stores every record exactly once.
 
-    source   KafkaConsumer.poll()                     (topics of the config, one group)
-    -> transform  decode_records()                    (event | dead letter, next offsets)
-    -> sink  write_batch()                            (rows + next offsets, ONE transaction)
-    -> commit  KafkaConsumer.commit(next offsets)     (after the DB commit, for lag tools)
+    source     KafkaConsumer.poll()                  main thread (owns the consumer)
+    transform  decode_records() -> rows              decoder process (workers.decoder_pool)
+    sink       write_rows(rows + next offsets)       writer thread, ONE transaction per batch,
+                                                     batches strictly in poll order
+    commit     KafkaConsumer.commit(next offsets)    main thread, after the DB commit
 
 The commit order is the whole design: the store is the source of truth for positions. On
 partition assignment the consumer seeks to the offsets stored in the DB, so a process killed
 between the DB commit and the Kafka commit (or before either) resumes exactly where the store
-is, and anything re-delivered is absorbed by the unique `event_id`. Batches are processed
-synchronously inside the poll loop, so a rebalance (which runs inside poll) never sees a
-half-written batch. A stop request (SIGTERM/SIGINT) lets the batch in hand finish, commit and
-close.
+is, and anything re-delivered is absorbed by the unique `event_id`.
+
+The stages overlap: while batch N is fsynced and N+1 decoded, N+2 is fetched. At most
+`max_in_flight` batches wait for the writer. Before partitions are revoked (rebalance) and on
+stop (SIGTERM/SIGINT), every batch in flight is stored and committed first.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine
 
-from ingest.batch import decode_records
+from ingest.batch import decode_records, raw_records
 from pipeline.config import Config
-from pipeline.store.events import stored_offsets, write_batch
+from ingest.workers import OrderedWriter, decoder_pool
+from pipeline.store.events import stored_offsets
 
 log = logging.getLogger("rtrl.ingest")
 
@@ -56,13 +59,18 @@ class IngestStats:
 class _SeekToStoredOffsets(ConsumerRebalanceListener):
     """On assignment, continue from the store's offsets, not from Kafka's committed ones."""
 
+    # kafka-python 3 calls these on its network thread: they may block briefly (a DB read, the
+    # writer finishing a batch) but must not call back into the consumer's network API.
+
     def __init__(self, consumer: KafkaConsumer, engine: Engine, group_id: str,
-                 on_assigned: Callable[[], None] = lambda: None):
+                 wait_stored: Callable[[], None], on_assigned: Callable[[], None]):
         self.consumer, self.engine, self.group_id = consumer, engine, group_id
-        self.on_assigned = on_assigned
+        self.wait_stored, self.on_assigned = wait_stored, on_assigned
 
     def on_partitions_revoked(self, revoked):
-        # Nothing to flush: each batch is stored and committed before the next poll.
+        # Store every batch in flight while we still own its partitions, so the next owner
+        # seeks to a position that covers them. (Their Kafka commit may then fail: harmless.)
+        self.wait_stored()
         log.info("partitions revoked", extra={"fields": {"partitions": sorted(map(tuple, revoked))}})
 
     def on_partitions_assigned(self, assigned):
@@ -106,13 +114,32 @@ def run_ingest(
     max_records: int | None = None,
     idle_exit_s: float | None = None,
 ) -> IngestStats:
-    """Consume until `stop` is set (or `max_records` read, or idle for `idle_exit_s`)."""
-    group_id, topics = cfg.ingest.group_id, cfg.ingest_topics
+    """Consume until `stop` is set (or `max_records` stored, or idle for `idle_exit_s`)."""
+    group_id, topics, icfg = cfg.ingest.group_id, cfg.ingest_topics, cfg.ingest
     consumer = make_consumer(cfg, group_id)
+    decoders = decoder_pool(icfg.decode_workers)
+    writer = OrderedWriter(engine, group_id, icfg.max_in_flight)
     stats = IngestStats()
     # the idle clock starts when partitions are assigned: joining a group whose previous
     # member died waits for that member's session to time out, which is not idleness
     last_data = float("inf")
+
+    def commit_written(wait: bool = False) -> None:
+        """Kafka-commit what the writer has stored (step 2 of the commit order)."""
+        for batch, result in writer.written(wait):
+            _commit_to_kafka(consumer, batch.next_offsets)
+            stats.batches += 1
+            stats.events += result.events
+            stats.duplicates += result.duplicates
+            stats.dead_letters += result.dead_letters
+            for reason, n in batch.dead_by_reason.items():
+                stats.dead_by_reason[reason] = stats.dead_by_reason.get(reason, 0) + n
+            for (topic, part), nxt in batch.next_offsets.items():
+                high = consumer.highwater(TopicPartition(topic, part))
+                if high is not None:
+                    stats.lag[(topic, part)] = max(high - nxt, 0)
+            if on_batch:
+                on_batch(stats)
 
     def assigned() -> None:
         nonlocal last_data
@@ -120,50 +147,33 @@ def run_ingest(
         if stats.batches == 0:
             stats.started = last_data  # rates count from the first assignment, not the join
 
-    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, assigned))
-    log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics}})
+    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, writer.wait_stored, assigned))
+    log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics,
+                                                 "decode_workers": icfg.decode_workers}})
+    clean = False
     try:
         while not stop.is_set():
-            polled = consumer.poll(timeout_ms=cfg.ingest.poll_timeout_ms)
-            records = [rec for part in polled.values() for rec in part]
-            if not records:
-                if idle_exit_s is not None and time.monotonic() - last_data > idle_exit_s:
-                    break
-                continue
-            last_data = time.monotonic()
-            batch = decode_records(records, cfg.ingest.max_event_bytes)
-            # 1. durable: rows and next offsets in one transaction
-            result = write_batch(
-                engine, batch.events, batch.letters, group_id=group_id, next_offsets=batch.next_offsets
-            )
-            # 2. then Kafka, so lag tools see progress; the store stays the source of truth
-            _commit_to_kafka(consumer, batch.next_offsets)
-            stats.batches += 1
-            stats.events += result.events
-            stats.duplicates += result.duplicates
-            stats.dead_letters += result.dead_letters
-            for dl in batch.letters:
-                stats.dead_by_reason[dl.reason.value] = stats.dead_by_reason.get(dl.reason.value, 0) + 1
-            for (topic, part), nxt in batch.next_offsets.items():
-                high = consumer.highwater(TopicPartition(topic, part))
-                if high is not None:
-                    stats.lag[(topic, part)] = max(high - nxt, 0)
-            log.debug(
-                "batch stored",
-                extra={"fields": {"records": len(records), "events": result.events,
-                                  "duplicates": result.duplicates, "dead_letters": result.dead_letters}},
-            )
-            if on_batch:
-                on_batch(stats)
             if max_records is not None and stats.events + stats.duplicates + stats.dead_letters >= max_records:
                 break
+            polled = consumer.poll(timeout_ms=icfg.poll_timeout_ms)
+            records = [rec for part in polled.values() for rec in part]
+            if records:
+                last_data = time.monotonic()
+                # 1. decode (another process) and store (the writer thread), in poll order
+                writer.submit(decoders.submit(decode_records, raw_records(records), icfg.max_event_bytes))
+            # 2. commit to Kafka what is stored so far
+            commit_written(wait=not records and writer.in_flight > 0)
+            if not records and idle_exit_s is not None and time.monotonic() - last_data > idle_exit_s:
+                break
+        commit_written(wait=True)  # stop: store and commit everything in flight
+        clean = True
     finally:
-        consumer.close(autocommit=False)
-        log.info(
-            "ingest stopped",
-            extra={"fields": {"events": stats.events, "duplicates": stats.duplicates,
-                              "dead_letters": stats.dead_letters}},
-        )
+        consumer.close(autocommit=False)  # leaves the group; revocation waits for the writer
+        writer.close()
+        decoders.shutdown(wait=clean, cancel_futures=not clean)
+        log.info("ingest stopped", extra={"fields": {
+            "events": stats.events, "duplicates": stats.duplicates, "dead_letters": stats.dead_letters,
+            "clean": clean}})
     return stats
 
 

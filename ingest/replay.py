@@ -17,22 +17,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import SimpleNamespace
 
 from kafka import TopicPartition
 from sqlalchemy import Engine
 
-from ingest.batch import DecodedBatch, decode_records
+from ingest.batch import DecodedBatch, RawRecord, decode_records, raw_records
 from ingest.consumer import make_consumer
 from ingest.decode import decode
 from ingest.ndjson import iter_lines, source_name
 from pipeline.config import Config
 from pipeline.store.events import (
-    Positioned,
+    Rows,
+    event_row,
     existing_event_ids,
     iter_dead_letters,
     resolve_dead_letters,
-    write_batch,
+    write_rows,
 )
 from pipeline.types import DeadLetter, SourcePosition
 
@@ -67,21 +67,19 @@ class ReplayReport:
 
 
 def _apply(engine: Engine, batch: DecodedBatch, report: ReplayReport) -> None:
-    report.read += len(batch)
+    report.read += batch.records
+    report.dead_letters += len(batch.rows.dead_letters)
     if report.dry_run:
         for kind in ("interaction", "feedback"):
-            ids = [p.event.event_id for p in batch.events if p.event.type == kind]
-            known = existing_event_ids(engine, kind, ids)
-            fresh = {i for i in ids if i not in known}
+            ids = [row["event_id"] for row in getattr(batch.rows, kind)]
+            fresh = set(ids) - existing_event_ids(engine, kind, ids)
             report.new_events[kind] += len(fresh)
             report.already_stored += len(ids) - len(fresh)
-        report.dead_letters += len(batch.letters)
         return
-    result = write_batch(engine, batch.events, batch.letters)  # no offsets: not a group member
+    result = write_rows(engine, batch.rows)  # no offsets: replay is not a group member
     for kind, n in result.inserted.items():
         report.new_events[kind] += n
     report.already_stored += result.duplicates
-    report.dead_letters += len(batch.letters)
 
 
 def _ms(ts: datetime) -> int:
@@ -136,7 +134,7 @@ def replay_from_kafka(
                     "is the broker up (`rtrl kafka status`)?"
                 )
             if records:
-                _apply(engine, decode_records(records, cfg.ingest.max_event_bytes), report)
+                _apply(engine, decode_records(raw_records(records), cfg.ingest.max_event_bytes), report)
                 if on_progress:
                     on_progress(report)
     finally:
@@ -154,7 +152,7 @@ def replay_from_file(
     """Replay an NDJSON(.gz) file; dead letters name the file and the line number."""
     report = ReplayReport(dry_run=dry_run)
     source = source_name(path)
-    chunk: list[SimpleNamespace] = []
+    chunk: list[RawRecord] = []
 
     def flush() -> None:
         if chunk:
@@ -167,7 +165,7 @@ def replay_from_file(
         if not line.strip():
             report.blank_lines += 1
             continue
-        chunk.append(SimpleNamespace(topic=source, partition=-1, offset=lineno, value=line))
+        chunk.append((source, -1, lineno, line))
         if len(chunk) >= _BATCH:
             flush()
     flush()
@@ -177,23 +175,20 @@ def replay_from_file(
 def replay_dead_letters(cfg: Config, engine: Engine, dry_run: bool = False) -> ReplayReport:
     """Decode stored dead letters again; store those that pass and delete their letters."""
     report = ReplayReport(dry_run=dry_run)
-    fixed: list[tuple[int, Positioned]] = []
+    fixed, letter_ids = Rows(), []
     for row in iter_dead_letters(engine):
         report.read += 1
         pos = SourcePosition(source=row.source, partition=row.partition, offset=row.offset)
         result = decode(row.raw, pos, cfg.ingest.max_event_bytes)
         if isinstance(result, DeadLetter):
             report.still_dead += 1
-        else:
-            fixed.append((row.id, Positioned(result, pos, row.raw.decode("utf-8"))))
-    report.recovered = len(fixed)
-    if not dry_run:
-        for start in range(0, len(fixed), _BATCH):
-            written = resolve_dead_letters(engine, fixed[start : start + _BATCH])
-            for kind, n in written.inserted.items():
-                report.new_events[kind] += n
-            report.already_stored += written.duplicates
-    else:
-        for _, p in fixed:
-            report.new_events[p.event.type] += 1
+            continue
+        fixed.add_event(event_row(result, pos, row.raw.decode("utf-8")))
+        letter_ids.append(row.id)
+        report.new_events[result.type] += 1
+    report.recovered = len(letter_ids)
+    if not dry_run and letter_ids:
+        written = resolve_dead_letters(engine, fixed, letter_ids)
+        report.new_events = written.inserted
+        report.already_stored += written.duplicates
     return report

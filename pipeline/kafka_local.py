@@ -164,7 +164,7 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0) -> LocalBroker:
     props = broker.state / "server.properties"
     props.write_text(_properties(broker))
     if not (broker.state / "data" / "meta.properties").exists():
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = _cluster_id()
         fmt = subprocess.run(
             _java(broker, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster_id, "-c", str(props)),
             capture_output=True, text=True,
@@ -187,6 +187,15 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0) -> LocalBroker:
             return broker
         time.sleep(0.2)
     raise KafkaLocalError(f"kafka did not become ready in {timeout_s:.0f}s; see {broker.log_file}")
+
+
+def _cluster_id() -> str:
+    """A Kafka cluster id (base64url UUID). Like Kafka's own Uuid.randomUuid(), never one that
+    starts with '-': the storage tool would read it as an option."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 def _log_says_started(log_file: Path, since: int) -> bool:

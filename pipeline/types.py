@@ -6,8 +6,10 @@ Every Kafka record carries exactly one JSON event. Two types exist in v1:
     feedback     what a user or the environment did about it afterwards (accepted, edited, ...)
 
 Both share the envelope `schema_version, event_id, type, ts, request_id`. Unknown fields are
-kept (`extra="allow"`), so a producer may add fields without a coordinated release; a *newer*
-`schema_version` than this code supports is refused (dead letter), never guessed at.
+kept: the store keeps every event's JSON text verbatim, so the models only validate what the
+contract names (`extra="ignore"`; copying extras into each model would double validation
+time). A producer may add fields without a coordinated release; a *newer* `schema_version`
+than this code supports is refused (dead letter), never guessed at.
 
 This module imports only pydantic and the standard library: every stage may depend on it.
 """
@@ -72,17 +74,12 @@ ChatMessage = dict[str, Any]
 
 
 class _Envelope(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True, str_strip_whitespace=False)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     schema_version: StrictInt = Field(ge=1, le=SCHEMA_VERSION)
     event_id: Identifier
     ts: EventTime
     request_id: Identifier
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Fields the contract does not name, kept verbatim."""
-        return dict(self.model_extra or {})
 
 
 class InteractionEvent(_Envelope):

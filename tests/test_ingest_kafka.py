@@ -45,6 +45,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def count(engine, table) -> int:
     with engine.connect() as conn:
         return conn.scalar(select(func.count()).select_from(table))
@@ -95,8 +108,11 @@ def test_sigkill_mid_stream_still_exactly_n(cfg_env, cfg, engine, topics, kafka_
             wait_for(lambda: count(engine, interactions) >= threshold or proc.poll() is not None,
                      timeout=120, what=f"{threshold} rows")
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            children = child_pids(proc.pid)
             proc.send_signal(signal.SIGKILL)
             kills += 1
+            # its decoder process notices and leaves; no orphan keeps running
+            wait_for(lambda: not any(alive(c) for c in children), timeout=30, what="decoder exit")
         finally:
             proc.wait(timeout=30)
             proc.stderr.close()

@@ -14,17 +14,17 @@ from ingest.ndjson import export_events
 from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.config import Config
 from pipeline.store import db as store_db
-from pipeline.store.events import Positioned, stored_offsets, table_counts, write_batch
+from ingest.batch import decode_records
+from pipeline.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
 from pipeline.store.tables import dead_letters, feedback, interactions, metadata
-from pipeline.types import DeadLetter, DeadLetterReason, SourcePosition
+from pipeline.types import SourcePosition
 from tests.factories import encode, feedback as fb, interaction
 
 
-def _positioned(ev: dict, offset: int, source="t") -> Positioned:
-    pos = SourcePosition(source=source, partition=0, offset=offset)
-    out = decode(encode(ev), pos, 1 << 20)
-    assert not isinstance(out, DeadLetter), out
-    return Positioned(out, pos, encode(ev).decode())
+def _rows(evs: list[dict], letters: list[bytes] = (), source="t") -> Rows:
+    """Rows as ingest builds them: events at offsets 0.., then undecodable values after them."""
+    raw = [encode(e) for e in evs] + list(letters)
+    return decode_records([(source, 0, i, value) for i, value in enumerate(raw)], 1 << 20).rows
 
 
 def test_migrations_upgrade_downgrade_upgrade(empty_db_url):
@@ -55,17 +55,17 @@ def test_schema_check_names_the_fix(empty_db_url):
     engine.dispose()
 
 
-def test_write_batch_is_idempotent_and_atomic_with_offsets(engine):
-    evs = [_positioned(interaction(i), i) for i in range(5)] + [_positioned(fb(i), 10 + i) for i in range(5)]
-    dl = DeadLetter(reason=DeadLetterReason.MALFORMED_JSON, detail="x", raw=b"{", source="t", partition=0, offset=99)
-    first = write_batch(engine, evs, [dl], group_id="g", next_offsets={("t", 0): 100})
+def test_write_rows_is_idempotent_and_atomic_with_offsets(engine):
+    rows = _rows([interaction(i) for i in range(5)] + [fb(i) for i in range(5)], [b"{"])
+    first = write_rows(engine, rows, group_id="g", next_offsets={("t", 0): 100})
     assert first.inserted == {"interaction": 5, "feedback": 5} and first.dead_letters == 1
-    again = write_batch(engine, evs + evs, [dl, dl], group_id="g", next_offsets={("t", 0): 100})
+    twice = Rows(rows.interaction * 2, rows.feedback * 2, rows.dead_letters * 2)
+    again = write_rows(engine, twice, group_id="g", next_offsets={("t", 0): 100})
     assert again.events == 0 and again.duplicates == 20 and again.dead_letters == 0
     counts = table_counts(engine)
     assert (counts["interactions"], counts["feedback"], counts["dead_letters"]) == (5, 5, 1)
     assert stored_offsets(engine, "g") == {("t", 0): 100}
-    write_batch(engine, [], [], group_id="g", next_offsets={("t", 0): 120, ("t", 1): 7})
+    write_rows(engine, Rows(), group_id="g", next_offsets={("t", 0): 120, ("t", 1): 7})
     assert stored_offsets(engine, "g") == {("t", 0): 120, ("t", 1): 7}
 
 
@@ -87,7 +87,7 @@ def test_export_then_replay_round_trips_exactly(engine, db_url, tmp_path):
                     completion_token_ids=None, behavior_logprobs=None, sampling=None, metadata=None),
         fb(1, value=True), fb(2, kind="edited", value=0.5, payload={"text": "héllo ✓"}), fb(3, value=3),
     ]
-    write_batch(engine, [_positioned(e, i) for i, e in enumerate(evs)])
+    write_rows(engine, _rows(evs))
     out = tmp_path / "events.ndjson.gz"
     assert export_events(engine, str(out)) == len(evs)
     # into an empty SQLite store, from either backend
@@ -131,7 +131,7 @@ def test_dead_letter_retry_recovers_what_now_passes(engine):
         decode(big, SourcePosition(source="t", partition=0, offset=1), 1024),
         decode(b"not json", SourcePosition(source="t", partition=0, offset=2), 1024),
     ]
-    write_batch(engine, [], letters)
+    write_rows(engine, Rows(dead_letters=[dead_letter_row(dl) for dl in letters]))
     assert replay_dead_letters(small_cfg, engine).recovered == 0
     # "after a fix": the size limit is raised
     report = replay_dead_letters(Config(), engine)
@@ -142,7 +142,7 @@ def test_dead_letter_retry_recovers_what_now_passes(engine):
 
 
 def test_export_is_valid_ndjson(engine, tmp_path):
-    write_batch(engine, [_positioned(interaction(1), 0)])
+    write_rows(engine, _rows([interaction(1)]))
     out = tmp_path / "e.ndjson"
     export_events(engine, str(out))
     (line,) = out.read_text().splitlines()

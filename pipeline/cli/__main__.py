@@ -1,3 +1,4 @@
 from pipeline.cli import main
 
-main()
+if __name__ == "__main__":  # guarded: decoder processes re-import __main__
+    main()

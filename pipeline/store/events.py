@@ -1,7 +1,10 @@
 """Writing and reading raw events: the one transaction ingest relies on.
 
-    write_batch(events, dead letters, next offsets)   -- one transaction, idempotent
+    event_row / dead_letter_row      pure: an event or dead letter -> an insert-ready dict
+    write_rows(rows, next offsets)   one transaction, idempotent
 
+Rows are plain dicts so that they can be built anywhere (ingest builds them in a decoder
+process) and written here.
 Inserts are `INSERT .. ON CONFLICT DO NOTHING` on the natural keys (`event_id` for events,
 `(source, partition, offset)` for dead letters), so a batch re-delivered after a crash, or a
 replay of history, adds nothing that is already there. The consumer's next offsets are
@@ -46,12 +49,18 @@ def _naive_utc(ts: datetime) -> datetime:
 
 
 @dataclass
-class Positioned:
-    """An event, its exact JSON text, and the log position it was read from."""
+class Rows:
+    """Insert-ready rows of one batch, by table. Built by `event_row` / `dead_letter_row`."""
 
-    event: InteractionEvent | FeedbackEvent
-    position: SourcePosition
-    body: str
+    interaction: list[dict[str, Any]] = field(default_factory=list)
+    feedback: list[dict[str, Any]] = field(default_factory=list)
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_event(self, row: dict[str, Any]) -> None:
+        getattr(self, row["type"]).append(row)
+
+    def __len__(self) -> int:
+        return len(self.interaction) + len(self.feedback) + len(self.dead_letters)
 
 
 @dataclass
@@ -65,19 +74,19 @@ class WriteResult:
         return sum(self.inserted.values())
 
 
-def event_row(item: Positioned, ingested_at: datetime) -> dict[str, Any]:
-    """The row for one event: the body verbatim, the fields stages query, and provenance."""
-    ev, pos = item.event, item.position
+def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: str) -> dict[str, Any]:
+    """The row for one event: the body verbatim, the fields stages query, and provenance.
+    `type` routes the row to its table; it is not a column."""
     row: dict[str, Any] = {
+        "type": ev.type,
         "event_id": ev.event_id,
         "request_id": ev.request_id,
         "schema_version": ev.schema_version,
         "ts": _naive_utc(ev.ts),
-        "body": item.body,
+        "body": body,
         "source": pos.source,
         "partition": pos.partition,
         "offset": pos.offset,
-        "ingested_at": ingested_at,
     }
     if isinstance(ev, InteractionEvent):
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
@@ -87,7 +96,7 @@ def event_row(item: Positioned, ingested_at: datetime) -> dict[str, Any]:
     return row
 
 
-def dead_letter_row(dl: DeadLetter, created_at: datetime) -> dict[str, Any]:
+def dead_letter_row(dl: DeadLetter) -> dict[str, Any]:
     return {
         "source": dl.source,
         "partition": dl.partition,
@@ -95,7 +104,6 @@ def dead_letter_row(dl: DeadLetter, created_at: datetime) -> dict[str, Any]:
         "reason": dl.reason.value,
         "detail": dl.detail[:4000],
         "raw": dl.raw,
-        "created_at": created_at,
     }
 
 
@@ -130,8 +138,12 @@ def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
     return _PLANS[cache_key]
 
 
-def _insert_ignore(conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str]) -> int:
+def _insert_ignore(
+    conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
+    same: dict[str, Any] | None = None,
+) -> int:
     """Insert many rows, skipping those whose `key` exists; returns how many were new.
+    `same` holds column values shared by every row (e.g. the batch's timestamp).
 
     The hot path of ingest: one statement compiled once, executed by the driver's
     executemany (sqlite3's C loop, psycopg's pipeline), without SQLAlchemy's per-row
@@ -140,9 +152,13 @@ def _insert_ignore(conn: Connection, table: Table, rows: Sequence[dict[str, Any]
     if not rows:
         return 0
     plan = _insert_plan(conn, table, key)
+    columns = list(zip(plan.columns, plan.processors))
+    shared = {n: (same[n] if p is None else p(same[n])) for n, p in columns if n in (same or {})}
     params: list[Any] = []
     for row in rows:
-        values = [row[n] if p is None else p(row[n]) for n, p in zip(plan.columns, plan.processors)]
+        values = [
+            shared[n] if n in shared else (row[n] if p is None else p(row[n])) for n, p in columns
+        ]
         params.append(tuple(values) if plan.positional else dict(zip(plan.columns, values)))
     return conn.exec_driver_sql(plan.sql, params).rowcount
 
@@ -164,27 +180,29 @@ def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, in
     conn.execute(stmt)
 
 
-def write_batch(
+def _write_events(conn: Connection, rows: Rows, now: datetime, result: WriteResult) -> None:
+    for kind, table in EVENT_TABLES.items():
+        batch = getattr(rows, kind)
+        added = _insert_ignore(conn, table, batch, ["event_id"], same={"ingested_at": now})
+        result.inserted[kind] += added
+        result.duplicates += len(batch) - added
+
+
+def write_rows(
     engine: Engine,
-    events: Iterable[Positioned],
-    letters: Iterable[DeadLetter] = (),
+    rows: Rows,
     *,
     group_id: str | None = None,
     next_offsets: dict[tuple[str, int], int] | None = None,
 ) -> WriteResult:
-    """Store events, dead letters and (optionally) the consumer's next offsets atomically."""
+    """Store a batch's events, dead letters and (optionally) the consumer's next offsets in
+    one transaction. Rows already stored (same event_id / log position) are skipped."""
     now = utcnow()
-    by_type: dict[str, list[dict[str, Any]]] = {"interaction": [], "feedback": []}
-    for item in events:
-        by_type[item.event.type].append(event_row(item, now))
-    letter_rows = [dead_letter_row(dl, now) for dl in letters]
     result = WriteResult()
     with engine.begin() as conn:
-        for kind, rows in by_type.items():
-            result.inserted[kind] = _insert_ignore(conn, EVENT_TABLES[kind], rows, ["event_id"])
-            result.duplicates += len(rows) - result.inserted[kind]
+        _write_events(conn, rows, now, result)
         result.dead_letters = _insert_ignore(
-            conn, dead_letters, letter_rows, ["source", "partition", "offset"]
+            conn, dead_letters, rows.dead_letters, ["source", "partition", "offset"], same={"created_at": now}
         )
         if group_id is not None and next_offsets:
             _upsert_offsets(conn, group_id, next_offsets)
@@ -257,18 +275,12 @@ def iter_dead_letters(engine: Engine, batch: int = 500) -> Iterator[Any]:
         last_id = rows[-1].id
 
 
-def resolve_dead_letters(engine: Engine, fixed: Sequence[tuple[int, Positioned]]) -> WriteResult:
+def resolve_dead_letters(engine: Engine, rows: Rows, letter_ids: Sequence[int]) -> WriteResult:
     """Store events recovered from dead letters and delete those letters, atomically."""
-    now = utcnow()
     result = WriteResult()
-    if not fixed:
-        return result
     with engine.begin() as conn:
-        for kind, table in EVENT_TABLES.items():
-            rows = [event_row(p, now) for _, p in fixed if p.event.type == kind]
-            result.inserted[kind] = _insert_ignore(conn, table, rows, ["event_id"])
-            result.duplicates += len(rows) - result.inserted[kind]
-        ids = [dl_id for dl_id, _ in fixed]
-        for start in range(0, len(ids), _CHUNK):
-            conn.execute(delete(dead_letters).where(dead_letters.c.id.in_(ids[start : start + _CHUNK])))
+        _write_events(conn, rows, utcnow(), result)
+        for start in range(0, len(letter_ids), _CHUNK):
+            chunk = list(letter_ids[start : start + _CHUNK])
+            conn.execute(delete(dead_letters).where(dead_letters.c.id.in_(chunk)))
     return result
