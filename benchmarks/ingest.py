@@ -155,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--naive-events", type=int, default=10_000)
+    ap.add_argument("--lanes", type=int, default=None, help="ingest.lanes (default: the config default)")
     ap.add_argument("--bootstrap", default=os.environ.get("RTRL_KAFKA_BOOTSTRAP"),
                     help="an existing broker; default: start one under a temporary folder")
     args = ap.parse_args()
@@ -178,9 +179,11 @@ def main() -> None:
 
         def rtrl_cfg(db_url: str) -> Config:
             store_db.upgrade(db_url)
-            return load_config(environ={
-                "RTRL_DB_URL": db_url, "RTRL_KAFKA_BOOTSTRAP": bootstrap, "RTRL_INGEST__TOPICS": topic,
-                "RTRL_INGEST__GROUP_ID": f"bench-{uuid.uuid4().hex[:6]}", "RTRL_STATE_DIR": str(tmp)})
+            env = {"RTRL_DB_URL": db_url, "RTRL_KAFKA_BOOTSTRAP": bootstrap, "RTRL_INGEST__TOPICS": topic,
+                   "RTRL_INGEST__GROUP_ID": f"bench-{uuid.uuid4().hex[:6]}", "RTRL_STATE_DIR": str(tmp)}
+            if args.lanes is not None:
+                env["RTRL_INGEST__LANES"] = str(args.lanes)
+            return load_config(environ=env)
 
         results["b"] = run_phase(phase_rtrl, rtrl_cfg(f"sqlite:///{tmp / 'b.db'}"), args.events)
         print(f"(b) rtrl ingest -> SQLite:    {results['b'][0]:10,.0f} events/s  peak RSS {results['b'][1]:.0f} MB")

@@ -1,19 +1,19 @@
 """Live ingest: a consumer-group member that stores every record exactly once.
 
-    source     KafkaConsumer.poll()                  main thread (owns the consumer)
-    transform  decode_records() -> rows              decoder process (workers.decoder_pool)
-    sink       write_rows(rows + next offsets)       writer thread, ONE transaction per batch,
-                                                     batches strictly in poll order
-    commit     KafkaConsumer.commit(next offsets)    main thread, after the DB commit
+    source     KafkaConsumer.poll()                   main process (owns the consumer)
+    transform  decode_records() -> rows              } a lane: one worker process per lane,
+    sink       write_rows(rows + next offsets)       } ONE transaction per batch
+    commit     KafkaConsumer.commit(next offsets)     main process, after the DB commit
 
 The commit order is the whole design: the store is the source of truth for positions. On
 partition assignment the consumer seeks to the offsets stored in the DB, so a process killed
 between the DB commit and the Kafka commit (or before either) resumes exactly where the store
 is, and anything re-delivered is absorbed by the unique `event_id`.
 
-The stages overlap: while batch N is fsynced and N+1 decoded, N+2 is fetched. At most
-`max_in_flight` batches wait for the writer. Before partitions are revoked (rebalance) and on
-stop (SIGTERM/SIGINT), every batch in flight is stored and committed first.
+The stages overlap: while lanes decode and store batch N, the main process fetches N+1. Each
+partition belongs to one lane, which stores its batches in poll order (see workers.py).
+Before partitions are revoked (rebalance) and on stop (SIGTERM/SIGINT), every batch in flight
+is stored first, and on stop committed.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine
 
-from ingest.batch import decode_records, raw_records
+from ingest.batch import raw_records
 from pipeline.config import Config
-from ingest.workers import OrderedWriter, decoder_pool
+from ingest.workers import Lanes
 from pipeline.store.events import stored_offsets
 
 log = logging.getLogger("rtrl.ingest")
@@ -117,24 +117,23 @@ def run_ingest(
     """Consume until `stop` is set (or `max_records` stored, or idle for `idle_exit_s`)."""
     group_id, topics, icfg = cfg.ingest.group_id, cfg.ingest_topics, cfg.ingest
     consumer = make_consumer(cfg, group_id)
-    decoders = decoder_pool(icfg.decode_workers)
-    writer = OrderedWriter(engine, group_id, icfg.max_in_flight)
+    lanes = Lanes(icfg.lanes, engine, group_id, icfg.max_event_bytes, icfg.max_in_flight)
     stats = IngestStats()
     # the idle clock starts when partitions are assigned: joining a group whose previous
     # member died waits for that member's session to time out, which is not idleness
     last_data = float("inf")
 
-    def commit_written(wait: bool = False) -> None:
-        """Kafka-commit what the writer has stored (step 2 of the commit order)."""
-        for batch, result in writer.written(wait):
-            _commit_to_kafka(consumer, batch.next_offsets)
+    def commit_stored(wait_all: bool = False) -> None:
+        """Step 2 of the commit order: Kafka-commit what the lanes have stored."""
+        for done in lanes.stored(wait_all):
+            _commit_to_kafka(consumer, done.next_offsets)
             stats.batches += 1
-            stats.events += result.events
-            stats.duplicates += result.duplicates
-            stats.dead_letters += result.dead_letters
-            for reason, n in batch.dead_by_reason.items():
+            stats.events += done.result.events
+            stats.duplicates += done.result.duplicates
+            stats.dead_letters += done.result.dead_letters
+            for reason, n in done.dead_by_reason.items():
                 stats.dead_by_reason[reason] = stats.dead_by_reason.get(reason, 0) + n
-            for (topic, part), nxt in batch.next_offsets.items():
+            for (topic, part), nxt in done.next_offsets.items():
                 high = consumer.highwater(TopicPartition(topic, part))
                 if high is not None:
                     stats.lag[(topic, part)] = max(high - nxt, 0)
@@ -147,9 +146,8 @@ def run_ingest(
         if stats.batches == 0:
             stats.started = last_data  # rates count from the first assignment, not the join
 
-    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, writer.wait_stored, assigned))
-    log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics,
-                                                 "decode_workers": icfg.decode_workers}})
+    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned))
+    log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics, "lanes": icfg.lanes}})
     clean = False
     try:
         while not stop.is_set():
@@ -159,18 +157,15 @@ def run_ingest(
             records = [rec for part in polled.values() for rec in part]
             if records:
                 last_data = time.monotonic()
-                # 1. decode (another process) and store (the writer thread), in poll order
-                writer.submit(decoders.submit(decode_records, raw_records(records), icfg.max_event_bytes))
-            # 2. commit to Kafka what is stored so far
-            commit_written(wait=not records and writer.in_flight > 0)
+                lanes.submit(raw_records(records))  # 1. decode + store, in the partition's lane
+            commit_stored(wait_all=not records)     # 2. then commit to Kafka
             if not records and idle_exit_s is not None and time.monotonic() - last_data > idle_exit_s:
                 break
-        commit_written(wait=True)  # stop: store and commit everything in flight
+        commit_stored(wait_all=True)  # stop: store and commit everything in flight
         clean = True
     finally:
-        consumer.close(autocommit=False)  # leaves the group; revocation waits for the writer
-        writer.close()
-        decoders.shutdown(wait=clean, cancel_futures=not clean)
+        consumer.close(autocommit=False)  # leaves the group; revocation waits for the lanes
+        lanes.close(wait=clean)
         log.info("ingest stopped", extra={"fields": {
             "events": stats.events, "duplicates": stats.duplicates, "dead_letters": stats.dead_letters,
             "clean": clean}})

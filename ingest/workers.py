@@ -1,32 +1,93 @@
-"""The two helpers that let ingest overlap its stages: decoder processes and an ordered writer.
+"""Storing lanes: decode and store batches in worker processes, partition-affine.
 
-    decoder_pool(n)   n processes running decode_records (CPU: JSON + contract validation);
-                      n = 0 decodes inline behind the same submit() interface
-    OrderedWriter     one thread that writes decoded batches strictly in submission order;
-                      the store's commit (an fsync) releases the GIL, so fetching goes on
+Decoding (JSON + contract validation) and storing (the insert and its fsync) cost more CPU
+than fetching, and in one Python process they would share one GIL. So each *lane* is one
+worker process that decodes a batch and stores it in one transaction with its next offsets;
+the main process only fetches and commits to Kafka.
 
-The Kafka commit is not done here: the consumer is not thread-safe, so written batches come
-back through `OrderedWriter.written()` to the thread that owns it.
+Ordering is what keeps offsets honest: a partition always goes to the same lane, and a lane
+is one process working through its queue in order, so each partition's batches are stored in
+the order they were polled and the stored position only moves forward. After a failure a
+lane stores nothing more (a later batch would move the position past the failed one).
+
+    lanes = 0  decode and store in the calling thread (same semantics, no processes)
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+import zlib
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from ingest.batch import DecodedBatch
+from ingest.batch import RawRecord, decode_records
+from pipeline.store.db import make_engine
 from pipeline.store.events import WriteResult, write_rows
 
 
-class InlineDecoder:
-    """decode_workers = 0: decode in the calling thread, behind the interface of a pool."""
+@dataclass
+class StoredBatch:
+    """What a lane reports back: enough for the Kafka commit and the progress display."""
+
+    next_offsets: dict[tuple[str, int], int]
+    result: WriteResult
+    dead_by_reason: Counter
+    records: int
+
+
+class StoreFailed(RuntimeError):
+    """An earlier batch of this lane failed to store; nothing after it is stored."""
+
+
+# --- inside a lane ----------------------------------------------------------------------------
+
+_lane: dict = {"engine": None, "failed": None}
+
+
+def store_batch(records: list[RawRecord], max_event_bytes: int, group_id: str | None) -> StoredBatch:
+    """Decode `records` and store rows + next offsets in one transaction (in a lane)."""
+    if _lane["failed"] is not None:
+        raise StoreFailed(f"not storing: an earlier batch failed ({_lane['failed']})")
+    try:
+        batch = decode_records(records, max_event_bytes)
+        result = write_rows(_lane["engine"], batch.rows, group_id=group_id, next_offsets=batch.next_offsets)
+    except BaseException as exc:
+        _lane["failed"] = repr(exc)
+        raise
+    return StoredBatch(batch.next_offsets, result, batch.dead_by_reason, batch.records)
+
+
+def _lane_init(parent_pid: int, db_url: str) -> None:
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group; the main process
+    # alone decides when to stop, waits for what is in flight, then shuts the lanes down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _lane["engine"] = make_engine(db_url)
+
+    # A main process killed with SIGKILL cannot shut us down: leave when it is gone (we are
+    # then re-parented) instead of lingering as an orphan.
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="rtrl-parent-watch", daemon=True).start()
+
+
+# --- the main process's side -------------------------------------------------------------------
+
+class _InlineLane:
+    """lanes = 0: run in the calling thread, behind the interface of a one-process pool."""
+
+    def __init__(self, engine: Engine):
+        _lane.update(engine=engine, failed=None)
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
@@ -40,92 +101,56 @@ class InlineDecoder:
         pass
 
 
-def _decoder_init(parent_pid: int) -> None:
-    # Ctrl-C and a service manager's SIGTERM reach the whole process group; the main process
-    # alone decides when to stop, writes what is in flight, then shuts the decoders down.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class Lanes:
+    """Routes each polled batch's records to their partition's lane; hands back stored batches
+    in submission order."""
 
-    # A main process killed with SIGKILL cannot shut us down: leave when it is gone (we are
-    # then re-parented), instead of lingering as an orphan.
-    def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
+    def __init__(self, lanes: int, engine: Engine, group_id: str | None, max_event_bytes: int,
+                 max_in_flight: int):
+        self.group_id, self.max_event_bytes = group_id, max_event_bytes
+        self.max_pending = max_in_flight * max(lanes, 1)
+        if lanes == 0:
+            self._pools = [_InlineLane(engine)]
+        else:
+            # spawn: never fork a process that runs kafka-python's threads
+            ctx = multiprocessing.get_context("spawn")
+            url = engine.url.render_as_string(hide_password=False)
+            self._pools = [
+                ProcessPoolExecutor(1, mp_context=ctx, initializer=_lane_init, initargs=(os.getpid(), url))
+                for _ in range(lanes)
+            ]
+        self._pending: deque[Future] = deque()
 
-    threading.Thread(target=watch_parent, name="rtrl-parent-watch", daemon=True).start()
+    def submit(self, records: list[RawRecord]) -> None:
+        """Queue a polled batch; blocks while too many batches are in flight."""
+        by_lane: dict[int, list[RawRecord]] = {}
+        for rec in records:
+            lane = zlib.crc32(f"{rec[0]}:{rec[1]}".encode()) % len(self._pools)
+            by_lane.setdefault(lane, []).append(rec)
+        for lane, recs in sorted(by_lane.items()):
+            self._pending.append(
+                self._pools[lane].submit(store_batch, recs, self.max_event_bytes, self.group_id)
+            )
+        if len(self._pending) > self.max_pending:
+            wait([self._pending[0]])  # the caller collects it with stored()
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
 
-def decoder_pool(workers: int):
-    if workers == 0:
-        return InlineDecoder()
-    # spawn: never fork a process that runs kafka-python's threads; workers are our children
-    ctx = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_decoder_init,
-                               initargs=(os.getpid(),))
-
-
-class WriteFailed(RuntimeError):
-    """A batch could not be stored; nothing after it was written (offsets never skip it)."""
-
-
-class OrderedWriter:
-    """Writes futures of DecodedBatch in submission order, on its own thread.
-
-    After a failure it writes nothing more: a later batch's offsets would otherwise move the
-    stored position past the failed one. `written()` then raises WriteFailed.
-    """
-
-    def __init__(self, engine: Engine, group_id: str | None, max_in_flight: int):
-        self.engine, self.group_id = engine, group_id
-        self._todo: queue.Queue[Future | None] = queue.Queue(maxsize=max_in_flight)
-        self._done: queue.Queue[tuple[DecodedBatch, WriteResult]] = queue.Queue()
-        self._failure: BaseException | None = None
-        self.in_flight = 0  # submitted, not yet returned by written()
-        self._thread = threading.Thread(target=self._run, name="rtrl-ingest-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, decoded: Future) -> None:
-        """Queue a batch; blocks while `max_in_flight` batches wait to be written."""
-        self.in_flight += 1
-        self._todo.put(decoded)
-
-    def _run(self) -> None:
-        while True:
-            decoded = self._todo.get()
-            if decoded is None:
-                self._todo.task_done()
-                return
-            try:
-                if self._failure is None:
-                    batch = decoded.result()
-                    result = write_rows(self.engine, batch.rows, group_id=self.group_id,
-                                        next_offsets=batch.next_offsets)
-                    self._done.put((batch, result))
-            except BaseException as exc:  # noqa: BLE001 - reported to the owner thread
-                self._failure = exc
-            finally:
-                self._todo.task_done()
-
-    def wait_stored(self) -> None:
-        """Block until every submitted batch is stored (or the writer has failed)."""
-        self._todo.join()
-
-    def written(self, wait: bool = False) -> list[tuple[DecodedBatch, WriteResult]]:
-        """Batches stored since the last call, in order; with `wait`, all that were submitted."""
-        if wait:
-            self.wait_stored()
+    def stored(self, wait_all: bool = False) -> list[StoredBatch]:
+        """Batches stored since the last call, in submission order (raises if one failed)."""
+        if wait_all:
+            wait(list(self._pending))
         out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                break
-        self.in_flight -= len(out)
-        if self._failure is not None:
-            raise WriteFailed(f"storing a batch failed: {self._failure!r}") from self._failure
+        while self._pending and self._pending[0].done():
+            out.append(self._pending.popleft().result())
         return out
 
-    def close(self) -> None:
-        self._todo.put(None)
-        self._thread.join()
+    def wait_stored(self) -> None:
+        """Block until every batch in flight is stored or failed (their results stay queued)."""
+        wait(list(self._pending))
+
+    def close(self, wait: bool = True) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=wait, cancel_futures=not wait)

@@ -67,10 +67,11 @@ class IngestConfig(_Section):
         default=10_000, ge=6_000, le=300_000,
         description="a worker that dies is replaced after this long (broker allows 6s..300s)",
     )
-    decode_workers: int = Field(
-        default=1, ge=0, le=16, description="decoder processes beside the consumer (0 = decode inline)"
+    lanes: int = Field(
+        default=1, ge=0, le=16,
+        description="worker processes that decode and store, partition-affine (0 = in the consumer's process)",
     )
-    max_in_flight: int = Field(default=2, ge=1, le=16, description="batches decoded ahead of the writer")
+    max_in_flight: int = Field(default=2, ge=1, le=16, description="batches queued per lane")
     max_event_bytes: int = Field(
         default=1_048_576, ge=256, description="larger records become dead letters"
     )

@@ -72,7 +72,9 @@ def ingest_until_idle(cfg, engine, idle: float = 3.0):
     return run_ingest(cfg, engine, threading.Event(), idle_exit_s=idle)
 
 
-def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap):
+@pytest.mark.parametrize("lanes", [0, 1, 2])
+def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap, lanes):
+    cfg.ingest.lanes = lanes  # in-process, one worker process, partitions split over two
     n = 1500
     evs = [interaction(i) for i in range(n)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
