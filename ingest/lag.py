@@ -27,8 +27,7 @@ class PartitionLag:
 
 def partition_lag(cfg: Config, engine: Engine, timeout_ms: int = 10_000) -> list[PartitionLag]:
     """Raises KafkaError (e.g. NoBrokersAvailable) when the broker cannot be reached."""
-    consumer = make_consumer(cfg, group_id=None, request_timeout_ms=timeout_ms + 1000,
-                             api_version_auto_timeout_ms=timeout_ms)
+    consumer = make_consumer(cfg, group_id=None, request_timeout_ms=timeout_ms + 1000)
     try:
         tps = [
             TopicPartition(t, p)

@@ -34,7 +34,7 @@ class IngestDisplay:
             f"{stats.rate:,.0f} records/s   events {stats.events:,}   duplicates {stats.duplicates:,}   "
             f"dead letters {stats.dead_letters:,}   batches {stats.batches:,}"
         )
-        lag = Table("partition", "lag", title="lag (records behind the high watermark)", box=None)
+        lag = Table("partition", "lag", title="lag per partition (records)", box=None)
         for (topic, part), behind in sorted(stats.lag.items()):
             lag.add_row(f"{topic}[{part}]", f"{behind:,}")
         parts = [head, lag]

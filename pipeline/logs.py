@@ -37,3 +37,5 @@ def setup_logging(level: str = "INFO") -> None:
     # kafka-python and alembic are chatty at INFO; their warnings still show
     for noisy in ("kafka", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # kafka-python's event-loop timing warnings say nothing an operator can act on
+    logging.getLogger("kafka.net.selector").setLevel(max(logging.ERROR, root.level))

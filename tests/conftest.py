@@ -31,20 +31,34 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory) -> str:
+def local_kafka_env(tmp_path_factory) -> dict[str, str] | None:
+    """The environment under which `rtrl kafka up` started this session's broker (None when
+    RTRL_KAFKA_BOOTSTRAP points at an existing one)."""
     if os.environ.get("RTRL_KAFKA_BOOTSTRAP"):
-        yield os.environ["RTRL_KAFKA_BOOTSTRAP"]
+        yield None
         return
-    from pipeline import kafka_local
+    from click.testing import CliRunner
 
-    state = tmp_path_factory.mktemp("kafka-state")
-    cfg = Config(state_dir=state)
-    cfg.kafka.port, cfg.kafka.controller_port = _free_port(), _free_port()
-    broker = kafka_local.up(cfg, progress=lambda msg: None)
+    from pipeline.cli import cli
+
+    env = {
+        "RTRL_STATE_DIR": str(tmp_path_factory.mktemp("kafka-state")),
+        "RTRL_KAFKA__PORT": str(_free_port()),
+        "RTRL_KAFKA__CONTROLLER_PORT": str(_free_port()),
+    }
+    up = CliRunner().invoke(cli, ["kafka", "up"], env=env)
+    assert up.exit_code == 0, up.output
     try:
-        yield broker.bootstrap
+        yield env
     finally:
-        kafka_local.down(cfg)
+        CliRunner().invoke(cli, ["kafka", "down"], env=env)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(local_kafka_env) -> str:
+    if local_kafka_env is None:
+        return os.environ["RTRL_KAFKA_BOOTSTRAP"]
+    return f"127.0.0.1:{local_kafka_env['RTRL_KAFKA__PORT']}"
 
 
 def _postgres_database():

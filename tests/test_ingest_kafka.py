@@ -173,3 +173,19 @@ def test_sigterm_flushes_commits_and_exits_cleanly(cfg_env, cfg, engine, topics,
     stored = count(engine, interactions)
     # what is stored and what the store says it has consumed agree exactly
     assert sum(stored_offsets(engine, cfg.ingest.group_id).values()) == stored
+
+
+def test_status_shows_lag_per_partition_before_and_after_ingest(cfg_env, cfg, engine, topics, kafka_bootstrap):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    evs = [interaction(i, prefix="s") for i in range(90)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
+            keys=[e["request_id"].encode() for e in evs])
+    before = CliRunner().invoke(cli, ["status"], env=cfg_env)
+    assert before.exit_code == 0, before.output
+    assert "total lag 90" in before.output and f"{topics['interactions']}[0]" in before.output
+    ingest_until_idle(cfg, engine)
+    after = CliRunner().invoke(cli, ["status"], env=cfg_env)
+    assert "total lag 0" in after.output and "interactions" in after.output

@@ -149,9 +149,11 @@ def status(ctx: Context) -> None:
         return
     if not lags:
         click.echo("  no partitions (topics not created yet)")
+    width = max((len(f"{pl.topic}[{pl.partition}]") for pl in lags), default=0)
     for pl in lags:
         stored = "-" if pl.stored is None else pl.stored
-        click.echo(f"  {pl.topic}[{pl.partition}]  stored {stored:>10}  end {pl.end:>10}  lag {pl.lag:>8}")
+        name = f"{pl.topic}[{pl.partition}]"
+        click.echo(f"  {name:<{width}}  stored {stored:>10}  end {pl.end:>10}  lag {pl.lag:>8}")
     click.echo(f"  total lag {sum(pl.lag for pl in lags)}")
 
 
