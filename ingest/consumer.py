@@ -31,8 +31,8 @@ from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine
 
 from ingest.batch import raw_records
-from pipeline.config import Config
 from ingest.workers import Lanes
+from pipeline.config import Config
 from pipeline.store.events import stored_offsets
 
 log = logging.getLogger("rtrl.ingest")
@@ -60,7 +60,7 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
     """On assignment, continue from the store's offsets, not from Kafka's committed ones."""
 
     # kafka-python 3 calls these on its network thread: they may block briefly (a DB read, the
-    # writer finishing a batch) but must not call back into the consumer's network API.
+    # lanes finishing their batches) but must not call back into the consumer's network API.
 
     def __init__(self, consumer: KafkaConsumer, engine: Engine, group_id: str,
                  wait_stored: Callable[[], None], on_assigned: Callable[[], None]):

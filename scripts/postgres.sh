@@ -17,7 +17,7 @@ if [ -z "${ver:-}" ]; then
   ver=$(ls /usr/lib/postgresql | sort -V | tail -1); cluster=main
   pg_createcluster "$ver" "$cluster" >&2
 fi
-pg_ctlcluster "$ver" "$cluster" start >&2 2>/dev/null || true
+pg_ctlcluster "$ver" "$cluster" start >/dev/null 2>&1 || true  # "already running" is fine
 port=$(pg_lsclusters -h | awk -v v="$ver" -v c="$cluster" '$1==v && $2==c {print $3}')
 for _ in $(seq 1 60); do su postgres -c "pg_isready -q -p $port" && break; sleep 0.5; done
 su postgres -c "psql -q -p $port -tc \"SELECT 1 FROM pg_roles WHERE rolname='rtrl_test'\"" | grep -q 1 \

@@ -3,8 +3,9 @@
     event_row / dead_letter_row      pure: an event or dead letter -> an insert-ready dict
     write_rows(rows, next offsets)   one transaction, idempotent
 
-Rows are plain dicts so that they can be built anywhere (ingest builds them in a decoder
-process) and written here.
+Rows are plain dicts so that they can be built anywhere (ingest builds them in its worker
+processes) and written here.
+
 Inserts are `INSERT .. ON CONFLICT DO NOTHING` on the natural keys (`event_id` for events,
 `(source, partition, offset)` for dead letters), so a batch re-delivered after a crash, or a
 replay of history, adds nothing that is already there. The consumer's next offsets are
@@ -28,6 +29,7 @@ from pipeline.store.tables import (
     dead_letters,
     feedback,
     interactions,
+    metadata,
 )
 from pipeline.types import (
     DeadLetter,
@@ -231,8 +233,6 @@ def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> s
 
 
 def table_counts(engine: Engine) -> dict[str, int]:
-    from pipeline.store.tables import metadata
-
     with engine.connect() as conn:
         return {
             name: conn.scalar(select(func.count()).select_from(table))
