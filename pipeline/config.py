@@ -77,11 +77,16 @@ class IngestConfig(_Section):
     )
 
 
+class RewardConfig(_Section):
+    spec: Path | None = Field(default=None, description="reward spec TOML; default: the one shipped with rtrl")
+
+
 class Config(_Section):
     state_dir: Path = DEFAULT_STATE_DIR
     store: StoreConfig = StoreConfig()
     kafka: KafkaConfig = KafkaConfig()
     ingest: IngestConfig = IngestConfig()
+    reward: RewardConfig = RewardConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property

@@ -19,6 +19,7 @@ COMMANDS = [
     [], ["kafka"], ["kafka", "up"], ["kafka", "down"], ["kafka", "status"],
     ["db"], ["db", "upgrade"], ["db", "downgrade"], ["db", "current"],
     ["ingest"], ["replay"], ["export"], ["status"],
+    ["reward"], ["reward", "run"], ["reward", "explain"],
 ]
 
 

@@ -6,6 +6,7 @@
     rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
     rtrl export                    write stored events out as NDJSON(.gz)
     rtrl status                    lag, table counts, dead letters
+    rtrl reward run|explain        rewards from delayed outcomes, under a reward spec
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import click
 from pipeline.cli import db as db_cmds
 from pipeline.cli import events as event_cmds
 from pipeline.cli import kafka as kafka_cmds
+from pipeline.cli import reward as reward_cmds
 from pipeline.cli.common import CONTEXT_SETTINGS, Context
 from pipeline.logs import setup_logging
 
@@ -40,6 +42,7 @@ def cli(ctx: click.Context, config_path: str | None, log_level: str) -> None:
 
 cli.add_command(kafka_cmds.kafka)
 cli.add_command(db_cmds.db)
+cli.add_command(reward_cmds.reward)
 for command in event_cmds.COMMANDS:
     cli.add_command(command)
 

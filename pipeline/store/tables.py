@@ -105,15 +105,20 @@ consumer_offsets = Table(
 
 # --- derived data the later stages write ---------------------------------------------------
 
+# One reward per episode (request_id) and spec version: rewards are derived data, recomputed
+# from stored events when the spec changes. `last_feedback_id` is the newest feedback row the
+# value reflects, so feedback that arrives later is found with one comparison.
 rewards = Table(
     "rewards",
     metadata,
     Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
     Column("request_id", ID, nullable=False),
-    Column("spec_version", String(256), nullable=False),
+    Column("spec_version", String(128), nullable=False, index=True),
+    Column("policy_version", ID, nullable=False, index=True),
     Column("value", Float, nullable=False),
-    Column("components", JSON, nullable=False),  # signal name -> contribution, for tracing hacks
-    Column("final", Boolean, nullable=False),  # the ripeness window has passed
+    Column("components", JSON, nullable=False),  # "signal.accepted": 0.5, "guard.abstention": -0.6
+    Column("feedback_count", Integer, nullable=False),
+    Column("last_feedback_id", BigInteger, nullable=False),
     Column("computed_at", DateTime, nullable=False),
     UniqueConstraint("request_id", "spec_version"),
 )

@@ -1,0 +1,98 @@
+"""Queries of the reward stage: episodes (interactions + their feedback) streamed in id order,
+the rewards already stored, upserts, and orphaned feedback.
+
+Set-based and streamed: each chunk of interactions costs three queries (interactions, their
+feedback, their stored rewards), whatever the size of the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, and_, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from pipeline.store.events import utcnow
+from pipeline.store.tables import feedback, interactions, rewards
+
+
+@dataclass
+class EpisodeChunk:
+    interactions: list[Any]  # rows: id, request_id, ts, policy_version, body
+    feedback: dict[str, list[Any]]  # request_id -> rows: id, event_id, kind, value, ts, body
+    stored: dict[str, int]  # request_id -> last_feedback_id of its stored reward (this spec)
+
+
+def iter_episode_chunks(
+    engine: Engine, spec_version: str, chunk: int = 2000, request_ids: Sequence[str] | None = None
+) -> Iterator[EpisodeChunk]:
+    """All interactions (or those of `request_ids`) with their feedback, in id order."""
+    last_id = 0
+    while True:
+        stmt = (
+            select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
+                   interactions.c.policy_version, interactions.c.body)
+            .where(interactions.c.id > last_id)
+            .order_by(interactions.c.id)
+            .limit(chunk)
+        )
+        if request_ids is not None:
+            stmt = stmt.where(interactions.c.request_id.in_(list(request_ids)))
+        with engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+            if not rows:
+                return
+            ids = list({r.request_id for r in rows})
+            fb_rows = conn.execute(
+                select(feedback.c.id, feedback.c.request_id, feedback.c.event_id, feedback.c.kind,
+                       feedback.c.value, feedback.c.ts, feedback.c.body)
+                .where(feedback.c.request_id.in_(ids))
+            ).all()
+            stored = dict(conn.execute(
+                select(rewards.c.request_id, rewards.c.last_feedback_id)
+                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(ids)))
+            ).all())
+        by_request: dict[str, list[Any]] = {}
+        for f in fb_rows:
+            by_request.setdefault(f.request_id, []).append(f)
+        yield EpisodeChunk(rows, by_request, stored)
+        last_id = rows[-1].id
+
+
+def upsert_rewards(engine: Engine, rows: list[dict[str, Any]]) -> None:
+    """Insert or replace rewards on (request_id, spec_version)."""
+    if not rows:
+        return
+    now = utcnow()
+    for row in rows:
+        row.setdefault("computed_at", now)
+    with engine.begin() as conn:
+        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
+        stmt = dialect.insert(rewards)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["request_id", "spec_version"],
+            set_={c: stmt.excluded[c] for c in
+                  ("policy_version", "value", "components", "feedback_count", "last_feedback_id", "computed_at")},
+        )
+        conn.execute(stmt, rows)
+
+
+def stored_reward(engine: Engine, request_id: str, spec_version: str) -> Any | None:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(rewards).where(and_(rewards.c.request_id == request_id, rewards.c.spec_version == spec_version))
+        ).first()
+
+
+def orphaned_feedback(engine: Engine, older_than: datetime) -> int:
+    """Feedback older than `older_than` whose interaction never arrived."""
+    stmt = (
+        select(func.count())
+        .select_from(feedback.outerjoin(interactions, interactions.c.request_id == feedback.c.request_id))
+        .where(and_(interactions.c.id.is_(None), feedback.c.ts < older_than))
+    )
+    with engine.connect() as conn:
+        return conn.scalar(stmt)

@@ -1,0 +1,59 @@
+"""One episode -> one reward, with every component kept.
+
+    reward = clip( sum over kinds k in the spec of  weight_k * combine_k(signal_k(event) ...)
+                   - sum over guards of penalty )
+
+Feedback events are ordered by (ts, event_id) before combining, so the result does not depend
+on the order they arrived in. Kinds the spec does not name contribute nothing (and are listed
+as ignored). An episode is ripe once `ripeness.window_s` has passed since the interaction, or
+a terminal kind has arrived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from reward.guards import GUARDS
+from reward.signals import COMBINE, SIGNALS, Episode, numeric
+from reward.spec import RewardSpec
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    value: float
+    components: dict[str, float]  # "signal.accepted": 0.5, "guard.abstention": -0.6, ...
+    ignored_kinds: tuple[str, ...] = ()
+
+    @property
+    def unclipped(self) -> float:
+        return sum(self.components.values())
+
+
+def is_ripe(ep: Episode, spec: RewardSpec, now: datetime) -> bool:
+    if now - ep.ts >= timedelta(seconds=spec.ripeness.window_s):
+        return True
+    terminal = set(spec.ripeness.terminal_kinds)
+    return any(fb.kind in terminal for fb in ep.feedback)
+
+
+def compute_reward(ep: Episode, spec: RewardSpec) -> RewardResult:
+    by_kind: dict[str, list] = {}
+    for fb in sorted(ep.feedback, key=lambda f: (f.ts, f.event_id)):
+        by_kind.setdefault(fb.kind, []).append(fb)
+    components: dict[str, float] = {}
+    ignored = []
+    for kind, events in sorted(by_kind.items()):
+        sig = spec.signals.get(kind)
+        if sig is None:
+            ignored.append(kind)
+            continue
+        fn = SIGNALS.get(kind, numeric)
+        components[f"signal.{kind}"] = sig.weight * COMBINE[sig.combine]([fn(fb, ep) for fb in events])
+    for name, guard in GUARDS.items():
+        penalty = guard(ep, spec.guards)
+        if penalty:
+            components[f"guard.{name}"] = -penalty
+    total = sum(components.values())
+    value = min(spec.clip.max, max(spec.clip.min, total))
+    return RewardResult(value=value, components=components, ignored_kinds=tuple(ignored))

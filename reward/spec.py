@@ -1,0 +1,143 @@
+"""Reward specs: a named, versioned, declarative TOML file.
+
+    name = "default"
+    [ripeness]   window_s = 3600, terminal_kinds = ["persisted", "rejected"]
+    [join]       orphan_ttl_s = 86400
+    [clip]       min = -1.0, max = 1.0
+    [signals.<feedback kind>]   weight = 0.5, combine = "last"      # one table per kind
+    [guards.length|abstention|repetition|tool_format]                # penalties on the output
+
+A spec's version is its name plus a hash of its canonical content, so two files that say the
+same thing have the same version and any change makes a new one; every reward row records it.
+A malformed spec is refused with the file, the field and what is allowed, before any reward
+is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_SPEC = Path(__file__).with_name("default_spec.toml")
+
+
+class SpecError(ValueError):
+    """A reward spec is malformed; the message names the file, the field and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Signal(_Strict):
+    """How one feedback kind contributes: weight x combine(per-event values)."""
+
+    weight: float = Field(ge=0, le=10)  # the sign is the signal's; the weight says how much
+    combine: Literal["last", "sum", "max", "min", "mean"] = "last"
+
+
+class Ripeness(_Strict):
+    window_s: float = Field(default=3600, gt=0, le=30 * 86400)
+    terminal_kinds: tuple[str, ...] = ("persisted", "rejected")
+
+
+class Join(_Strict):
+    # feedback whose interaction has not arrived after this long is reported as orphaned
+    orphan_ttl_s: float = Field(default=86400, gt=0)
+
+
+class Clip(_Strict):
+    min: float = Field(default=-1.0, ge=-100, le=0)
+    max: float = Field(default=1.0, ge=0, le=100)
+
+
+class LengthGuard(_Strict):
+    max_chars: int = Field(default=4000, ge=1)
+    per_char: float = Field(default=0.0001, ge=0, le=1)  # penalty per character over max_chars
+
+
+class AbstentionGuard(_Strict):
+    penalty: float = Field(default=0.6, ge=0, le=10)
+    # a completion matching any pattern (or empty) is an abstention
+    patterns: tuple[str, ...] = ()
+
+    @field_validator("patterns")
+    @classmethod
+    def _compile(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                raise ValueError(f"pattern {p!r} is not a regular expression: {exc}") from None
+        return patterns
+
+
+class RepetitionGuard(_Strict):
+    ngram: int = Field(default=4, ge=1, le=16)
+    max_fraction: float = Field(default=0.3, ge=0, le=1)  # repeated n-grams allowed
+    penalty: float = Field(default=0.5, ge=0, le=10)  # times the excess fraction / (1 - max)
+
+
+class ToolFormatGuard(_Strict):
+    penalty: float = Field(default=0.5, ge=0, le=10)  # per malformed tool call
+
+
+class Guards(_Strict):
+    length: LengthGuard = LengthGuard()
+    abstention: AbstentionGuard = AbstentionGuard()
+    repetition: RepetitionGuard = RepetitionGuard()
+    tool_format: ToolFormatGuard = ToolFormatGuard()
+
+
+class RewardSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    ripeness: Ripeness = Ripeness()
+    join: Join = Join()
+    clip: Clip = Clip()
+    signals: dict[str, Signal] = Field(min_length=1)
+    guards: Guards = Guards()
+
+    @model_validator(mode="after")
+    def _clip_ordered(self) -> "RewardSpec":
+        if self.clip.min >= self.clip.max:
+            raise ValueError("clip.min must be below clip.max")
+        return self
+
+    @property
+    def version(self) -> str:
+        """`name@hash`: the hash of the canonical content, stable across formatting."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return f"{self.name}@{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
+
+
+def parse_spec(text: str, source: str = "<spec>") -> RewardSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        return RewardSpec.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "<spec>"
+            got = f" (got {err['input']!r})" if err["type"] not in ("missing",) else ""
+            lines.append(f"  {field}: {err['msg']}{got}")
+        raise SpecError(f"{source}: invalid reward spec:\n" + "\n".join(lines)) from None
+
+
+def load_spec(path: str | Path | None = None) -> RewardSpec:
+    """Load a spec file; without a path, the default spec shipped with rtrl."""
+    path = Path(path) if path else DEFAULT_SPEC
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: reward spec file does not exist") from None
+    return parse_spec(text, str(path))

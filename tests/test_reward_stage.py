@@ -1,0 +1,121 @@
+"""The reward stage against the store (SQLite and PostgreSQL): the delayed-outcome join, late,
+orphaned, duplicate and contradictory feedback, ripeness, idempotence, the commands."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+from click.testing import CliRunner
+
+from ingest.batch import decode_records
+from pipeline.cli import cli
+from pipeline.store import db as store_db
+from pipeline.store.events import write_rows
+from pipeline.store.rewards import stored_reward
+from reward.spec import load_spec
+from reward.stage import run_rewards
+from tests.factories import BASE_TS, encode, feedback as fb, interaction
+
+SPEC = load_spec()
+LATER = BASE_TS.replace(tzinfo=None) + timedelta(days=1)  # every episode ripe by the window
+
+
+def store(engine, *events, source="t"):
+    """Store events the way ingest does (offsets are irrelevant here)."""
+    global _offset
+    recs = []
+    for ev in events:
+        _offset += 1
+        recs.append((source, 0, _offset, encode(ev)))
+    write_rows(engine, decode_records(recs, 1 << 20).rows)
+
+
+_offset = 0
+
+
+def reward_of(engine, request_id):
+    row = stored_reward(engine, request_id, SPEC.version)
+    return None if row is None else row.value
+
+
+def test_late_feedback_updates_the_reward(engine):
+    store(engine, interaction(1), fb(1, kind="accepted"))
+    first = run_rewards(engine, SPEC, now=LATER)
+    assert (first.computed, first.updated) == (1, 0) and reward_of(engine, "ev-r-1") == pytest.approx(0.5)
+    # ten minutes later the change is reverted
+    store(engine, fb(1, kind="persisted", value=False, event_id="ev-f-1-late"))
+    second = run_rewards(engine, SPEC, now=LATER)
+    assert (second.computed, second.updated) == (0, 1)
+    assert reward_of(engine, "ev-r-1") == pytest.approx(0.1)
+    third = run_rewards(engine, SPEC, now=LATER)
+    assert (third.computed, third.updated, third.unchanged) == (0, 0, 1)
+
+
+def test_orphaned_feedback_waits_is_joined_later_and_reported_after_the_ttl(engine):
+    store(engine, fb(2, kind="accepted"))
+    report = run_rewards(engine, SPEC, now=LATER)
+    assert report.episodes == 0 and report.orphaned == 0  # within the TTL: just waiting
+    assert run_rewards(engine, SPEC, now=LATER + timedelta(days=2)).orphaned == 1
+    store(engine, interaction(2))  # the interaction finally arrives
+    report = run_rewards(engine, SPEC, now=LATER + timedelta(days=2))
+    assert report.computed == 1 and report.orphaned == 0
+    assert reward_of(engine, "ev-r-2") == pytest.approx(0.5)
+
+
+def test_duplicate_feedback_events_count_once(engine):
+    store(engine, interaction(3), fb(3, kind="tool_error"), fb(3, kind="tool_error"), fb(3, kind="tool_error"))
+    run_rewards(engine, SPEC, now=LATER)
+    assert reward_of(engine, "ev-r-3") == pytest.approx(-0.4)  # tool_error sums, but one event
+
+
+def test_contradictory_feedback_accepted_then_reverted(engine):
+    store(engine, interaction(4), fb(4, kind="accepted"),
+          fb(4, kind="persisted", value=False, event_id="revert", ts="2026-11-01T00:20:00Z"))
+    run_rewards(engine, SPEC, now=LATER)
+    row = stored_reward(engine, "ev-r-4", SPEC.version)
+    assert row.value == pytest.approx(0.1)
+    assert row.components == {"signal.accepted": 0.5, "signal.persisted": -0.4}
+
+
+def test_unripe_episodes_wait_for_the_window_or_a_terminal_signal(engine):
+    store(engine, interaction(5), fb(5, kind="accepted"), interaction(6), fb(6, kind="rejected"))
+    t = BASE_TS.replace(tzinfo=None) + timedelta(seconds=60)
+    report = run_rewards(engine, SPEC, now=t)
+    assert report.unripe == 1 and report.computed == 1  # 6 has a terminal "rejected"
+    assert reward_of(engine, "ev-r-5") is None and reward_of(engine, "ev-r-6") == pytest.approx(-0.5)
+    assert run_rewards(engine, SPEC, now=t + timedelta(hours=2)).computed == 1
+
+
+def test_arrival_order_does_not_change_rewards(tmp_path):
+    events = [interaction(7), fb(7, kind="accepted"), fb(7, kind="thumbs", value=False, event_id="t7"),
+              fb(7, kind="edited", payload={"text": "x"}, event_id="e7")]
+    results = set()
+    for i, order in enumerate(itertools.islice(itertools.permutations(events), 0, 24, 5)):
+        # each arrival order into its own store, rewards computed after every arrival
+        url = f"sqlite:///{tmp_path / f'p{i}.db'}"
+        store_db.upgrade(url)
+        eng = store_db.make_engine(url)
+        for ev in order:
+            store(eng, ev)
+            run_rewards(eng, SPEC, now=LATER)
+        results.add(round(reward_of(eng, "ev-r-7"), 12))
+        eng.dispose()
+    assert len(results) == 1
+
+
+def test_reward_commands(engine, db_url, tmp_path):
+    store(engine, interaction(8, completion=""), fb(8, kind="thumbs", value=True))
+    env = {"RTRL_DB_URL": db_url, "RTRL_STATE_DIR": str(tmp_path)}
+    run = CliRunner().invoke(cli, ["reward", "run"], env=env)
+    assert run.exit_code == 0 and "1 rewards computed" in run.output, run.output
+    out = CliRunner().invoke(cli, ["reward", "explain", "ev-r-8"], env=env)
+    assert out.exit_code == 0, out.output
+    assert "guard.abstention" in out.output and "signal.thumbs" in out.output and "= reward" in out.output
+    missing = CliRunner().invoke(cli, ["reward", "explain", "nope"], env=env)
+    assert missing.exit_code != 0 and "no interaction with request_id 'nope'" in missing.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[signals.accepted]\nweight = 99\n')
+    refused = CliRunner().invoke(cli, ["reward", "run", "--spec", str(bad)], env=env)
+    assert refused.exit_code != 0 and "signals.accepted.weight" in refused.output
