@@ -1,6 +1,7 @@
 """One episode -> one reward, with every component kept.
 
     reward = clip( sum over kinds k in the spec of  weight_k * combine_k(signal_k(event) ...)
+                   + judge weight * (2 * judge score - 1)          (when the spec has a judge)
                    - sum over guards of penalty )
 
 Feedback events are ordered by (ts, event_id) before combining, so the result does not depend
@@ -37,7 +38,8 @@ def is_ripe(ep: Episode, spec: RewardSpec, now: datetime) -> bool:
     return any(fb.kind in terminal for fb in ep.feedback)
 
 
-def compute_reward(ep: Episode, spec: RewardSpec) -> RewardResult:
+def compute_reward(ep: Episode, spec: RewardSpec, judge_score: float | None = None) -> RewardResult:
+    """`judge_score` in (0, 1) from the spec's judge, when it has one (see judge.py)."""
     by_kind: dict[str, list] = {}
     for fb in sorted(ep.feedback, key=lambda f: (f.ts, f.event_id)):
         by_kind.setdefault(fb.kind, []).append(fb)
@@ -50,6 +52,8 @@ def compute_reward(ep: Episode, spec: RewardSpec) -> RewardResult:
             continue
         fn = SIGNALS.get(kind, numeric)
         components[f"signal.{kind}"] = sig.weight * COMBINE[sig.combine]([fn(fb, ep) for fb in events])
+    if spec.judge is not None and judge_score is not None:
+        components["judge.score"] = spec.judge.weight * (2 * judge_score - 1)
     for name, guard in GUARDS.items():
         penalty = guard(ep, spec.guards)
         if penalty:

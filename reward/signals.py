@@ -37,6 +37,7 @@ class Episode:
     tool_calls: tuple = ()  # every tool call the assistant made, as sent
     feedback: tuple[Feedback, ...] = field(default_factory=tuple)
     expects_attempt: bool = True
+    prompt_text: str = ""  # the request, rendered as text (for a judge)
 
 
 SignalFn = Callable[[Feedback, Episode], float]

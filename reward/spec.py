@@ -6,6 +6,7 @@
     [clip]       min = -1.0, max = 1.0
     [signals.<feedback kind>]   weight = 0.5, combine = "last"      # one table per kind
     [guards.length|abstention|repetition|tool_format]                # penalties on the output
+    [judge]      model = "/models/judge", weight = 0.5, budget = 1000   # optional
 
 A spec's version is its name plus a hash of its canonical content, so two files that say the
 same thing have the same version and any change makes a new one; every reward row records it.
@@ -88,6 +89,30 @@ class ToolFormatGuard(_Strict):
     penalty: float = Field(default=0.5, ge=0, le=10)  # per malformed tool call
 
 
+class JudgeSpec(_Strict):
+    """A local causal LM prompted as a judge; its score is P(yes) / (P(yes) + P(no)) for the
+    next token after the template, contributing weight x (2 * score - 1)."""
+
+    model: str = Field(min_length=1, description="path of a local Hugging Face causal LM directory")
+    weight: float = Field(default=0.5, ge=0, le=10)
+    template: str = (
+        "Request:\n{prompt}\n\nResponse:\n{completion}\n\n"
+        "Is the response correct and helpful? Answer yes or no.\nAnswer:"
+    )
+    yes: str = " yes"
+    no: str = " no"
+    budget: int = Field(default=1000, ge=0, description="new judge calls per run; the rest wait")
+    batch_size: int = Field(default=8, ge=1, le=256)
+    max_tokens: int = Field(default=1024, ge=16, description="longer inputs keep their end")
+
+    @field_validator("template")
+    @classmethod
+    def _placeholders(cls, template: str) -> str:
+        if "{prompt}" not in template or "{completion}" not in template:
+            raise ValueError("must contain {prompt} and {completion}")
+        return template
+
+
 class Guards(_Strict):
     length: LengthGuard = LengthGuard()
     abstention: AbstentionGuard = AbstentionGuard()
@@ -103,6 +128,7 @@ class RewardSpec(_Strict):
     clip: Clip = Clip()
     signals: dict[str, Signal] = Field(min_length=1)
     guards: Guards = Guards()
+    judge: JudgeSpec | None = None
 
     @model_validator(mode="after")
     def _clip_ordered(self) -> "RewardSpec":

@@ -21,8 +21,15 @@ import orjson
 from sqlalchemy import Engine
 
 from pipeline.store.events import utcnow
-from pipeline.store.rewards import iter_episode_chunks, orphaned_feedback, upsert_rewards
+from pipeline.store.rewards import (
+    iter_episode_chunks,
+    judge_scores_for,
+    orphaned_feedback,
+    store_judge_scores,
+    upsert_rewards,
+)
 from reward.compute import RewardResult, compute_reward, is_ripe
+from reward.judge import Judge
 from reward.signals import Episode, Feedback
 from reward.spec import RewardSpec
 
@@ -45,6 +52,13 @@ def completion_parts(completion: Any) -> tuple[str, tuple]:
     return "\n".join(texts), tuple(calls)
 
 
+def prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    lines = [f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict)]
+    return "\n".join(lines)
+
+
 def build_episode(row: Any, feedback_rows: list[Any]) -> Episode:
     body = orjson.loads(row.body)
     text, calls = completion_parts(body.get("completion"))
@@ -55,7 +69,7 @@ def build_episode(row: Any, feedback_rows: list[Any]) -> Episode:
         fbs.append(Feedback(event_id=f.event_id, kind=f.kind, value=f.value, ts=f.ts, payload=payload))
     return Episode(
         request_id=row.request_id, ts=row.ts, policy_version=row.policy_version, text=text,
-        tool_calls=calls, feedback=tuple(fbs),
+        tool_calls=calls, feedback=tuple(fbs), prompt_text=prompt_text(body.get("prompt", "")),
         expects_attempt=bool(metadata.get("expects_attempt", True)) if isinstance(metadata, dict) else True,
     )
 
@@ -69,6 +83,7 @@ class RewardRunReport:
     unchanged: int = 0  # already up to date
     unripe: int = 0
     orphaned: int = 0
+    judge_deferred: int = 0  # ripe, but over the judge budget of this run
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -77,7 +92,8 @@ class RewardRunReport:
         mean = f", mean {self.value_sum / n:+.3f}" if n else ""
         return (f"spec {self.spec_version}: {self.episodes} episodes; {self.computed} rewards computed, "
                 f"{self.updated} updated by late feedback{mean}; {self.unchanged} up to date; "
-                f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL")
+                f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
+                + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else ""))
 
 
 def run_rewards(
@@ -85,31 +101,43 @@ def run_rewards(
     spec: RewardSpec,
     now: datetime | None = None,
     on_progress: Callable[[RewardRunReport], None] | None = None,
+    force: bool = False,
 ) -> RewardRunReport:
-    """Compute or update the rewards of every ripe episode under `spec`."""
+    """Compute or update the rewards of every ripe episode under `spec`. With `force`,
+    recompute even rewards that already reflect the newest feedback (e.g. after a change
+    to a signal function, which the spec version does not capture)."""
     now = now or utcnow()
     version = spec.version
     report = RewardRunReport(spec_version=version)
+    judge = Judge(spec.judge) if spec.judge else None
+    budget = spec.judge.budget if spec.judge else 0
     for chunk in iter_episode_chunks(engine, version):
-        out = []
+        todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
         for row in chunk.interactions:
             report.episodes += 1
             fb_rows = chunk.feedback.get(row.request_id, [])
             newest = max((f.id for f in fb_rows), default=0)
             stored = chunk.stored.get(row.request_id)
-            if stored is not None and stored >= newest:
+            if stored is not None and stored >= newest and not force:
                 report.unchanged += 1
                 continue
             ep = build_episode(row, fb_rows)
             if not is_ripe(ep, spec, now):
                 report.unripe += 1
                 continue
-            result = compute_reward(ep, spec)
+            todo.append((ep, newest, stored is None))
+        scores: dict[str, float] = {}
+        if judge is not None:
+            scores, budget = _judge(engine, judge, [ep for ep, _, _ in todo], budget)
+        out = []
+        for ep, newest, first in todo:
+            if judge is not None and ep.request_id not in scores:
+                report.judge_deferred += 1  # over this run's judge budget: next run
+                continue
+            result = compute_reward(ep, spec, scores.get(ep.request_id))
             out.append(reward_row(ep, result, version, newest))
-            if stored is None:
-                report.computed += 1
-            else:
-                report.updated += 1
+            report.computed += first
+            report.updated += not first
             report.value_sum += result.value
             for kind in result.ignored_kinds:
                 report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1
@@ -118,6 +146,17 @@ def run_rewards(
             on_progress(report)
     report.orphaned = orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s))
     return report
+
+
+def _judge(engine: Engine, judge: Judge, episodes: list[Episode], budget: int) -> tuple[dict[str, float], int]:
+    """Cached scores, plus new ones for as many uncached episodes as the budget allows."""
+    scores = judge_scores_for(engine, [ep.request_id for ep in episodes], judge.version)
+    missing = [ep for ep in episodes if ep.request_id not in scores][:budget]
+    if missing:
+        fresh = dict(zip((ep.request_id for ep in missing), judge.score(missing)))
+        store_judge_scores(engine, judge.version, fresh)
+        scores.update(fresh)
+    return scores, budget - len(missing)
 
 
 def reward_row(ep: Episode, result: RewardResult, spec_version: str, last_feedback_id: int) -> dict[str, Any]:
@@ -137,5 +176,9 @@ def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | N
     for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id]):
         row = chunk.interactions[0]
         ep = build_episode(row, chunk.feedback.get(request_id, []))
-        return ep, compute_reward(ep, spec), is_ripe(ep, spec, now or utcnow())
+        score = None
+        if spec.judge is not None:
+            scores, _ = _judge(engine, Judge(spec.judge), [ep], budget=1)
+            score = scores[request_id]
+        return ep, compute_reward(ep, spec, score), is_ripe(ep, spec, now or utcnow())
     return None

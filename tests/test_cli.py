@@ -19,7 +19,8 @@ COMMANDS = [
     [], ["kafka"], ["kafka", "up"], ["kafka", "down"], ["kafka", "status"],
     ["db"], ["db", "upgrade"], ["db", "downgrade"], ["db", "current"],
     ["ingest"], ["replay"], ["export"], ["status"],
-    ["reward"], ["reward", "run"], ["reward", "explain"],
+    ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
+    ["reward", "audit"],
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -14,7 +15,8 @@ from pipeline.cli import cli
 from pipeline.store import db as store_db
 from pipeline.store.events import write_rows
 from pipeline.store.rewards import stored_reward
-from reward.spec import load_spec
+from reward.analysis import audit, diff_specs
+from reward.spec import DEFAULT_SPEC, load_spec
 from reward.stage import run_rewards
 from tests.factories import BASE_TS, encode, feedback as fb, interaction
 
@@ -119,3 +121,45 @@ def test_reward_commands(engine, db_url, tmp_path):
     bad.write_text('name = "x"\n[signals.accepted]\nweight = 99\n')
     refused = CliRunner().invoke(cli, ["reward", "run", "--spec", str(bad)], env=env)
     assert refused.exit_code != 0 and "signals.accepted.weight" in refused.output
+
+
+def _naive_spec(tmp_path):
+    """The default spec without the abstention guard: the spec that invites the hack."""
+    text = (Path(DEFAULT_SPEC).read_text().replace('name = "default"', 'name = "naive"')
+            .replace("[guards.abstention]\npenalty = 0.6", "[guards.abstention]\npenalty = 0.0"))
+    path = tmp_path / "naive.toml"
+    path.write_text(text)
+    return path
+
+
+def test_diff_recompute_and_audit(engine, db_url, tmp_path):
+    store(engine,
+          interaction(10, completion=""), fb(10, kind="thumbs", value=True),        # abstains, praised
+          interaction(11), fb(11, kind="accepted"), fb(11, kind="followup", event_id="fu11"),
+          interaction(12, policy_version="2",
+                      completion=[{"role": "assistant", "content": "", "tool_calls": [{"name": "ls", "arguments": "{"}]},
+                                  {"role": "tool", "content": "error"}, {"role": "assistant", "content": "done"}]),
+          fb(12, kind="tool_error"))
+    env = {"RTRL_DB_URL": db_url, "RTRL_STATE_DIR": str(tmp_path)}
+    naive = _naive_spec(tmp_path)
+    d = diff_specs(engine, SPEC, load_spec(naive), now=LATER)
+    assert d.new.n == 3 and d.sign_changes == 1 and d.changed == 1
+    assert d.contributions["guard.abstention"] == [pytest.approx(-0.6), 0.0]
+    (delta, request_id, old, new), = [m for m in d.movers if m[0] > 0]
+    assert request_id == "ev-r-10" and (old, new) == (pytest.approx(-0.3), pytest.approx(0.3))
+    out = CliRunner().invoke(cli, ["reward", "diff", "--spec", str(naive)], env=env)
+    assert out.exit_code == 0 and "sign changed: 1" in out.output and "ev-r-10" in out.output, out.output
+    # recompute under the new spec keeps the old version's rewards
+    assert CliRunner().invoke(cli, ["reward", "run"], env=env).exit_code == 0
+    rec = CliRunner().invoke(cli, ["reward", "recompute", "--spec", str(naive)], env=env)
+    assert rec.exit_code == 0 and "3 rewards computed" in rec.output, rec.output
+    assert stored_reward(engine, "ev-r-10", load_spec(naive).version).value == pytest.approx(0.3)
+    assert reward_of(engine, "ev-r-10") == pytest.approx(-0.3)
+    again = CliRunner().invoke(cli, ["reward", "recompute", "--spec", str(naive)], env=env)
+    assert "0 rewards computed, 3 updated" in again.output, again.output
+    canaries = audit(engine, SPEC)
+    assert canaries["1"].rates() == {"abstention_rate": 0.5, "mean_length": pytest.approx(len(interaction(11)["completion"]) / 2),
+                                     "tool_error_rate": 0.0, "accept_rate": 0.5, "followup_rate": 0.5}
+    assert canaries["2"].rates()["tool_error_rate"] == 1.0 and canaries["2"].episodes == 1
+    table = CliRunner().invoke(cli, ["reward", "audit"], env=env)
+    assert table.exit_code == 0 and "50.0%" in table.output and "100.0%" in table.output, table.output

@@ -1,4 +1,4 @@
-"""initial schema: events, dead letters, offsets, rewards, leases, alias moves
+"""initial schema: events, dead letters, offsets, rewards, judge scores, leases, alias moves
 
 Revision ID: 0001
 Revises: 
@@ -97,6 +97,15 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f('ix_interactions_request_id'), ['request_id'], unique=False)
         batch_op.create_index(batch_op.f('ix_interactions_ts'), ['ts'], unique=False)
 
+    op.create_table('judge_scores',
+    sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
+    sa.Column('request_id', sa.String(length=256), nullable=False),
+    sa.Column('judge_version', sa.String(length=128), nullable=False),
+    sa.Column('score', sa.Float(), nullable=False),
+    sa.Column('computed_at', sa.DateTime(), nullable=False),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_judge_scores')),
+    sa.UniqueConstraint('request_id', 'judge_version', name=op.f('uq_judge_scores_request_id_judge_version'))
+    )
     op.create_table('leases',
     sa.Column('name', sa.String(length=128), nullable=False),
     sa.Column('owner', sa.String(length=256), nullable=False),
@@ -132,6 +141,7 @@ def downgrade() -> None:
 
     op.drop_table('rewards')
     op.drop_table('leases')
+    op.drop_table('judge_scores')
     with op.batch_alter_table('interactions', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_interactions_ts'))
         batch_op.drop_index(batch_op.f('ix_interactions_request_id'))

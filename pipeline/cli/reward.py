@@ -7,6 +7,8 @@ import json
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from reward.analysis import audit as audit_canaries
+from reward.analysis import diff_specs
 from reward.spec import RewardSpec, SpecError, load_spec
 from reward.stage import explain as explain_episode
 from reward.stage import run_rewards
@@ -80,3 +82,66 @@ def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool)
         click.echo(f"  (ignored kinds: {', '.join(result.ignored_kinds)})")
     clipped = "" if result.value == result.unclipped else f"  (clipped from {result.unclipped:+.4f})"
     click.echo(f"  {'= reward':<22} {result.value:+.4f}{clipped}")
+
+
+@reward.command()
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False),
+              help="The new reward spec TOML to compare.")
+@click.option("--against", "against_path", type=click.Path(dir_okay=False),
+              help="The spec to compare with (default: the active one).")
+@click.option("--top", default=10, show_default=True, help="How many of the biggest movers to list.")
+@pass_ctx
+def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> None:
+    """Show how rewards would change under a new spec, before anyone adopts it: both
+    distributions, per-signal contributions, how many episodes change sign, the biggest movers.
+    Writes nothing."""
+    old, new = _spec(ctx, against_path), _spec(ctx, spec_path)
+    d = diff_specs(ctx.engine(), old, new, top=top)
+    if d.new.n == 0:
+        click.echo("no ripe episodes to compare")
+        return
+    click.echo(f"{d.new.n} ripe episodes: {d.old_version} -> {d.new_version}")
+    click.echo(f"  {'':<8}{'mean':>9}{'std':>8}{'min':>8}{'p10':>8}{'p50':>8}{'p90':>8}{'max':>8}")
+    for label, dist in (("old", d.old), ("new", d.new)):
+        q = [dist.quantile(x) for x in (0.1, 0.5, 0.9)]
+        click.echo(f"  {label:<8}{dist.mean:>+9.3f}{dist.std:>8.3f}{dist.min:>+8.2f}"
+                   + "".join(f"{v:>+8.2f}" for v in q) + f"{dist.max:>+8.2f}")
+    click.echo("mean contribution per episode:")
+    for name, (o, n) in sorted(d.contributions.items()):
+        click.echo(f"  {name:<24}{o / d.new.n:>+9.4f} -> {n / d.new.n:>+9.4f}")
+    click.echo(f"changed: {d.changed} episodes; sign changed: {d.sign_changes}")
+    click.echo("biggest movers:")
+    for delta, request_id, o, n in sorted(d.movers, reverse=True):
+        if delta > 0:
+            click.echo(f"  {request_id:<36}{o:>+8.3f} -> {n:>+8.3f}   (`rtrl reward explain {request_id} --spec ...`)")
+
+
+@reward.command()
+@click.option("--spec", "spec_path", type=click.Path(dir_okay=False),
+              help="Reward spec TOML to apply (default: the active one).")
+@pass_ctx
+def recompute(ctx: Context, spec_path: str | None) -> None:
+    """Re-apply a spec to all stored history: every ripe episode is scored again and stored
+    under the spec's version (other versions' rewards are kept). To adopt it, point
+    `reward.spec` in the config at the file."""
+    spec = _spec(ctx, spec_path)
+    report = run_rewards(ctx.engine(), spec, force=True)
+    click.echo(report.summary())
+
+
+@reward.command()
+@SPEC_OPTION
+@pass_ctx
+def audit(ctx: Context, spec_path: str | None) -> None:
+    """Per policy version, the production canary rates the gate uses: abstention, mean output
+    length, tool-error rate, accept rate, follow-up rate."""
+    spec = _spec(ctx, spec_path)
+    per_version = audit_canaries(ctx.engine(), spec)
+    if not per_version:
+        click.echo("no episodes stored")
+        return
+    click.echo(f"{'policy':<12}{'episodes':>9}{'abstain':>9}{'length':>9}{'tool err':>9}{'accept':>9}{'followup':>9}")
+    for version, c in sorted(per_version.items()):
+        r = c.rates()
+        click.echo(f"{version:<12}{c.episodes:>9}{r['abstention_rate']:>9.1%}{r['mean_length']:>9.0f}"
+                   f"{r['tool_error_rate']:>9.1%}{r['accept_rate']:>9.1%}{r['followup_rate']:>9.1%}")

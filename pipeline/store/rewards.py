@@ -16,7 +16,7 @@ from sqlalchemy import Engine, and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from pipeline.store.events import utcnow
-from pipeline.store.tables import feedback, interactions, rewards
+from pipeline.store.tables import feedback, interactions, judge_scores, rewards
 
 
 @dataclass
@@ -96,3 +96,25 @@ def orphaned_feedback(engine: Engine, older_than: datetime) -> int:
     )
     with engine.connect() as conn:
         return conn.scalar(stmt)
+
+
+def judge_scores_for(engine: Engine, request_ids: Sequence[str], judge_version: str) -> dict[str, float]:
+    if not request_ids:
+        return {}
+    stmt = select(judge_scores.c.request_id, judge_scores.c.score).where(
+        and_(judge_scores.c.judge_version == judge_version, judge_scores.c.request_id.in_(list(request_ids)))
+    )
+    with engine.connect() as conn:
+        return dict(conn.execute(stmt).all())
+
+
+def store_judge_scores(engine: Engine, judge_version: str, scores: dict[str, float]) -> None:
+    if not scores:
+        return
+    now = utcnow()
+    rows = [{"request_id": r, "judge_version": judge_version, "score": s, "computed_at": now}
+            for r, s in scores.items()]
+    with engine.begin() as conn:
+        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
+        conn.execute(dialect.insert(judge_scores).on_conflict_do_nothing(
+            index_elements=["request_id", "judge_version"]), rows)

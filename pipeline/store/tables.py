@@ -123,6 +123,18 @@ rewards = Table(
     UniqueConstraint("request_id", "spec_version"),
 )
 
+# A judge's score is expensive: cached per episode and judge version (model + prompt).
+judge_scores = Table(
+    "judge_scores",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("request_id", ID, nullable=False),
+    Column("judge_version", String(128), nullable=False),
+    Column("score", Float, nullable=False),
+    Column("computed_at", DateTime, nullable=False),
+    UniqueConstraint("request_id", "judge_version"),
+)
+
 leases = Table(
     "leases",
     metadata,
