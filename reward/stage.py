@@ -8,6 +8,8 @@
 
 Feedback whose interaction has not arrived simply waits in the store and is joined when the
 interaction comes; `orphaned` counts those older than the spec's orphan TTL, to be reported.
+Late feedback on an episode that a training run already used updates the reward too, but the
+run's lineage (training_episodes) keeps the value it trained on, and the change is counted.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipeline.store.rewards import (
     judge_scores_for,
     orphaned_feedback,
     store_judge_scores,
+    trained_request_ids,
     upsert_rewards,
 )
 from reward.compute import RewardResult, compute_reward, is_ripe
@@ -84,6 +87,7 @@ class RewardRunReport:
     unripe: int = 0
     orphaned: int = 0
     judge_deferred: int = 0  # ripe, but over the judge budget of this run
+    changed_after_training: int = 0  # updated rewards of episodes a training run already used
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -93,7 +97,9 @@ class RewardRunReport:
         return (f"spec {self.spec_version}: {self.episodes} episodes; {self.computed} rewards computed, "
                 f"{self.updated} updated by late feedback{mean}; {self.unchanged} up to date; "
                 f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
-                + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else ""))
+                + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else "")
+                + (f"; {self.changed_after_training} changed after a training run used them"
+                   if self.changed_after_training else ""))
 
 
 def run_rewards(
@@ -129,6 +135,9 @@ def run_rewards(
         scores: dict[str, float] = {}
         if judge is not None:
             scores, budget = _judge(engine, judge, [ep for ep, _, _ in todo], budget)
+        # late feedback on an episode a training run already used: the run keeps the value it
+        # used (training_episodes); the reward moves on, and the change is counted
+        trained = trained_request_ids(engine, [ep.request_id for ep, _, first in todo if not first], version)
         out = []
         for ep, newest, first in todo:
             if judge is not None and ep.request_id not in scores:
@@ -138,6 +147,7 @@ def run_rewards(
             out.append(reward_row(ep, result, version, newest))
             report.computed += first
             report.updated += not first
+            report.changed_after_training += ep.request_id in trained
             report.value_sum += result.value
             for kind in result.ignored_kinds:
                 report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1

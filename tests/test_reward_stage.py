@@ -163,3 +163,21 @@ def test_diff_recompute_and_audit(engine, db_url, tmp_path):
     assert canaries["2"].rates()["tool_error_rate"] == 1.0 and canaries["2"].episodes == 1
     table = CliRunner().invoke(cli, ["reward", "audit"], env=env)
     assert table.exit_code == 0 and "50.0%" in table.output and "100.0%" in table.output, table.output
+
+
+def test_late_feedback_after_training_keeps_the_lineage_and_is_counted(engine):
+    from sqlalchemy import insert, select
+
+    from pipeline.store.tables import training_episodes
+
+    store(engine, interaction(30), fb(30, kind="accepted"))
+    run_rewards(engine, SPEC, now=LATER)
+    with engine.begin() as conn:  # a training run used it (what the training stage records)
+        conn.execute(insert(training_episodes).values(run_id="run-1", request_id="ev-r-30",
+                                                      spec_version=SPEC.version, reward=0.5, used_at=LATER))
+    store(engine, fb(30, kind="followup", event_id="late-30"))
+    report = run_rewards(engine, SPEC, now=LATER)
+    assert report.updated == 1 and report.changed_after_training == 1
+    assert reward_of(engine, "ev-r-30") == pytest.approx(0.2)
+    with engine.connect() as conn:
+        assert conn.scalar(select(training_episodes.c.reward).where(training_episodes.c.run_id == "run-1")) == 0.5

@@ -6,7 +6,7 @@
     rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
     rtrl export                    write stored events out as NDJSON(.gz)
     rtrl status                    lag, table counts, dead letters
-    rtrl reward run|explain        rewards from delayed outcomes, under a reward spec
+    rtrl reward run|explain|diff|recompute|audit   rewards from delayed outcomes
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from pipeline.store.events import utcnow
-from pipeline.store.tables import feedback, interactions, judge_scores, rewards
+from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
 
 
 @dataclass
@@ -118,3 +118,15 @@ def store_judge_scores(engine: Engine, judge_version: str, scores: dict[str, flo
         dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
         conn.execute(dialect.insert(judge_scores).on_conflict_do_nothing(
             index_elements=["request_id", "judge_version"]), rows)
+
+
+def trained_request_ids(engine: Engine, request_ids: Sequence[str], spec_version: str) -> set[str]:
+    """Which of these episodes a training run has already used (with this spec's rewards)."""
+    if not request_ids:
+        return set()
+    stmt = select(training_episodes.c.request_id).where(
+        and_(training_episodes.c.spec_version == spec_version,
+             training_episodes.c.request_id.in_(list(request_ids)))
+    )
+    with engine.connect() as conn:
+        return set(conn.scalars(stmt))

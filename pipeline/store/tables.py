@@ -123,6 +123,20 @@ rewards = Table(
     UniqueConstraint("request_id", "spec_version"),
 )
 
+# Lineage: the exact episodes (and the reward values) a training run used. Written by the
+# training stage; a reward that changes afterwards (late feedback) leaves these rows alone.
+training_episodes = Table(
+    "training_episodes",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("run_id", String(128), nullable=False),
+    Column("request_id", ID, nullable=False, index=True),
+    Column("spec_version", String(128), nullable=False),
+    Column("reward", Float, nullable=False),
+    Column("used_at", DateTime, nullable=False),
+    UniqueConstraint("run_id", "request_id"),
+)
+
 # A judge's score is expensive: cached per episode and judge version (model + prompt).
 judge_scores = Table(
     "judge_scores",
