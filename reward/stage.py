@@ -88,6 +88,7 @@ class RewardRunReport:
     orphaned: int = 0
     judge_deferred: int = 0  # ripe, but over the judge budget of this run
     changed_after_training: int = 0  # updated rewards of episodes a training run already used
+    duplicate_interactions: int = 0  # more than one interaction for a request_id: the first counts
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -99,7 +100,9 @@ class RewardRunReport:
                 f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
                 + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else "")
                 + (f"; {self.changed_after_training} changed after a training run used them"
-                   if self.changed_after_training else ""))
+                   if self.changed_after_training else "")
+                + (f"; {self.duplicate_interactions} duplicate interactions ignored (first one counts)"
+                   if self.duplicate_interactions else ""))
 
 
 def run_rewards(
@@ -119,6 +122,7 @@ def run_rewards(
     budget = spec.judge.budget if spec.judge else 0
     for chunk in iter_episode_chunks(engine, version):
         todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
+        report.duplicate_interactions += chunk.duplicates
         for row in chunk.interactions:
             report.episodes += 1
             fb_rows = chunk.feedback.get(row.request_id, [])

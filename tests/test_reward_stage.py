@@ -181,3 +181,10 @@ def test_late_feedback_after_training_keeps_the_lineage_and_is_counted(engine):
     assert reward_of(engine, "ev-r-30") == pytest.approx(0.2)
     with engine.connect() as conn:
         assert conn.scalar(select(training_episodes.c.reward).where(training_episodes.c.run_id == "run-1")) == 0.5
+
+
+def test_two_interactions_for_one_request_make_one_episode(engine):
+    store(engine, interaction(40), interaction(40, event_id="ev-i-40-again", completion=""), fb(40, kind="accepted"))
+    report = run_rewards(engine, SPEC, now=LATER)
+    assert (report.computed, report.duplicate_interactions) == (1, 1)
+    assert reward_of(engine, "ev-r-40") == pytest.approx(0.5)  # the first interaction, not the empty one

@@ -24,6 +24,7 @@ class EpisodeChunk:
     interactions: list[Any]  # rows: id, request_id, ts, policy_version, body
     feedback: dict[str, list[Any]]  # request_id -> rows: id, event_id, kind, value, ts, body
     stored: dict[str, int]  # request_id -> last_feedback_id of its stored reward (this spec)
+    duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
 
 
 def iter_episode_chunks(
@@ -46,6 +47,11 @@ def iter_episode_chunks(
             if not rows:
                 return
             ids = list({r.request_id for r in rows})
+            # a request is one episode: its first interaction (a producer that sent two is buggy)
+            first = dict(conn.execute(
+                select(interactions.c.request_id, func.min(interactions.c.id))
+                .where(interactions.c.request_id.in_(ids)).group_by(interactions.c.request_id)
+            ).all())
             fb_rows = conn.execute(
                 select(feedback.c.id, feedback.c.request_id, feedback.c.event_id, feedback.c.kind,
                        feedback.c.value, feedback.c.ts, feedback.c.body)
@@ -58,7 +64,8 @@ def iter_episode_chunks(
         by_request: dict[str, list[Any]] = {}
         for f in fb_rows:
             by_request.setdefault(f.request_id, []).append(f)
-        yield EpisodeChunk(rows, by_request, stored)
+        episodes = [r for r in rows if first[r.request_id] == r.id]
+        yield EpisodeChunk(episodes, by_request, stored, duplicates=len(rows) - len(episodes))
         last_id = rows[-1].id
 
 
