@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
+from contextlib import contextmanager
 
 import click
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 from reward.analysis import audit as audit_canaries
@@ -26,6 +29,22 @@ def _spec(ctx: Context, path: str | None) -> RewardSpec:
         raise click.ClickException(str(exc)) from None
 
 
+@contextmanager
+def _progress():
+    """A progress line (episodes scanned, rewards written) on a terminal; silent otherwise."""
+    if not sys.stdout.isatty():
+        yield None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("scoring episodes")
+
+        def update(report) -> None:
+            bar.update(task, description=f"{report.episodes:,} episodes scanned, "
+                                         f"{report.computed + report.updated:,} rewards written")
+
+        yield update
+
+
 @click.group(context_settings=CONTEXT_SETTINGS)
 def reward() -> None:
     """Turn delayed outcomes (accepted, edited, reverted, ...) into one reward per episode.
@@ -42,7 +61,8 @@ def run(ctx: Context, spec_path: str | None) -> None:
     """Compute rewards for ripe episodes; update those with late feedback. Incremental and
     idempotent: running it twice changes nothing."""
     spec = _spec(ctx, spec_path)
-    report = run_rewards(ctx.engine(), spec)
+    with _progress() as on_progress:
+        report = run_rewards(ctx.engine(), spec, on_progress=on_progress)
     click.echo(report.summary())
     if report.ignored_kinds:
         kinds = ", ".join(f"{k} ({n})" for k, n in sorted(report.ignored_kinds.items()))
@@ -125,7 +145,8 @@ def recompute(ctx: Context, spec_path: str | None) -> None:
     under the spec's version (other versions' rewards are kept). To adopt it, point
     `reward.spec` in the config at the file."""
     spec = _spec(ctx, spec_path)
-    report = run_rewards(ctx.engine(), spec, force=True)
+    with _progress() as on_progress:
+        report = run_rewards(ctx.engine(), spec, on_progress=on_progress, force=True)
     click.echo(report.summary())
 
 
