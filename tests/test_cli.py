@@ -20,7 +20,7 @@ COMMANDS = [
     ["db"], ["db", "upgrade"], ["db", "downgrade"], ["db", "current"],
     ["ingest"], ["replay"], ["export"], ["status"],
     ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
-    ["reward", "audit"],
+    ["reward", "audit"], ["model"], ["model", "init-tiny"], ["model", "show"],
 ]
 
 

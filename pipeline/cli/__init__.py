@@ -7,6 +7,7 @@
     rtrl export                    write stored events out as NDJSON(.gz)
     rtrl status                    lag, table counts, dead letters
     rtrl reward run|explain|diff|recompute|audit   rewards from delayed outcomes
+    rtrl model init-tiny|show      base models (local directories)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import click
 from pipeline.cli import db as db_cmds
 from pipeline.cli import events as event_cmds
 from pipeline.cli import kafka as kafka_cmds
+from pipeline.cli import model as model_cmds
 from pipeline.cli import reward as reward_cmds
 from pipeline.cli.common import CONTEXT_SETTINGS, Context
 from pipeline.logs import setup_logging
@@ -43,6 +45,7 @@ def cli(ctx: click.Context, config_path: str | None, log_level: str) -> None:
 cli.add_command(kafka_cmds.kafka)
 cli.add_command(db_cmds.db)
 cli.add_command(reward_cmds.reward)
+cli.add_command(model_cmds.model)
 for command in event_cmds.COMMANDS:
     cli.add_command(command)
 

@@ -1,0 +1,44 @@
+"""`rtrl model`: base models for the policy (local directories; nothing comes from a hub)."""
+
+from __future__ import annotations
+
+import click
+
+from pipeline.cli.common import CONTEXT_SETTINGS
+from train.models import TINY_ARCHS, ModelError, init_tiny, load_policy
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+def model() -> None:
+    """Base models: any local Hugging Face causal LM directory, or a tiny one made here."""
+
+
+@model.command("init-tiny")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
+@click.option("--arch", type=click.Choice(TINY_ARCHS), default="llama", show_default=True)
+@click.option("--hidden", default=64, show_default=True, help="Hidden size.")
+@click.option("--layers", default=2, show_default=True, help="Transformer layers.")
+@click.option("--heads", default=4, show_default=True, help="Attention heads (must divide --hidden).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random initialisation.")
+def init_tiny_cmd(out: str, arch: str, hidden: int, layers: int, heads: int, seed: int) -> None:
+    """Make a small randomly initialised causal LM with a character-level tokenizer, from a
+    config (no download): for tests and the demo. Same seed, same weights."""
+    try:
+        path = init_tiny(out, arch=arch, hidden=hidden, layers=layers, heads=heads, seed=seed)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote a tiny {arch} model to {path}")
+
+
+@model.command()
+@click.argument("path", type=click.Path())
+def show(path: str) -> None:
+    """Load a local model directory and print what it is (a quick check before training)."""
+    try:
+        policy = load_policy(path)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+    cfg = policy.model.config
+    params = sum(p.numel() for p in policy.model.parameters())
+    click.echo(f"{path}: {cfg.model_type}, {params:,} parameters, {cfg.num_hidden_layers} layers, "
+               f"vocab {cfg.vocab_size}, on {policy.device} as {policy.model.dtype}, revision {policy.revision}")

@@ -1,0 +1,143 @@
+"""Models: load any local Hugging Face causal LM directory, and make tiny ones from a config.
+
+    load_policy(path)   model + tokenizer from a local directory (never a hub download), on
+                        CUDA when available, CPU otherwise; bf16 where the device supports it
+    render_prompt       a prompt (text, or chat messages) as the text the model continues
+    init_tiny(out)      a small Llama- or Qwen2-style model with a character-level tokenizer,
+                        built from a config and seeded: for tests and the demo
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# A chat template for tokenizers that have none: "role: content" lines, then the assistant cue.
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+TINY_ARCHS = ("llama", "qwen2")
+
+
+class ModelError(RuntimeError):
+    """A model directory is missing or unusable; the message names the path."""
+
+
+@dataclass
+class Policy:
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    path: Path
+    device: str
+
+    @property
+    def revision(self) -> str:
+        """What identifies the weights: the commit hash when known, else the config's hash."""
+        return getattr(self.model.config, "_commit_hash", None) or config_hash(self.path)
+
+
+def config_hash(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
+
+
+def pick_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(device: str):
+    import torch
+
+    # bf16 where the device does it natively; on CPU, float32 (bf16 matmuls are emulated, slow)
+    if device == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_policy(path: str | Path, device: str | None = None, dtype=None) -> Policy:
+    """Load a local model directory; a missing or broken one is a ModelError naming the path."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"no model at {path}: expected a Hugging Face model directory with config.json "
+                         f"(make one for tests with `rtrl model init-tiny --out {path}`)")
+    device = device or pick_device()
+    try:
+        tokenizer = _tokenizer_class(path).from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or pick_dtype(device))
+    except Exception as exc:  # noqa: BLE001 - corrupt files raise many types (safetensors, json, ...)
+        raise ModelError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    return Policy(model=model.to(device), tokenizer=tokenizer, path=path, device=device)
+
+
+def _tokenizer_class(path: Path):
+    """AutoTokenizer, unless the directory declares a plain fast tokenizer: transformers 5 maps
+    by model type (a Qwen2 config gets Qwen2Tokenizer and its pre-tokenizer) and would override
+    the tokenizer the model was trained with."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (FileNotFoundError, json.JSONDecodeError):
+        declared = None
+    return PreTrainedTokenizerFast if declared == "PreTrainedTokenizerFast" else AutoTokenizer
+
+
+def render_prompt(tokenizer: Any, prompt: str | list[dict]) -> str:
+    """Text prompts are used as they are; chat messages go through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
+              seed: int = 0) -> Path:
+    """Write a small randomly initialised model and a character-level tokenizer to `out`."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    if arch not in TINY_ARCHS:
+        raise ModelError(f"unknown tiny architecture {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
+    if hidden % heads:
+        raise ModelError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # one token per character, whitespace and newlines included
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_cls(
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # see _tokenizer_class
+    config_path.write_text(json.dumps(tok_config, indent=2))
+    return out
