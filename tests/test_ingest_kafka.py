@@ -189,3 +189,22 @@ def test_status_shows_lag_per_partition_before_and_after_ingest(cfg_env, cfg, en
     ingest_until_idle(cfg, engine)
     after = CliRunner().invoke(cli, ["status"], env=cfg_env)
     assert "total lag 0" in after.output and "interactions" in after.output
+
+
+def test_rewards_from_a_store_filled_by_ingest(cfg_env, cfg, engine, topics, kafka_bootstrap):
+    """The reward commands on what `rtrl ingest` stored from the real broker."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    inter = [interaction(i, prefix="w") for i in range(20)]
+    feed = [fb(i, prefix="w", kind="accepted" if i % 2 else "rejected") for i in range(20)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in inter], keys=[e["request_id"].encode() for e in inter])
+    produce(kafka_bootstrap, topics["feedback"], [encode(e) for e in feed], keys=[e["request_id"].encode() for e in feed])
+    ingest_until_idle(cfg, engine)
+    run = CliRunner().invoke(cli, ["reward", "run"], env=cfg_env)
+    assert run.exit_code == 0 and "20 rewards computed" in run.output and "mean +0.000" in run.output, run.output
+    explain = CliRunner().invoke(cli, ["reward", "explain", "w-r-3"], env=cfg_env)
+    assert "signal.accepted" in explain.output and "+0.5000" in explain.output, explain.output
+    audit = CliRunner().invoke(cli, ["reward", "audit"], env=cfg_env)
+    assert audit.exit_code == 0 and "50.0%" in audit.output, audit.output
