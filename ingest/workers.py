@@ -134,10 +134,6 @@ class Lanes:
         if len(self._pending) > self.max_pending:
             wait([self._pending[0]])  # the caller collects it with stored()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
     def stored(self, wait_all: bool = False) -> list[StoredBatch]:
         """Batches stored since the last call, in submission order (raises if one failed)."""
         if wait_all:
