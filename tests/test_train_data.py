@@ -1,0 +1,55 @@
+"""Episodes to tokens: only assistant tokens carry loss (checked token by token), behaviour
+log-probs align with the served tokens or are dropped and counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from train.data import DataStats, Skip, tokenize_episode
+from train.models import init_tiny, load_policy
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_policy(init_tiny(tmp_path_factory.mktemp("tiny"))).tokenizer
+
+
+def test_a_trajectory_trains_only_on_assistant_tokens(tokenizer):
+    traj = [
+        {"role": "assistant", "content": "ls", "tool_calls": [{"name": "sh", "arguments": "{}"}]},
+        {"role": "tool", "content": "a.py b.py"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done"},
+    ]
+    ep = tokenize_episode(tokenizer, "r", [{"role": "user", "content": "list"}], traj)
+    tokens = [tokenizer.decode([t]) for t in ep.input_ids]
+    trained = "".join(t for t, m in zip(tokens, ep.loss_mask) if m)
+    context = "".join(t for t, m in zip(tokens, ep.loss_mask) if not m)
+    assert trained == 'ls[{"name":"sh","arguments":"{}"}]done'
+    assert context == "user: list\nassistant: \ntool: a.py b.py\nuser: and?\nassistant: \n"
+    # token by token: every character of the tool result and the user turn is masked
+    joined = "".join(tokens)
+    start = joined.index("a.py b.py")
+    assert ep.loss_mask[start : start + len("a.py b.py")] == [0] * len("a.py b.py")
+    assert ep.behavior is None and ep.behavior_note == "missing"
+
+
+def test_behaviour_logprobs_align_with_served_tokens_or_are_dropped_and_counted(tokenizer):
+    stats = DataStats()
+    served = tokenizer("cba", add_special_tokens=False).input_ids
+    ok = tokenize_episode(tokenizer, "a", "reverse abc: ", "cba", served, [-0.1, -0.2, -0.3], stats)
+    assert ok.behavior_note == "served_ids"
+    assert [b for b, m in zip(ok.behavior, ok.loss_mask) if m] == [-0.1, -0.2, -0.3]
+    assert [b for b, m in zip(ok.behavior, ok.loss_mask) if not m] == [0.0] * (len(ok.input_ids) - 3)
+    bad = tokenize_episode(tokenizer, "b", "reverse abc: ", "cba", served, [-0.1, -0.2], stats)
+    assert bad.behavior is None and bad.behavior_note == "misaligned"
+    retok = tokenize_episode(tokenizer, "c", "p", "xyz", None, [-1.0, -1.0, -1.0], stats)
+    assert retok.behavior_note == "retokenized" and retok.behavior is not None
+    assert stats.behavior == {"served_ids": 1, "misaligned": 1, "retokenized": 1} and stats.episodes == 3
+
+
+def test_empty_completion_and_no_assistant_turn_are_counted_skips(tokenizer):
+    stats = DataStats()
+    assert tokenize_episode(tokenizer, "e", "p", "", stats=stats) is Skip.EMPTY_COMPLETION
+    assert tokenize_episode(tokenizer, "t", "p", [{"role": "tool", "content": "x"}], stats=stats) is Skip.NO_ASSISTANT_TOKENS
+    assert stats.skipped == {"empty_completion": 1, "no_assistant_tokens": 1} and stats.episodes == 0

@@ -1,0 +1,106 @@
+"""Episodes -> token sequences with a loss mask and aligned behaviour log-probs.
+
+    prompt      rendered (chat template for messages) and tokenized: context, mask 0
+    completion  text: the served tokens (completion_token_ids) when logged, else re-tokenized;
+                trajectory: assistant turns carry loss (mask 1, their tool calls included),
+                tool and user turns are context (mask 0) -- only assistant tokens are trained
+    behaviour   serving-time log-probs, one per assistant token. Used only when they align:
+                with the served token ids, their count must match; without ids, the re-tokenized
+                count must match. Otherwise they are dropped for that episode and counted --
+                never misaligned silently.
+
+An episode with no assistant token (empty completion, a trajectory without an assistant turn)
+is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from train.models import render_prompt
+
+
+class Skip(str, enum.Enum):
+    EMPTY_COMPLETION = "empty_completion"
+    NO_ASSISTANT_TOKENS = "no_assistant_tokens"
+
+
+@dataclass
+class TokenizedEpisode:
+    request_id: str
+    input_ids: list[int]  # [L] prompt + completion
+    loss_mask: list[int]  # [L] 1 on the assistant's tokens
+    behavior: list[float] | None  # [L] aligned with input_ids (0.0 off the mask), or None
+    behavior_note: str  # "served_ids" | "retokenized" | "missing" | "misaligned"
+
+
+@dataclass
+class DataStats:
+    episodes: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    behavior: dict[str, int] = field(default_factory=dict)  # note -> count
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+def _assistant_segment(msg: dict) -> str:
+    content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+    calls = msg.get("tool_calls")
+    return content + (json.dumps(calls, separators=(",", ":")) if calls else "")
+
+
+def tokenize_episode(tokenizer: Any, request_id: str, prompt: Any, completion: Any,
+                     completion_token_ids: list[int] | None = None,
+                     behavior_logprobs: list[float] | None = None,
+                     stats: DataStats | None = None) -> TokenizedEpisode | Skip:
+    stats = stats if stats is not None else DataStats()
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    ids = list(encode(render_prompt(tokenizer, prompt)))
+    mask = [0] * len(ids)
+    if isinstance(completion, str):
+        if not completion and not completion_token_ids:
+            stats.count(stats.skipped, Skip.EMPTY_COMPLETION.value)
+            return Skip.EMPTY_COMPLETION
+        served = list(completion_token_ids) if completion_token_ids else None
+        completion_ids = served if served is not None else list(encode(completion))
+        ids += completion_ids
+        mask += [1] * len(completion_ids)
+        note = "served_ids" if served is not None else "retokenized"
+    else:
+        opened = True  # the prompt's generation cue already opened the first assistant turn
+        for msg in completion if isinstance(completion, list) else ():
+            if not isinstance(msg, dict):
+                continue
+            if msg.get("role") == "assistant":
+                head = [] if opened else encode("assistant: ")
+                body = encode(_assistant_segment(msg))
+                ids += head + body
+                mask += [0] * len(head) + [1] * len(body)
+            else:  # tool results and user turns are context the policy did not produce
+                ctx = encode(f"{msg.get('role', 'tool')}: {msg.get('content', '')}")
+                ids += ctx
+                mask += [0] * len(ctx)
+            opened = False
+            tail = encode("\n")
+            ids += tail
+            mask += [0] * len(tail)
+        note = "retokenized"
+    n_assistant = sum(mask)
+    if n_assistant == 0:
+        stats.count(stats.skipped, Skip.NO_ASSISTANT_TOKENS.value)
+        return Skip.NO_ASSISTANT_TOKENS
+    behavior = None
+    if behavior_logprobs is None:
+        note = "missing"
+    elif len(behavior_logprobs) != n_assistant:
+        note = "misaligned"  # dropped: trained on-policy-approximate, counted
+    else:
+        values = iter(behavior_logprobs)
+        behavior = [next(values) if m else 0.0 for m in mask]
+    stats.episodes += 1
+    stats.count(stats.behavior, note)
+    return TokenizedEpisode(request_id, ids, mask, behavior, note)
