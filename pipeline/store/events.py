@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, delete, func, select
+from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from pipeline.store.tables import (
@@ -140,7 +140,7 @@ def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
     return _PLANS[cache_key]
 
 
-def _insert_ignore(
+def insert_ignore(
     conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
     same: dict[str, Any] | None = None,
 ) -> int:
@@ -185,7 +185,7 @@ def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, in
 def _write_events(conn: Connection, rows: Rows, now: datetime, result: WriteResult) -> None:
     for kind, table in EVENT_TABLES.items():
         batch = getattr(rows, kind)
-        added = _insert_ignore(conn, table, batch, ["event_id"], same={"ingested_at": now})
+        added = insert_ignore(conn, table, batch, ["event_id"], same={"ingested_at": now})
         result.inserted[kind] += added
         result.duplicates += len(batch) - added
 
@@ -203,7 +203,7 @@ def write_rows(
     result = WriteResult()
     with engine.begin() as conn:
         _write_events(conn, rows, now, result)
-        result.dead_letters = _insert_ignore(
+        result.dead_letters = insert_ignore(
             conn, dead_letters, rows.dead_letters, ["source", "partition", "offset"], same={"created_at": now}
         )
         if group_id is not None and next_offsets:
@@ -248,31 +248,29 @@ def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
 
 # --- reading events back out (export) -------------------------------------------------------
 
+def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[list[Any]]:
+    """Rows of `stmt` in chunks of `size`, in `id_column` order (keyset pagination: each chunk
+    is one short query, so nothing is held open and memory stays flat)."""
+    last_id = 0
+    while True:
+        with engine.connect() as conn:
+            rows = conn.execute(stmt.where(id_column > last_id).order_by(id_column).limit(size)).all()
+        if not rows:
+            return
+        yield rows
+        last_id = getattr(rows[-1], id_column.key)
+
+
 def iter_event_bodies(engine: Engine, batch: int = 1000) -> Iterator[str]:
     """Every stored event's JSON text, interactions then feedback, in id order (streamed)."""
     for table in (interactions, feedback):
-        last_id = 0
-        while True:
-            stmt = select(table.c.id, table.c.body).where(table.c.id > last_id).order_by(table.c.id).limit(batch)
-            with engine.connect() as conn:
-                rows = conn.execute(stmt).all()
-            if not rows:
-                break
-            for row in rows:
-                yield row.body
-            last_id = rows[-1].id
+        for rows in iter_id_chunks(engine, select(table.c.id, table.c.body), table.c.id, batch):
+            yield from (row.body for row in rows)
 
 
 def iter_dead_letters(engine: Engine, batch: int = 500) -> Iterator[Any]:
-    last_id = 0
-    while True:
-        stmt = select(dead_letters).where(dead_letters.c.id > last_id).order_by(dead_letters.c.id).limit(batch)
-        with engine.connect() as conn:
-            rows = conn.execute(stmt).all()
-        if not rows:
-            return
+    for rows in iter_id_chunks(engine, select(dead_letters), dead_letters.c.id, batch):
         yield from rows
-        last_id = rows[-1].id
 
 
 def resolve_dead_letters(engine: Engine, rows: Rows, letter_ids: Sequence[int]) -> WriteResult:

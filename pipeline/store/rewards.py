@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from pipeline.store.events import utcnow
+from pipeline.store.events import insert_ignore, iter_id_chunks, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
 
 
@@ -31,22 +31,13 @@ def iter_episode_chunks(
     engine: Engine, spec_version: str, chunk: int = 2000, request_ids: Sequence[str] | None = None
 ) -> Iterator[EpisodeChunk]:
     """All interactions (or those of `request_ids`) with their feedback, in id order."""
-    last_id = 0
-    while True:
-        stmt = (
-            select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
-                   interactions.c.policy_version, interactions.c.body)
-            .where(interactions.c.id > last_id)
-            .order_by(interactions.c.id)
-            .limit(chunk)
-        )
-        if request_ids is not None:
-            stmt = stmt.where(interactions.c.request_id.in_(list(request_ids)))
+    stmt = select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
+                  interactions.c.policy_version, interactions.c.body)
+    if request_ids is not None:
+        stmt = stmt.where(interactions.c.request_id.in_(list(request_ids)))
+    for rows in iter_id_chunks(engine, stmt, interactions.c.id, chunk):
+        ids = list({r.request_id for r in rows})
         with engine.connect() as conn:
-            rows = conn.execute(stmt).all()
-            if not rows:
-                return
-            ids = list({r.request_id for r in rows})
             # a request is one episode: its first interaction (a producer that sent two is buggy)
             first = dict(conn.execute(
                 select(interactions.c.request_id, func.min(interactions.c.id))
@@ -66,7 +57,6 @@ def iter_episode_chunks(
             by_request.setdefault(f.request_id, []).append(f)
         episodes = [r for r in rows if first[r.request_id] == r.id]
         yield EpisodeChunk(episodes, by_request, stored, duplicates=len(rows) - len(episodes))
-        last_id = rows[-1].id
 
 
 def upsert_rewards(engine: Engine, rows: list[dict[str, Any]]) -> None:
@@ -116,15 +106,9 @@ def judge_scores_for(engine: Engine, request_ids: Sequence[str], judge_version: 
 
 
 def store_judge_scores(engine: Engine, judge_version: str, scores: dict[str, float]) -> None:
-    if not scores:
-        return
-    now = utcnow()
-    rows = [{"request_id": r, "judge_version": judge_version, "score": s, "computed_at": now}
-            for r, s in scores.items()]
+    rows = [{"request_id": r, "judge_version": judge_version, "score": s} for r, s in scores.items()]
     with engine.begin() as conn:
-        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
-        conn.execute(dialect.insert(judge_scores).on_conflict_do_nothing(
-            index_elements=["request_id", "judge_version"]), rows)
+        insert_ignore(conn, judge_scores, rows, ["request_id", "judge_version"], same={"computed_at": utcnow()})
 
 
 def trained_request_ids(engine: Engine, request_ids: Sequence[str], spec_version: str) -> set[str]:
