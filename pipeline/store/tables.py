@@ -13,7 +13,6 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
-    Boolean,
     Column,
     DateTime,
     Float,
