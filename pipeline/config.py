@@ -3,6 +3,8 @@
     [store]  url = "sqlite:///<state>/rtrl.db"
     [kafka]  bootstrap = "127.0.0.1:19092"
     [ingest] group_id = "rtrl-ingest", batch_max_records = 2000, ...
+    [train]  base_model = "/models/base", loss = "cispo", learning_rate = 1e-4, ...
+    [mlflow] tracking_uri = "http://mlflow:5000" (default: a SQLite store in the state folder)
 
 Environment overrides use the section and key joined by a double underscore, e.g.
 `RTRL_INGEST__GROUP_ID=workers`, plus the short forms `RTRL_STATE_DIR`, `RTRL_DB_URL` and
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -81,17 +83,89 @@ class RewardConfig(_Section):
     spec: Path | None = Field(default=None, description="reward spec TOML; default: the one shipped with rtrl")
 
 
+LossName = Literal["cispo", "grpo", "dr_grpo", "dapo", "kto"]
+
+
+class TrainConfig(_Section):
+    """One LoRA training run. Defaults suit a small model on one device."""
+
+    base_model: Path | None = Field(default=None, description="local Hugging Face model directory")
+    loss: LossName = "cispo"
+    advantage: Literal["auto", "group", "batch"] = Field(
+        default="auto", description="group-relative where a prompt has several samples, batch-relative otherwise")
+    learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    epochs: int = Field(default=1, ge=1, le=1000)
+    max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; default: all epochs")
+    batch_tokens: int = Field(default=8192, ge=16, description="token budget of one micro-batch (padded)")
+    grad_accum: int = Field(default=1, ge=1, le=1024, description="micro-batches per optimizer step")
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    max_seq_len: int = Field(default=2048, ge=8, description="longer episodes are skipped and counted")
+    seed: int = 0
+    # data selection
+    max_episodes: int | None = Field(default=20_000, ge=1)
+    staleness_s: float | None = Field(
+        default=7 * 86400, gt=0, description="episodes served longer ago than this are excluded (counted)")
+    tenant: str | None = None
+    # LoRA (peft)
+    lora_r: int = Field(default=16, ge=1, le=1024)
+    lora_alpha: float = Field(default=32.0, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    lora_target_modules: list[str] | None = Field(
+        default=None, description="default: the attention and MLP projections of the architecture")
+    # losses and importance correction
+    clip_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip below 1 (grpo, dr_grpo, dapo)")
+    clip_high: float = Field(default=0.28, gt=0, description="PPO clip above 1 (grpo, dr_grpo, dapo)")
+    cispo_weight_cap: float = Field(default=5.0, gt=1, description="CISPO's upper bound on the IS weight")
+    token_truncate: float | None = Field(default=2.0, gt=1, description="truncated importance weight cap")
+    sequence_mask: tuple[float, float] | None = Field(
+        default=(0.1, 10.0), description="sequences whose geometric-mean ratio falls outside carry no loss")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty to the base model (adapter off)")
+    kto_beta: float = Field(default=0.1, gt=0)
+    checkpoint_every: int = Field(default=0, ge=0, description="optimizer steps between checkpoints (0: end only)")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "TrainConfig":
+        if self.sequence_mask is not None and not self.sequence_mask[0] < 1 < self.sequence_mask[1]:
+            raise ValueError(f"train.sequence_mask must bracket 1 (lo < 1 < hi), got {self.sequence_mask}")
+        if self.loss == "kto" and self.advantage == "group":
+            raise ValueError("train.loss = 'kto' labels episodes desirable by advantage sign; use "
+                             "advantage = 'auto' or 'batch' (with 'group', single samples would all be undesirable)")
+        if self.max_seq_len > self.batch_tokens:
+            raise ValueError(f"train.batch_tokens ({self.batch_tokens}) must hold at least one episode of "
+                             f"train.max_seq_len ({self.max_seq_len}) tokens: raise batch_tokens or lower max_seq_len")
+        return self
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
+    experiment: str = "rtrl"
+    registered_model: str = Field(default="rtrl-policy", description="registry name of the served adapter")
+
+
 class Config(_Section):
     state_dir: Path = DEFAULT_STATE_DIR
     store: StoreConfig = StoreConfig()
     kafka: KafkaConfig = KafkaConfig()
     ingest: IngestConfig = IngestConfig()
     reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    mlflow: MlflowConfig = MlflowConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property
     def db_url(self) -> str:
         return self.store.url or f"sqlite:///{self.state_dir / 'rtrl.db'}"
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.state_dir / 'mlflow.db'}"
+
+    @property
+    def artifact_root(self) -> Path:
+        """Where the embedded tracking store keeps run artifacts (a server keeps its own)."""
+        return self.state_dir / "mlartifacts"
 
     @property
     def bootstrap(self) -> str:

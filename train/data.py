@@ -35,6 +35,7 @@ class TokenizedEpisode:
     loss_mask: list[int]  # [L] 1 on the assistant's tokens
     behavior: list[float] | None  # [L] aligned with input_ids (0.0 off the mask), or None
     behavior_note: str  # "served_ids" | "retokenized" | "missing" | "misaligned"
+    temperature: float = 1.0  # the serving temperature the behaviour log-probs were taken at
 
 
 @dataclass

@@ -136,6 +136,30 @@ training_episodes = Table(
     UniqueConstraint("run_id", "request_id"),
 )
 
+# One row per training run: what it started from, the data window it read, where its adapter
+# is, and how it ended. `watermark_to` is the newest reward row the run saw (rewards.id grows
+# as episodes ripen): a run continued from this one reads only rewards after it.
+training_runs = Table(
+    "training_runs",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("tracking_run_id", String(64)),  # the MLflow run
+    Column("status", String(16), nullable=False),  # running | finished | failed
+    Column("spec_version", String(128), nullable=False),
+    Column("loss", String(32), nullable=False),
+    Column("base_model", Text, nullable=False),
+    Column("base_revision", String(64), nullable=False),
+    Column("parent_run_id", String(64)),  # the run whose adapter this one continued
+    Column("watermark_from", BigInteger, nullable=False),
+    Column("watermark_to", BigInteger, nullable=False),
+    Column("episodes", Integer, nullable=False),
+    Column("adapter_path", Text),
+    Column("summary", JSON),  # final metrics and selection counts
+    Column("error", Text),
+    Column("started_at", DateTime, nullable=False),
+    Column("finished_at", DateTime),
+)
+
 # A judge's score is expensive: cached per episode and judge version (model + prompt).
 judge_scores = Table(
     "judge_scores",

@@ -1,0 +1,104 @@
+"""Queries of the training stage: which rewarded episodes a run reads, its lineage, its record.
+
+Selection, in one sentence: rewards of one spec version created after the parent run's
+watermark (rewards.id grows as episodes ripen), whose interaction was served no earlier than
+the staleness cutoff, optionally of one tenant, oldest first up to a limit. Everything left out
+is counted by reason, so a run can say why it trained on fewer episodes than the store holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, and_, func, select, update
+
+from pipeline.store.events import insert_ignore, utcnow
+from pipeline.store.tables import interactions, rewards, training_episodes, training_runs
+
+
+@dataclass
+class Selection:
+    rows: list[Any]  # reward_id, request_id, reward, event_id, policy_version, tenant, ts, body
+    watermark_from: int
+    watermark_to: int  # the newest reward id among the rows (watermark_from when none)
+    counts: dict[str, int] = field(default_factory=dict)  # candidates, stale, other_tenant, over_limit
+
+
+def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
+                    served_after: datetime | None = None, tenant: str | None = None,
+                    limit: int | None = None) -> Selection:
+    """Rewarded episodes for a training run; see the module docstring."""
+    joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
+    window = and_(rewards.c.spec_version == spec_version, rewards.c.id > since_reward_id)
+    with engine.connect() as conn:
+        candidates = conn.scalar(select(func.count()).select_from(rewards).where(window))
+        stale = 0
+        if served_after is not None:
+            stale = conn.scalar(select(func.count(func.distinct(rewards.c.id))).select_from(joined).where(
+                and_(window, interactions.c.ts < served_after)))
+        other_tenant = 0
+        keep = [window]
+        if served_after is not None:
+            keep.append(interactions.c.ts >= served_after)
+        if tenant is not None:
+            other_tenant = conn.scalar(select(func.count(func.distinct(rewards.c.id))).select_from(joined).where(
+                and_(*keep, interactions.c.tenant != tenant)))
+            keep.append(interactions.c.tenant == tenant)
+        stmt = (select(rewards.c.id.label("reward_id"), rewards.c.request_id, rewards.c.value.label("reward"),
+                       interactions.c.id.label("interaction_id"), interactions.c.event_id,
+                       interactions.c.policy_version, interactions.c.tenant, interactions.c.ts, interactions.c.body)
+                .select_from(joined).where(and_(*keep)).order_by(rewards.c.id, interactions.c.id))
+        rows = []
+        seen: set[int] = set()
+        for row in conn.execute(stmt):
+            if row.reward_id in seen:  # a producer sent two interactions for one request: the first counts
+                continue
+            seen.add(row.reward_id)
+            rows.append(row)
+    over_limit = 0
+    if limit is not None and len(rows) > limit:
+        # oldest first: the watermark then only moves past episodes a run has actually read
+        over_limit, rows = len(rows) - limit, rows[:limit]
+    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant, "over_limit": over_limit,
+              "selected": len(rows)}
+    watermark_to = max((r.reward_id for r in rows), default=since_reward_id)
+    return Selection(rows, since_reward_id, watermark_to, counts)
+
+
+def start_run(engine: Engine, **values: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(training_runs.insert().values(status="running", started_at=utcnow(), **values))
+
+
+def finish_run(engine: Engine, run_id: str, status: str, **values: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(training_runs).where(training_runs.c.run_id == run_id)
+                     .values(status=status, finished_at=utcnow(), **values))
+
+
+def get_run(engine: Engine, run_id: str) -> Any | None:
+    with engine.connect() as conn:
+        return conn.execute(select(training_runs).where(training_runs.c.run_id == run_id)).first()
+
+
+def latest_finished_run(engine: Engine) -> Any | None:
+    with engine.connect() as conn:
+        return conn.execute(select(training_runs).where(training_runs.c.status == "finished")
+                            .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
+
+
+def record_lineage(engine: Engine, run_id: str, spec_version: str, episodes: list[tuple[str, float]]) -> None:
+    """The exact episodes (request_id, reward used) a run trained on."""
+    rows = [{"request_id": rid, "reward": value} for rid, value in episodes]
+    with engine.begin() as conn:
+        insert_ignore(conn, training_episodes, rows, ["run_id", "request_id"],
+                      same={"run_id": run_id, "spec_version": spec_version, "used_at": utcnow()})
+
+
+def lineage(engine: Engine, run_id: str) -> list[Any]:
+    with engine.connect() as conn:
+        return conn.execute(select(training_episodes.c.request_id, training_episodes.c.reward)
+                            .where(training_episodes.c.run_id == run_id)
+                            .order_by(training_episodes.c.request_id)).all()

@@ -1,0 +1,253 @@
+"""The training loop: tokenized, rewarded episodes -> an updated LoRA adapter.
+
+    advantages  group-relative where a prompt was sampled several times, batch-relative otherwise
+    per optimizer step, for each of `grad_accum` micro-batches:
+        logp     = log pi_theta(target token)                             [B, T]
+        behavior = serving-time log mu(token)                             [B, T]
+        weight, mask = importance correction (truncation, sequence mask)  [B, T]
+        loss     = aggregate(per_token(logp, behavior, adv) * weight + kl_coef * KL_k3, mask)
+        (loss / grad_accum).backward()
+    clip the gradient norm, AdamW step, log the step's metrics, checkpoint when due
+
+Episodes logged without behaviour log-probs (or with ones that could not be aligned) get them
+recomputed once, before the first step, from the policy the run starts from (the champion):
+exact when that policy served them, an approximation otherwise -- the caller counts which. This
+keeps the importance ratio anchored to a fixed policy; a ratio pinned to 1 (logp.detach() at
+every step) would let many epochs push those episodes without bound.
+
+KL to the base model uses the adapter switched off as the reference (no second model in
+memory) and Schulman's k3 estimator, exp(ref - logp) - (ref - logp) - 1, as TRL's GRPO does.
+The learning rate is constant: runs are short continuations of the champion, not schedules
+from scratch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import TrainConfig
+from train.batches import MicroBatch, collate, mismatched_pairs, pack
+from train.checkpoint import load_checkpoint, save_checkpoint
+from train.data import TokenizedEpisode
+from train.importance import CorrectionConfig, advantages, correct
+from train.losses import LOSSES, LossConfig
+from train.tracking import Tracker
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    tokens: int
+    seconds: float
+    advantages: list[float]
+    history: list[dict[str, float]] = field(default_factory=list)  # one dict of metrics per step
+
+
+def token_logprobs(model: Any, batch: MicroBatch, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target token [B, T], entropy of each position's distribution [B, T], no grad)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()  # [B, T, V]
+    logits = logits / temperature[:, None, None]  # the distribution serving sampled from
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T, 1]
+    # gather minus logsumexp: never materialises a second [B, T, V] tensor of log-probs
+    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T]
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, T]
+    return logp, entropy
+
+
+def loss_config(cfg: TrainConfig, max_completion_tokens: int) -> LossConfig:
+    return LossConfig(
+        epsilon_low=cfg.clip_low,
+        epsilon_high=cfg.cispo_weight_cap if cfg.loss == "cispo" else cfg.clip_high,
+        max_completion_length=max_completion_tokens, kto_beta=cfg.kto_beta,
+    )
+
+
+def plan_microbatches(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
+    """Episode indices of every micro-batch of the run, in order: epochs until max_steps is covered."""
+    plan: list[list[int]] = []
+    epoch = 0
+    needed = cfg.max_steps * cfg.grad_accum if cfg.max_steps else None
+    while epoch < cfg.epochs or (needed and len(plan) < needed):
+        plan += pack(lengths, cfg.batch_tokens, cfg.seed, epoch)
+        epoch += 1
+    return plan[:needed] if needed else plan
+
+
+def _reference_logprobs(model: Any, batch: MicroBatch, temperature: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), model.disable_adapter():  # the base policy: the same weights, adapter off
+        return token_logprobs(model, batch, temperature)[0]
+
+
+def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int, batch_tokens: int,
+                       temperature: torch.Tensor) -> torch.Tensor:
+    """Fill in behaviour log-probs of the episodes that have none, from `model` as it is now;
+    returns them as one padded tensor [N_missing, L_max] (row k: the k-th such episode)."""
+    missing = [i for i, e in enumerate(episodes) if e.behavior is None]
+    device = next(model.parameters()).device.type
+    width = max((len(episodes[i].input_ids) for i in missing), default=1)
+    out = torch.zeros(len(missing), width)
+    was_training = model.training
+    model.eval()  # no dropout: these stand for what serving computed
+    with torch.no_grad():
+        for rows in pack([len(episodes[i].input_ids) for i in missing], batch_tokens, seed=0, epoch=0):
+            index = [missing[k] for k in rows]
+            batch = collate(episodes, index, pad_id, device)
+            logp = token_logprobs(model, batch, temperature[torch.tensor(index, device=device)])[0] * batch.mask
+            for row, k in enumerate(rows):
+                out[k, 1:logp.size(1) + 1] = logp[row].cpu()  # position t scores token t + 1
+    model.train(was_training)
+    set_behavior(episodes, missing, out)
+    return out
+
+
+def set_behavior(episodes: list[TokenizedEpisode], missing: list[int], values: torch.Tensor) -> None:
+    for k, i in enumerate(missing):
+        episodes[i].behavior = values[k, :len(episodes[i].input_ids)].tolist()
+        episodes[i].behavior_note = "recomputed"
+
+
+def train_policy(
+    model: Any,
+    episodes: list[TokenizedEpisode],
+    rewards: list[float],
+    groups: list[str],
+    cfg: TrainConfig,
+    tracker: Tracker,
+    pad_id: int,
+    checkpoint_dir: Path | None = None,
+    resume_from: Path | None = None,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+) -> LoopResult:
+    """Train the (peft-wrapped) `model` in place. `resume_from` is a checkpoint directory whose
+    adapter the caller has loaded into `model`; the optimizer, RNG and step come from it."""
+    device = next(model.parameters()).device.type
+    adv = advantages(rewards, groups, mode=cfg.advantage).to(device)  # [N]
+    reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # [N]
+    temperature = torch.tensor([e.temperature for e in episodes], dtype=torch.float32, device=device)  # [N]
+    plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg)
+    total_steps = math.ceil(len(plan) / cfg.grad_accum)
+    loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes))
+    correction = CorrectionConfig(token_truncate=cfg.token_truncate, token_mask=None, sequence_truncate=None,
+                                  sequence_mask=cfg.sequence_mask)
+    per_token_fn, aggregate_fn = LOSSES[cfg.loss]
+    needs_reference = cfg.kl_coef > 0 or cfg.loss == "kto"
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    missing = [i for i, e in enumerate(episodes) if e.behavior is None]
+    if resume_from:
+        start, extra = load_checkpoint(resume_from, optimizer)
+        recomputed = extra.get("recomputed_behavior", torch.zeros(0, 1))
+        set_behavior(episodes, missing, recomputed)
+    else:
+        start, recomputed = 0, recompute_behavior(model, episodes, pad_id, cfg.batch_tokens, temperature)
+    recomputed_flag = torch.zeros(len(episodes), dtype=torch.bool, device=device)
+    recomputed_flag[missing] = True
+    model.train()
+    result = LoopResult(steps=start, tokens=0, seconds=0.0, advantages=adv.tolist())
+    for step in range(start, total_steps):
+        t0 = time.perf_counter()
+        micro = plan[step * cfg.grad_accum:(step + 1) * cfg.grad_accum]
+        sums: dict[str, float] = {}
+
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+
+        tokens = 0
+        for index in micro:
+            batch = collate(episodes, index, pad_id, device)
+            idx = torch.tensor(index, device=device)
+            temp, a = temperature[idx], adv[idx]  # [B], [B]
+            logp, entropy = token_logprobs(model, batch, temp)  # [B, T]
+            behavior = batch.behavior  # [B, T]
+            extra: dict[str, torch.Tensor] = {}
+            if cfg.loss == "kto":
+                weight, mask = torch.ones_like(logp), batch.mask  # KTO compares with the base, not mu
+                ref = _reference_logprobs(model, batch, temp)
+                extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
+                pairs = collate(mismatched_pairs(episodes, index), list(range(len(index))), pad_id, device)
+                with torch.no_grad():
+                    pol_kl = (token_logprobs(model, pairs, temp)[0] * pairs.mask).sum(-1)
+                    ref_kl = (_reference_logprobs(model, pairs, temp) * pairs.mask).sum(-1)
+                extra["kl_ref"] = (pol_kl - ref_kl).mean()  # the reference point z
+                stats = None
+            else:
+                weight, mask, stats = correct(logp, behavior, batch.mask, correction)
+            per_token = per_token_fn(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
+            if cfg.kl_coef > 0:
+                ref = _reference_logprobs(model, batch, temp)
+                kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
+                per_token = per_token + cfg.kl_coef * kl_tok
+                add("kl", float((kl_tok.detach() * mask).sum()))
+            loss = aggregate_fn(per_token, mask, loss_cfg, adv=a, **extra)
+            (loss / len(micro)).backward()
+
+            n_tok = float(mask.sum())
+            tokens += batch.tokens
+            add("loss", float(loss.detach()) / len(micro))
+            add("mask_tokens", n_tok)
+            add("entropy", float((entropy * mask).sum()))
+            add("recomputed_behavior", float(recomputed_flag[idx].sum()))
+            add("sequences", len(index))
+            with torch.no_grad():
+                log_r = (logp - behavior) * mask
+                add("kl_behavior", float(-log_r.sum()))  # k1 estimate of KL(mu || pi) per token
+                r = torch.exp(log_r)
+                if cfg.loss == "cispo":
+                    clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
+                else:
+                    clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
+                               ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
+                add("clipped_tokens", float(clipped.sum()) if cfg.loss != "kto" else 0.0)
+            if stats is not None:
+                add("truncated_tokens", stats.truncated_tokens)
+                add("masked_sequences", stats.masked_sequences)
+                sums["log_ratio_min"] = min(sums.get("log_ratio_min", 0.0), stats.log_ratio_min)
+                sums["log_ratio_max"] = max(sums.get("log_ratio_max", 0.0), stats.log_ratio_max)
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+
+        step_idx = torch.tensor([i for m in micro for i in m], device=device)
+        n_tok = max(sums["mask_tokens"], 1.0)
+        metrics = {
+            "loss": sums["loss"],
+            "reward_mean": float(reward_t[step_idx].mean()),
+            "reward_std": float(reward_t[step_idx].std(unbiased=False)),
+            "advantage_mean": float(adv[step_idx].mean()),
+            "advantage_std": float(adv[step_idx].std(unbiased=False)),
+            "entropy": sums["entropy"] / n_tok,
+            "kl_behavior": sums["kl_behavior"] / n_tok,
+            "clip_frac": sums["clipped_tokens"] / n_tok,
+            "truncated_token_frac": sums.get("truncated_tokens", 0.0) / n_tok,
+            "masked_sequence_frac": sums.get("masked_sequences", 0.0) / sums["sequences"],
+            "log_ratio_min": sums.get("log_ratio_min", 0.0),
+            "log_ratio_max": sums.get("log_ratio_max", 0.0),
+            "recomputed_behavior_frac": sums["recomputed_behavior"] / sums["sequences"],
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens / seconds,
+            "learning_rate": cfg.learning_rate,
+        }
+        if "kl" in sums:
+            metrics["kl"] = sums["kl"] / n_tok
+        tracker.log_metrics(metrics, step=step + 1)
+        result.history.append(metrics)
+        result.steps, result.tokens, result.seconds = step + 1, result.tokens + tokens, result.seconds + seconds
+        if checkpoint_dir is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(checkpoint_dir / f"step-{step + 1}", model, optimizer, step + 1,
+                            extra={"recomputed_behavior": recomputed})
+        if on_step:
+            on_step(step + 1, total_steps, metrics)
+    return result

@@ -1,0 +1,67 @@
+"""LoRA adapters (Hu et al., arXiv:2106.09685) on a loaded policy, via peft.
+
+    attach_adapter(model, cfg)                 a fresh trainable adapter, targets per architecture
+    load_adapter(model, path)                  continue a saved adapter (the champion's) trainably
+    save_adapter(model, out)                   adapter_model.safetensors + adapter_config.json
+
+Targets: the attention and MLP projections of the architectures we know (adapting the MLP as
+well as attention is what makes LoRA match full fine-tuning, Biderman et al. arXiv:2405.09673),
+peft's own table next, and every linear layer as the last resort. `lora_target_modules`
+overrides all of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import TrainConfig
+from train.models import ModelError
+
+_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS_BY_ARCH: dict[str, list[str]] = {
+    "llama": _PROJ, "mistral": _PROJ, "qwen2": _PROJ, "qwen3": _PROJ, "gemma": _PROJ, "gemma2": _PROJ,
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+}
+
+
+def target_modules(model: Any, cfg: TrainConfig) -> list[str] | str:
+    if cfg.lora_target_modules:
+        return list(cfg.lora_target_modules)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    arch = model.config.model_type
+    return TARGETS_BY_ARCH.get(arch) or PEFT_TARGETS.get(arch) or "all-linear"
+
+
+def attach_adapter(model: Any, cfg: TrainConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=target_modules(model, cfg), bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # peft names the modules it could not find
+        raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}; "
+                         "set train.lora_target_modules to the model's projection names") from None
+
+
+def load_adapter(model: Any, path: str | Path) -> Any:
+    """Load a saved adapter on top of `model`, trainable: the candidate continues the champion."""
+    from peft import PeftModel
+
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise ModelError(f"no adapter at {path}: expected adapter_config.json and adapter_model.safetensors")
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=True)
+    except Exception as exc:  # noqa: BLE001 - a corrupt file raises safetensors, json or shape errors
+        raise ModelError(f"cannot load the adapter at {path}: {type(exc).__name__}: {exc}") from None
+
+
+def save_adapter(model: Any, out: str | Path) -> Path:
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,208 @@
+"""The training stage: select rewarded episodes, train a LoRA update, record everything.
+
+    select     rewards of the spec created after the parent's watermark, served within the
+               staleness budget, optionally one tenant (pipeline/store/training.py)
+    load       the base model; the parent's adapter (the champion's) trainable, else a fresh one
+    tokenize   assistant-only loss masks, behaviour log-probs aligned or dropped (train/data.py)
+    train      train/loop.py
+    record     <run>/adapter (safetensors + rtrl_run.json: run id, data watermark, base model),
+               <run>/episodes.jsonl (the exact episodes and rewards), the lineage rows, the
+               training_runs row, and the tracker's run (params, per-step metrics, artifacts)
+
+An adapter directory carries its own data watermark in rtrl_run.json: continuing from it reads
+only rewards the parent never saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from sqlalchemy import Engine
+
+from pipeline.config import TrainConfig
+from pipeline.store.events import utcnow
+from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
+from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
+from train.lora import attach_adapter, load_adapter, save_adapter
+from train.loop import LoopResult, train_policy
+from train.models import ModelError, load_policy
+from train.tracking import Tracker
+
+RUN_MANIFEST = "rtrl_run.json"
+
+
+class NothingToTrain(RuntimeError):
+    """No usable episode: the message says what was excluded and what to do."""
+
+
+@dataclass
+class Parent:
+    adapter: Path
+    run_id: str | None
+    watermark: int
+
+    @classmethod
+    def from_adapter(cls, path: str | Path) -> "Parent":
+        path = Path(path)
+        if not (path / "adapter_config.json").is_file():
+            raise ModelError(f"no adapter at {path}: expected adapter_config.json and adapter_model.safetensors")
+        try:
+            manifest = json.loads((path / RUN_MANIFEST).read_text())
+        except FileNotFoundError:  # an adapter made outside rtrl: it has seen none of our data
+            return cls(path, None, 0)
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"corrupt {path / RUN_MANIFEST}: {exc}") from None
+        return cls(path, manifest.get("run_id"), int(manifest.get("watermark", 0)))
+
+
+@dataclass
+class TrainReport:
+    run_id: str | None
+    selection: dict[str, int]
+    watermark_from: int
+    watermark_to: int
+    data: DataStats = field(default_factory=DataStats)
+    too_long: int = 0
+    unreadable: int = 0
+    by_policy_version: dict[str, int] = field(default_factory=dict)
+    loop: LoopResult | None = None
+    adapter: Path | None = None
+    run_dir: Path | None = None
+
+
+def select(engine: Engine, cfg: TrainConfig, spec_version: str, parent: Parent | None,
+           now: datetime | None = None, since: int | None = None) -> Selection:
+    watermark = since if since is not None else (parent.watermark if parent else 0)
+    served_after = (now or utcnow()) - timedelta(seconds=cfg.staleness_s) if cfg.staleness_s else None
+    return select_episodes(engine, spec_version, since_reward_id=watermark, served_after=served_after,
+                           tenant=cfg.tenant, limit=cfg.max_episodes)
+
+
+def _nothing(report: TrainReport, why: str) -> NothingToTrain:
+    c = report.selection
+    return NothingToTrain(
+        f"nothing to train: {why} ({c['candidates']} rewards after watermark {report.watermark_from}; "
+        f"{c['stale']} stale, {c['other_tenant']} of other tenants, {report.data.skipped or 'no'} skipped, "
+        f"{report.too_long} too long). Ingest more events and run `rtrl reward run`, or widen "
+        "train.staleness_s / drop train.tenant.")
+
+
+def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
+                       report: TrainReport) -> tuple[list[TokenizedEpisode], list[Any]]:
+    """Tokenized episodes and the selection rows they came from (skips counted in `report`)."""
+    episodes, rows = [], []
+    for row in selection.rows:
+        try:
+            ev = orjson.loads(row.body)
+        except orjson.JSONDecodeError:
+            report.unreadable += 1
+            continue
+        out = tokenize_episode(tokenizer, row.request_id, ev.get("prompt", ""), ev.get("completion", ""),
+                               ev.get("completion_token_ids"), ev.get("behavior_logprobs"), report.data)
+        if isinstance(out, Skip):
+            continue
+        if len(out.input_ids) > cfg.max_seq_len:
+            report.too_long += 1
+            continue
+        out.temperature = float((ev.get("sampling") or {}).get("temperature") or 1.0)
+        episodes.append(out)
+        rows.append(row)
+    return episodes, rows
+
+
+def prompt_group(body: str) -> str:
+    """Episodes with the same prompt form a group (for group-relative advantages)."""
+    prompt = orjson.loads(body).get("prompt", "")
+    return hashlib.sha1(orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: Path, tracker: Tracker,
+                 parent: Parent | None = None, since: int | None = None, dry_run: bool = False,
+                 now: datetime | None = None, params: dict[str, Any] | None = None,
+                 on_step: Callable[[int, int, dict[str, float]], None] | None = None) -> TrainReport:
+    """One training run; with `dry_run`, only the selection (nothing loaded, nothing written)."""
+    selection = select(engine, cfg, spec_version, parent, now, since)
+    report = TrainReport(run_id=None, selection=selection.counts, watermark_from=selection.watermark_from,
+                         watermark_to=selection.watermark_to,
+                         by_policy_version=dict(Counter(r.policy_version for r in selection.rows)))
+    if dry_run:
+        return report
+    if not selection.rows:
+        raise _nothing(report, "no rewarded episode selected")
+    if cfg.base_model is None:
+        raise ModelError("train.base_model is not set: point it at a local model directory "
+                         "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(cfg.base_model)
+    episodes, rows = tokenize_selection(policy.tokenizer, selection, cfg, report)
+    if not episodes:
+        raise _nothing(report, "every selected episode was skipped")
+    report.watermark_to = selection.watermark_to  # skipped episodes are read too: never selected again
+    model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
+
+    run_id = report.run_id = uuid.uuid4().hex
+    run_dir = report.run_dir = runs_dir / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_run(engine, run_id=run_id, tracking_run_id=tracker.run_id, spec_version=spec_version, loss=cfg.loss,
+              base_model=str(policy.path), base_revision=policy.revision,
+              parent_run_id=parent.run_id if parent else None, watermark_from=selection.watermark_from,
+              watermark_to=selection.watermark_to, episodes=len(episodes))
+    try:
+        tracker.set_tags({"rtrl.run_id": run_id, "rtrl.spec_version": spec_version})
+        tracker.log_params({
+            **{f"train.{k}": v for k, v in cfg.model_dump(mode="json").items()},
+            **(params or {}),
+            "spec_version": spec_version, "base_model": str(policy.path), "base_revision": policy.revision,
+            "parent_adapter": str(parent.adapter) if parent else None,
+            "parent_run_id": parent.run_id if parent else None,
+            "watermark_from": selection.watermark_from, "watermark_to": selection.watermark_to,
+            "episodes": len(episodes), "device": policy.device,
+            **{f"selection.{k}": v for k, v in selection.counts.items()},
+        })
+        groups = [prompt_group(r.body) for r in rows]
+        rewards = [float(r.reward) for r in rows]
+        report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
+                                   checkpoint_dir=run_dir / "checkpoints", on_step=on_step)
+        report.adapter = save_adapter(model, run_dir / "adapter")
+        manifest = {"run_id": run_id, "watermark": selection.watermark_to, "spec_version": spec_version,
+                    "loss": cfg.loss, "base_model": str(policy.path), "base_revision": policy.revision,
+                    "parent_run_id": parent.run_id if parent else None, "episodes": len(episodes)}
+        (report.adapter / RUN_MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _write_episode_manifest(run_dir / "episodes" / "episodes.jsonl", rows, episodes, report.loop.advantages)
+        tracker.log_artifacts(report.adapter, "adapter")
+        tracker.log_artifacts(run_dir / "episodes", "episodes")
+        record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward)) for r in rows])
+        summary = {"steps": report.loop.steps, "tokens": report.loop.tokens, "seconds": round(report.loop.seconds, 3),
+                   "final": report.loop.history[-1] if report.loop.history else {},
+                   "selection": selection.counts, "skipped": report.data.skipped,
+                   "behavior": report.data.behavior, "too_long": report.too_long}
+        finish_run(engine, run_id, "finished", adapter_path=str(report.adapter), summary=summary)
+        tracker.end("FINISHED")
+    except BaseException as exc:
+        finish_run(engine, run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        tracker.end("FAILED")
+        raise
+    return report
+
+
+def _write_episode_manifest(path: Path, rows: list[Any], episodes: list[TokenizedEpisode],
+                            adv: list[float]) -> None:
+    """One line per trained episode: enough to find the events behind any adapter."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        for row, ep, a in zip(rows, episodes, adv):
+            f.write(orjson.dumps({
+                "request_id": row.request_id, "interaction_event_id": row.event_id, "reward_id": row.reward_id,
+                "reward": row.reward, "advantage": round(a, 6), "policy_version": row.policy_version,
+                "tenant": row.tenant, "behavior": ep.behavior_note, "tokens": len(ep.input_ids),
+            }) + b"\n")
