@@ -139,3 +139,11 @@ def cfg(cfg_env) -> Config:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def reverse_base(tmp_path_factory) -> Path:
+    """The base policy of the reverse-a-string task (tests/reverse_task.py), built once."""
+    from tests import reverse_task
+
+    return reverse_task.make_base(tmp_path_factory.mktemp("reverse-base"))

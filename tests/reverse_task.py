@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
@@ -95,3 +96,23 @@ def sample_episodes(model, tok, prompts: list[str], per_prompt: int, seed: int =
     return [{"prompt": prompt_text(s), "completion": c, "completion_token_ids": t, "behavior_logprobs": lp,
              "reward": reward(s, c), "group": s}
             for s, c, t, lp in zip(batch, texts, token_ids, logprobs)]
+
+
+def as_events(episodes: list[dict], prefix: str, start: datetime, tenants: tuple[str, ...] = ("acme",)) -> list[dict]:
+    """Each episode as the interaction serving emitted and the test_result feedback that followed."""
+    from tests.factories import feedback, interaction
+
+    out = []
+    for i, e in enumerate(episodes):
+        ts = start + timedelta(seconds=i)
+        out.append(interaction(i, prefix=prefix, ts=_rfc3339(ts), tenant=tenants[i % len(tenants)],
+                               prompt=e["prompt"], completion=e["completion"],
+                               completion_token_ids=e["completion_token_ids"],
+                               behavior_logprobs=e["behavior_logprobs"], sampling={"temperature": 1.0}))
+        out.append(feedback(i, prefix=prefix, kind="test_result", value=e["reward"] > 0,
+                            ts=_rfc3339(ts + timedelta(seconds=1))))
+    return out
+
+
+def _rfc3339(ts: datetime) -> str:
+    return ts.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")

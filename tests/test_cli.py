@@ -21,6 +21,7 @@ COMMANDS = [
     ["ingest"], ["replay"], ["export"], ["status"],
     ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
     ["reward", "audit"], ["model"], ["model", "init-tiny"], ["model", "show"],
+    ["train"], ["train", "run"], ["train", "show"],
 ]
 
 

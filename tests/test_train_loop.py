@@ -20,8 +20,8 @@ CFG = TrainConfig(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=6
 
 
 @pytest.fixture(scope="session")
-def base_model(tmp_path_factory):
-    return task.make_base(tmp_path_factory.mktemp("reverse-base"))
+def base_model(reverse_base):
+    return reverse_base
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@
     rtrl status                    lag, table counts, dead letters
     rtrl reward run|explain|diff|recompute|audit   rewards from delayed outcomes
     rtrl model init-tiny|show      base models (local directories)
+    rtrl train run|show            LoRA updates from rewarded episodes, tracked in MLflow
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pipeline.cli import events as event_cmds
 from pipeline.cli import kafka as kafka_cmds
 from pipeline.cli import model as model_cmds
 from pipeline.cli import reward as reward_cmds
+from pipeline.cli import train as train_cmds
 from pipeline.cli.common import CONTEXT_SETTINGS, Context
 from pipeline.logs import setup_logging
 
@@ -46,6 +48,7 @@ cli.add_command(kafka_cmds.kafka)
 cli.add_command(db_cmds.db)
 cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
+cli.add_command(train_cmds.train)
 for command in event_cmds.COMMANDS:
     cli.add_command(command)
 

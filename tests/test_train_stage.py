@@ -1,0 +1,154 @@
+"""The training stage against the store (SQLite and PostgreSQL) and, end to end, through Kafka:
+selection (watermark, staleness, tenant), lineage, the adapter's manifest, counted skips, and
+`rtrl train run` producing an MLflow run and an adapter from events ingested from the broker."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+from ingest.batch import decode_records
+from pipeline.cli import cli
+from pipeline.config import TrainConfig
+from pipeline.store.events import utcnow, write_rows
+from pipeline.store.tables import rewards, training_episodes
+from pipeline.store.training import get_run, lineage
+from reward.spec import load_spec
+from reward.stage import run_rewards
+from tests import reverse_task as task
+from tests.factories import BASE_TS, encode, feedback, interaction
+from train.models import load_policy
+from train.run import NothingToTrain, Parent, run_training
+from train.tracking import MemoryTracker
+
+SPEC = load_spec()
+LATER = BASE_TS.replace(tzinfo=None) + timedelta(days=1)  # every episode ripe by the window
+
+
+@pytest.fixture(scope="module")
+def samples(reverse_base):
+    policy = load_policy(reverse_base, device="cpu")
+    prompts, _ = task.split()
+    return task.sample_episodes(policy.model, policy.tokenizer, prompts[:24], per_prompt=2, seed=2)
+
+
+def store(engine, events):
+    recs = [("t", 0, i, encode(ev)) for i, ev in enumerate(events)]
+    write_rows(engine, decode_records(recs, 1 << 20).rows)
+
+
+def cfg_for(base, **over) -> TrainConfig:
+    return TrainConfig(base_model=base, batch_tokens=512, max_seq_len=64, lora_r=4, lora_alpha=8, **over)
+
+
+def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermark(
+        engine, reverse_base, samples, tmp_path):
+    first, second = samples[:30], samples[30:]
+    store(engine, task.as_events(first, "a", BASE_TS, tenants=("acme", "globex")))
+    run_rewards(engine, SPEC, now=LATER)
+    cfg = cfg_for(reverse_base)
+
+    tracker = MemoryTracker()
+    report = run_training(engine, cfg, SPEC.version, tmp_path / "runs", tracker, now=LATER)
+    assert report.selection["selected"] == 30 and report.data.episodes == 30
+    with engine.connect() as conn:
+        newest_reward = conn.scalar(select(func.max(rewards.c.id)))
+    assert report.watermark_to == newest_reward
+
+    row = get_run(engine, report.run_id)
+    assert row.status == "finished" and row.watermark_to == newest_reward and row.episodes == 30
+    assert row.base_revision == load_policy(reverse_base, device="cpu").revision
+    assert {r.request_id for r in lineage(engine, report.run_id)} == {f"a-r-{i}" for i in range(30)}
+    manifest = json.loads((report.adapter / "rtrl_run.json").read_text())
+    assert manifest["watermark"] == newest_reward and manifest["run_id"] == report.run_id
+    assert (report.adapter / "adapter_model.safetensors").is_file()
+    lines = (report.run_dir / "episodes" / "episodes.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["interaction_event_id"] for x in lines) == sorted(f"a-i-{i}" for i in range(30))
+    assert tracker.status == "FINISHED" and set(tracker.artifacts) == {"adapter", "episodes"}
+    assert tracker.params["spec_version"] == SPEC.version and tracker.params["watermark_to"] == newest_reward
+    assert len(tracker.metrics) == report.loop.steps >= 1
+
+    # continuing from that adapter: nothing new yet is a clear refusal, not an empty run
+    parent = Parent.from_adapter(report.adapter)
+    with pytest.raises(NothingToTrain, match="no rewarded episode selected"):
+        run_training(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER)
+    store(engine, task.as_events(second, "b", BASE_TS + timedelta(hours=1)))
+    run_rewards(engine, SPEC, now=LATER)
+    child = run_training(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER)
+    assert child.selection["candidates"] == len(second) == child.data.episodes
+    assert get_run(engine, child.run_id).parent_run_id == report.run_id
+
+
+def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_base, samples, tmp_path):
+    store(engine, task.as_events(samples[:20], "old", BASE_TS, tenants=("acme", "globex")))
+    store(engine, task.as_events(samples[20:40], "new", BASE_TS + timedelta(days=3), tenants=("acme", "globex")))
+    run_rewards(engine, SPEC, now=LATER + timedelta(days=3))
+    cfg = cfg_for(reverse_base, staleness_s=2 * 86400, tenant="acme", max_episodes=6)
+    report = run_training(engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True,
+                          now=LATER + timedelta(days=3))
+    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "over_limit": 4, "selected": 6}
+    assert report.run_id is None  # a dry run loads and writes nothing
+    with engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(training_episodes)) == 0
+
+
+def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, samples, tmp_path):
+    good = task.as_events(samples[:8], "g", BASE_TS)
+    empty = interaction(100, prefix="x", completion="", completion_token_ids=None, behavior_logprobs=None)
+    no_assistant = interaction(101, prefix="x", completion=[{"role": "tool", "content": "exit 1"}],
+                               completion_token_ids=None, behavior_logprobs=None)
+    misaligned = interaction(102, prefix="x", prompt="abc>", completion="cba", completion_token_ids=None,
+                             behavior_logprobs=[-0.1])  # three tokens, one log-prob
+    fb = [feedback(i, prefix="x", kind="accepted") for i in (100, 101, 102)]
+    store(engine, good + [empty, no_assistant, misaligned] + fb)
+    run_rewards(engine, SPEC, now=LATER)
+    report = run_training(engine, cfg_for(reverse_base), SPEC.version, tmp_path, MemoryTracker(), now=LATER)
+    assert report.data.skipped == {"empty_completion": 1, "no_assistant_tokens": 1}
+    assert report.data.behavior.get("misaligned") == 1 and report.data.episodes == 9
+    assert {r.request_id for r in lineage(engine, report.run_id)} >= {"x-r-102"}
+
+
+def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine, reverse_base, samples, topics,
+                                                          kafka_bootstrap):
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_ingest_kafka import ingest_until_idle, produce
+
+    events = task.as_events(samples, "k", utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
+    for kind in ("interaction", "feedback"):
+        batch = [e for e in events if e["type"] == kind]
+        produce(kafka_bootstrap, topics[kind if kind == "feedback" else "interactions"], [encode(e) for e in batch],
+                keys=[e["request_id"].encode() for e in batch])
+    assert ingest_until_idle(cfg, engine).events == len(events)
+    env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__BATCH_TOKENS": "512",
+           "RTRL_TRAIN__MAX_SEQ_LEN": "64", "RTRL_TRAIN__LORA_R": "4"}
+    runner = CliRunner()
+    assert runner.invoke(cli, ["reward", "run"], env=env).exit_code == 0
+    dry = runner.invoke(cli, ["train", "run", "--dry-run"], env=env)
+    assert dry.exit_code == 0 and f"selected: {len(samples)}" in dry.output, dry.output
+
+    out = runner.invoke(cli, ["train", "run", "--epochs", "2"], env=env)
+    assert out.exit_code == 0, out.output
+    print(out.output)
+    run_id = next(line.split()[1] for line in out.output.splitlines() if line.startswith("run "))
+    row = get_run(engine, run_id)
+    assert row.status == "finished" and row.episodes == len(samples)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{cfg.state_dir / 'mlflow.db'}")
+    mlrun = client.get_run(row.tracking_run_id)
+    assert mlrun.info.status == "FINISHED" and mlrun.data.params["train.loss"] == "cispo"
+    assert mlrun.data.params["spec_version"] == SPEC.version and mlrun.data.params["episodes"] == str(len(samples))
+    losses = client.get_metric_history(mlrun.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, row.summary["steps"] + 1))
+    artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id, "adapter")}
+    assert {"adapter/adapter_model.safetensors", "adapter/rtrl_run.json"} <= artifacts
+    assert [a.path for a in client.list_artifacts(mlrun.info.run_id, "episodes")] == ["episodes/episodes.jsonl"]
+
+    shown = runner.invoke(cli, ["train", "show", run_id, "--episodes"], env=env)
+    assert shown.exit_code == 0 and "k-r-0" in shown.output
+    missing = runner.invoke(cli, ["train", "run", "--base-model", "/nonexistent"], env=env)
+    assert missing.exit_code != 0 and "/nonexistent" in missing.output
