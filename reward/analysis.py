@@ -21,8 +21,8 @@ from sqlalchemy import Engine
 
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import iter_episode_chunks
+from pipeline.textchecks import is_abstention
 from reward.compute import RewardResult, compute_reward, is_ripe
-from reward.guards import is_abstention
 from reward.signals import Episode
 from reward.spec import RewardSpec
 from reward.stage import build_episode
