@@ -107,6 +107,8 @@ class TrainConfig(_Section):
     staleness_s: float | None = Field(
         default=7 * 86400, gt=0, description="episodes served longer ago than this are excluded (counted)")
     tenant: str | None = None
+    holdout_percent: float = Field(
+        default=10.0, ge=0, lt=100, description="share of episodes (by request id) that never train: the gate's eval set")
     # LoRA (peft)
     lora_r: int = Field(default=16, ge=1, le=1024)
     lora_alpha: float = Field(default=32.0, gt=0)
@@ -137,6 +139,62 @@ class TrainConfig(_Section):
         return self
 
 
+class Bound(_Section):
+    """Limits on one evaluation metric: absolute, and as a change from the champion (the
+    direction is in the name: an increase or a decrease beyond the limit fails)."""
+
+    min: float | None = None
+    max: float | None = None
+    max_increase: float | None = Field(default=None, ge=0)
+    max_decrease: float | None = Field(default=None, ge=0)
+    max_rel_increase: float | None = Field(default=None, ge=0, description="fraction of the champion's value")
+    max_rel_decrease: float | None = Field(default=None, ge=0, description="fraction of the champion's value")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Bound":
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+def _default_bounds() -> dict[str, Bound]:
+    return {
+        "abstention_rate": Bound(max=0.3, max_increase=0.05),
+        "repetition_rate": Bound(max=0.3, max_increase=0.05),
+        "tool_format_error_rate": Bound(max=0.1, max_increase=0.02),
+        "mean_length": Bound(max_rel_increase=0.5, max_rel_decrease=0.5),
+        "smoke_latency_ms": Bound(max_rel_increase=1.0),
+    }
+
+
+class GateConfig(_Section):
+    """When a candidate may replace the champion. Every criterion must hold."""
+
+    min_improvement: float = Field(
+        default=0.0, description="the lower confidence bound of (candidate - champion) reward must exceed this")
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)
+    bootstrap: int = Field(default=1000, ge=100, le=100_000)
+    min_ess: float = Field(default=20.0, ge=1, description="effective sample size below which the estimate is refused")
+    max_kl: float = Field(default=0.5, gt=0, description="KL(champion || candidate) per token")
+    sequence_ratio_cap: float = Field(default=20.0, gt=1, description="clip of the sequence IS ratio")
+    bounds: dict[str, Bound] = Field(default_factory=_default_bounds)
+    suite: Path | None = Field(default=None, description="regression suite TOML (deploy/suite.py)")
+    eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
+    generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
+    max_new_tokens: int = Field(default=64, ge=1)
+    first_deployment: Literal["absolute", "refuse"] = Field(
+        default="absolute", description="with no champion: gate on absolute bounds only, or refuse (promote by hand)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds_extend_the_defaults(cls, data: Any) -> Any:
+        # [gate.bounds.mean_length] in a file changes that metric's bounds, not the whole table
+        if isinstance(data, dict) and isinstance(data.get("bounds"), dict):
+            defaults = {k: v.model_dump(exclude_none=True) for k, v in _default_bounds().items()}
+            data = {**data, "bounds": {**defaults, **data["bounds"]}}
+        return data
+
+
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
@@ -152,6 +210,7 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    gate: GateConfig = GateConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property

@@ -85,3 +85,14 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"migrations {target}" in out.stdout and "is at revision" in out.stdout
     assert Path(tmp_path / "state" / "rtrl.db").exists()
+
+
+def test_the_readme_config_example_is_valid(tmp_path):
+    from pipeline.config import load_config
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Configuration"):]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "rtrl.toml").write_text(example)
+    cfg = load_config(tmp_path / "rtrl.toml", environ={})
+    assert cfg.train.loss == "cispo" and cfg.mlflow.tracking_uri == "http://mlflow:5000"

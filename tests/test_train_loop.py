@@ -128,3 +128,15 @@ def test_missing_or_corrupt_adapter_is_a_model_error(base_model, tmp_path):
     (bad / "adapter_config.json").write_text("{not json")
     with pytest.raises(ModelError, match="cannot load the adapter"):
         load_adapter(policy.model, bad)
+
+
+@pytest.mark.parametrize("loss,kl_coef", [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("kto", 0.0),
+                                          ("cispo", 0.05)])
+def test_every_loss_of_the_table_trains_in_the_loop(base_model, logged, loss, kl_coef):
+    episodes = logged[0][:64]
+    cfg = CFG.model_copy(update={"loss": loss, "kl_coef": kl_coef, "epochs": 1, "max_steps": 2, "batch_tokens": 256})
+    model, _, result, tracker = train(base_model, episodes, cfg)
+    assert result.steps == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for _, m in tracker.metrics)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: the update moved it
+    assert ("kl" in tracker.metrics[-1][1]) == (kl_coef > 0)

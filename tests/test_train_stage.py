@@ -16,7 +16,7 @@ from pipeline.cli import cli
 from pipeline.config import TrainConfig
 from pipeline.store.events import utcnow, write_rows
 from pipeline.store.tables import rewards, training_episodes
-from pipeline.store.training import get_run, lineage
+from pipeline.store.training import get_run, is_held_out, lineage, select_eval_episodes
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
@@ -42,7 +42,8 @@ def store(engine, events):
 
 
 def cfg_for(base, **over) -> TrainConfig:
-    return TrainConfig(base_model=base, batch_tokens=512, max_seq_len=64, lora_r=4, lora_alpha=8, **over)
+    return TrainConfig(base_model=base, batch_tokens=512, max_seq_len=64, lora_r=4, lora_alpha=8,
+                       **{"holdout_percent": 0.0, **over})
 
 
 def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermark(
@@ -90,10 +91,26 @@ def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_bas
     cfg = cfg_for(reverse_base, staleness_s=2 * 86400, tenant="acme", max_episodes=6)
     report = run_training(engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True,
                           now=LATER + timedelta(days=3))
-    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "over_limit": 4, "selected": 6}
+    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "held_out": 0, "over_limit": 4,
+                                "selected": 6}
     assert report.run_id is None  # a dry run loads and writes nothing
     with engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(training_episodes)) == 0
+
+
+def test_the_held_out_slice_never_trains_and_is_what_the_gate_evaluates(engine, reverse_base, samples, tmp_path):
+    store(engine, task.as_events(samples, "h", BASE_TS))
+    run_rewards(engine, SPEC, now=LATER)
+    held = {f"h-r-{i}" for i in range(len(samples)) if is_held_out(f"h-r-{i}", 30.0)}
+    assert 0 < len(held) < len(samples)
+    report = run_training(engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path,
+                          MemoryTracker(), now=LATER)
+    assert report.selection["held_out"] == len(held)
+    assert not held & {r.request_id for r in lineage(engine, report.run_id)}
+    evals = select_eval_episodes(engine, SPEC.version, 30.0, limit=len(samples))
+    assert {r.request_id for r in evals} == held
+    assert [r.ts for r in evals] == sorted((r.ts for r in evals), reverse=True)  # newest first
+    assert len(select_eval_episodes(engine, SPEC.version, 30.0, limit=3)) == 3
 
 
 def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, samples, tmp_path):
@@ -129,19 +146,21 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     runner = CliRunner()
     assert runner.invoke(cli, ["reward", "run"], env=env).exit_code == 0
     dry = runner.invoke(cli, ["train", "run", "--dry-run"], env=env)
-    assert dry.exit_code == 0 and f"selected: {len(samples)}" in dry.output, dry.output
+    held = sum(is_held_out(e["request_id"], 10.0) for e in events if e["type"] == "interaction")
+    assert dry.exit_code == 0 and f"selected: {len(samples) - held}" in dry.output, dry.output
 
     out = runner.invoke(cli, ["train", "run", "--epochs", "2"], env=env)
     assert out.exit_code == 0, out.output
     print(out.output)
     run_id = next(line.split()[1] for line in out.output.splitlines() if line.startswith("run "))
     row = get_run(engine, run_id)
-    assert row.status == "finished" and row.episodes == len(samples)
+    assert row.status == "finished" and row.episodes == len(samples) - held
 
     client = MlflowClient(tracking_uri=f"sqlite:///{cfg.state_dir / 'mlflow.db'}")
     mlrun = client.get_run(row.tracking_run_id)
     assert mlrun.info.status == "FINISHED" and mlrun.data.params["train.loss"] == "cispo"
-    assert mlrun.data.params["spec_version"] == SPEC.version and mlrun.data.params["episodes"] == str(len(samples))
+    assert mlrun.data.params["spec_version"] == SPEC.version
+    assert mlrun.data.params["episodes"] == str(len(samples) - held)
     losses = client.get_metric_history(mlrun.info.run_id, "loss")
     assert [m.step for m in losses] == list(range(1, row.summary["steps"] + 1))
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id, "adapter")}
@@ -149,6 +168,7 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     assert [a.path for a in client.list_artifacts(mlrun.info.run_id, "episodes")] == ["episodes/episodes.jsonl"]
 
     shown = runner.invoke(cli, ["train", "show", run_id, "--episodes"], env=env)
-    assert shown.exit_code == 0 and "k-r-0" in shown.output
+    trained = [e["request_id"] for e in events if e["type"] == "interaction" and not is_held_out(e["request_id"], 10.0)]
+    assert shown.exit_code == 0 and all(f"  {r}\t" in shown.output for r in trained)
     missing = runner.invoke(cli, ["train", "run", "--base-model", "/nonexistent"], env=env)
     assert missing.exit_code != 0 and "/nonexistent" in missing.output

@@ -48,15 +48,15 @@ def attach_adapter(model: Any, cfg: TrainConfig) -> Any:
                          "set train.lora_target_modules to the model's projection names") from None
 
 
-def load_adapter(model: Any, path: str | Path) -> Any:
-    """Load a saved adapter on top of `model`, trainable: the candidate continues the champion."""
+def load_adapter(model: Any, path: str | Path, adapter_name: str = "default", trainable: bool = True) -> Any:
+    """Load a saved adapter on top of `model`; trainable by default: the candidate continues the champion."""
     from peft import PeftModel
 
     path = Path(path)
     if not (path / "adapter_config.json").is_file():
         raise ModelError(f"no adapter at {path}: expected adapter_config.json and adapter_model.safetensors")
     try:
-        return PeftModel.from_pretrained(model, path, is_trainable=True)
+        return PeftModel.from_pretrained(model, path, adapter_name=adapter_name, is_trainable=trainable)
     except Exception as exc:  # noqa: BLE001 - a corrupt file raises safetensors, json or shape errors
         raise ModelError(f"cannot load the adapter at {path}: {type(exc).__name__}: {exc}") from None
 

@@ -85,14 +85,15 @@ def select(engine: Engine, cfg: TrainConfig, spec_version: str, parent: Parent |
     watermark = since if since is not None else (parent.watermark if parent else 0)
     served_after = (now or utcnow()) - timedelta(seconds=cfg.staleness_s) if cfg.staleness_s else None
     return select_episodes(engine, spec_version, since_reward_id=watermark, served_after=served_after,
-                           tenant=cfg.tenant, limit=cfg.max_episodes)
+                           tenant=cfg.tenant, limit=cfg.max_episodes, holdout_percent=cfg.holdout_percent)
 
 
 def _nothing(report: TrainReport, why: str) -> NothingToTrain:
     c = report.selection
     return NothingToTrain(
         f"nothing to train: {why} ({c['candidates']} rewards after watermark {report.watermark_from}; "
-        f"{c['stale']} stale, {c['other_tenant']} of other tenants, {report.data.skipped or 'no'} skipped, "
+        f"{c['stale']} stale, {c['other_tenant']} of other tenants, {c['held_out']} held out for evaluation, "
+        f"{report.data.skipped or 'no'} skipped, "
         f"{report.too_long} too long). Ingest more events and run `rtrl reward run`, or widen "
         "train.staleness_s / drop train.tenant.")
 

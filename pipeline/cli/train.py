@@ -55,8 +55,8 @@ def _selection_lines(report) -> list[str]:
     versions = ", ".join(f"{v}: {n}" for v, n in sorted(report.by_policy_version.items())) or "none"
     return [
         f"rewards after watermark {report.watermark_from}: {c['candidates']:,}",
-        f"  excluded: {c['stale']:,} stale, {c['other_tenant']:,} other tenants, {c['over_limit']:,} over "
-        "train.max_episodes",
+        f"  excluded: {c['stale']:,} stale, {c['other_tenant']:,} other tenants, {c['held_out']:,} held out for "
+        f"the gate, {c['over_limit']:,} over train.max_episodes",
         f"  selected: {c['selected']:,} (served by policy versions {versions}); watermark -> {report.watermark_to}",
     ]
 

@@ -2,12 +2,17 @@
 
 Selection, in one sentence: rewards of one spec version created after the parent run's
 watermark (rewards.id grows as episodes ripen), whose interaction was served no earlier than
-the staleness cutoff, optionally of one tenant, oldest first up to a limit. Everything left out
-is counted by reason, so a run can say why it trained on fewer episodes than the store holds.
+the staleness cutoff, optionally of one tenant, outside the held-out slice, oldest first up to
+a limit. Everything left out is counted by reason, so a run can say why it trained on fewer
+episodes than the store holds.
+
+The held-out slice is fixed by a hash of the request id: those episodes never train, and the
+gate evaluates candidates on the most recent of them (select_eval_episodes).
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -26,9 +31,14 @@ class Selection:
     counts: dict[str, int] = field(default_factory=dict)  # candidates, stale, other_tenant, over_limit
 
 
+def is_held_out(request_id: str, percent: float) -> bool:
+    """Whether an episode belongs to the slice kept out of training for evaluation."""
+    return zlib.crc32(request_id.encode()) % 10_000 < percent * 100
+
+
 def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
                     served_after: datetime | None = None, tenant: str | None = None,
-                    limit: int | None = None) -> Selection:
+                    limit: int | None = None, holdout_percent: float = 0.0) -> Selection:
     """Rewarded episodes for a training run; see the module docstring."""
     joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
     window = and_(rewards.c.spec_version == spec_version, rewards.c.id > since_reward_id)
@@ -52,19 +62,45 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
                 .select_from(joined).where(and_(*keep)).order_by(rewards.c.id, interactions.c.id))
         rows = []
         seen: set[int] = set()
+        held_out = 0
         for row in conn.execute(stmt):
             if row.reward_id in seen:  # a producer sent two interactions for one request: the first counts
                 continue
             seen.add(row.reward_id)
+            if holdout_percent and is_held_out(row.request_id, holdout_percent):
+                held_out += 1
+                continue
             rows.append(row)
     over_limit = 0
     if limit is not None and len(rows) > limit:
         # oldest first: the watermark then only moves past episodes a run has actually read
         over_limit, rows = len(rows) - limit, rows[:limit]
-    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant, "over_limit": over_limit,
-              "selected": len(rows)}
+    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant, "held_out": held_out,
+              "over_limit": over_limit, "selected": len(rows)}
     watermark_to = max((r.reward_id for r in rows), default=since_reward_id)
     return Selection(rows, since_reward_id, watermark_to, counts)
+
+
+def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: float, limit: int,
+                         served_after: datetime | None = None) -> list[Any]:
+    """The most recent rewarded episodes of the held-out slice, newest first."""
+    joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
+    where = [rewards.c.spec_version == spec_version]
+    if served_after is not None:
+        where.append(interactions.c.ts >= served_after)
+    stmt = (select(rewards.c.request_id, rewards.c.value.label("reward"), interactions.c.policy_version,
+                   interactions.c.ts, interactions.c.body)
+            .select_from(joined).where(and_(*where)).order_by(interactions.c.ts.desc(), interactions.c.id))
+    out, seen = [], set()
+    with engine.connect() as conn:
+        for row in conn.execution_options(yield_per=1000).execute(stmt):
+            if row.request_id in seen or not is_held_out(row.request_id, holdout_percent):
+                continue
+            seen.add(row.request_id)
+            out.append(row)
+            if len(out) >= limit:
+                break
+    return out
 
 
 def start_run(engine: Engine, **values: Any) -> None:
