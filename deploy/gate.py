@@ -1,0 +1,141 @@
+"""The gate: a pure function from two evaluation reports and the configured limits to a decision.
+
+A candidate replaces the champion only if every check passes:
+
+    smoke        the candidate loads and generates
+    ess          the off-policy reward estimate rests on enough effective samples
+    improvement  the lower confidence bound of (candidate - champion) reward > min_improvement
+    regression   no regression-suite item that the champion passes fails for the candidate
+    kl           KL(champion || candidate) per token within budget
+    bound:<m>    every bounded metric (canaries, length, latency, ...) within its absolute
+                 limits and its allowed change from the champion, in the named direction
+
+First deployment (no champion): `first_deployment = "absolute"` applies every check that needs
+no champion (smoke, ess, absolute bounds, every regression item passing) and records the
+comparative ones as not applicable; "refuse" fails the gate so that a human promotes by hand.
+Nothing here touches a model, a store or a registry: the same inputs give the same decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.config import Bound, GateConfig
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    low: float  # confidence interval
+    high: float
+
+
+@dataclass
+class EvalReport:
+    """What evaluation measured for one policy (deploy/evaluate.py)."""
+
+    version: str  # registry version, "candidate", or "base"
+    reward: Estimate  # off-policy estimate on held-out episodes
+    ess: float  # effective sample size of that estimate
+    metrics: dict[str, float] = field(default_factory=dict)  # canaries, mean_length, smoke_latency_ms, ...
+    regression: dict[str, bool] = field(default_factory=dict)  # suite item -> passed
+    smoke_ok: bool = True
+    smoke_error: str | None = None
+
+
+@dataclass
+class Comparison:
+    improvement: Estimate  # candidate - champion reward, paired bootstrap on the same episodes
+    kl: float  # KL(champion || candidate) per token on the eval prompts
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    value: float | None = None
+    limit: float | None = None
+    applicable: bool = True
+
+
+@dataclass
+class Decision:
+    passed: bool
+    checks: list[Check]
+    first_deployment: bool
+
+    @property
+    def reasons(self) -> list[str]:
+        return [c.detail for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "first_deployment": self.first_deployment,
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | None) -> list[Check]:
+    key = f"bound:{name}"
+    if cand is None:
+        return [Check(key, False, f"{name} was not measured for the candidate")]
+    out = []
+    if bound.min is not None:
+        out.append(Check(key, cand >= bound.min, f"{name} {cand:.4g} (min {bound.min:.4g})", cand, bound.min))
+    if bound.max is not None:
+        out.append(Check(key, cand <= bound.max, f"{name} {cand:.4g} (max {bound.max:.4g})", cand, bound.max))
+    changes = [("max_increase", lambda: cand - champ), ("max_decrease", lambda: champ - cand),
+               ("max_rel_increase", lambda: (cand - champ) / abs(champ)),
+               ("max_rel_decrease", lambda: (champ - cand) / abs(champ))]
+    for attr, change in changes:
+        limit = getattr(bound, attr)
+        if limit is None:
+            continue
+        if champ is None:
+            out.append(Check(key, True, f"{name} {attr}: no champion to compare with", applicable=False))
+            continue
+        if attr.startswith("max_rel") and champ == 0:
+            out.append(Check(key, True, f"{name} {attr}: the champion's value is 0", applicable=False))
+            continue
+        delta = change()
+        out.append(Check(key, delta <= limit, f"{name} {attr.removeprefix('max_').replace('_', ' ')} "
+                                              f"{delta:.4g} vs champion {champ:.4g} (limit {limit:.4g})", delta, limit))
+    return out
+
+
+def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Comparison | None,
+           cfg: GateConfig) -> Decision:
+    first = champion is None
+    checks = [
+        Check("smoke", candidate.smoke_ok, "candidate loads and generates" if candidate.smoke_ok
+              else f"candidate failed to load or generate: {candidate.smoke_error}"),
+        Check("ess", candidate.ess >= cfg.min_ess,
+              f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})", candidate.ess, cfg.min_ess),
+    ]
+    if first:
+        checks.append(Check("first_deployment", cfg.first_deployment == "absolute",
+                            "no champion: gated on absolute limits" if cfg.first_deployment == "absolute"
+                            else "no champion and gate.first_deployment = 'refuse': promote by hand"))
+        checks.append(Check("improvement", True, "no champion to improve on", applicable=False))
+        checks.append(Check("kl", True, "no champion to diverge from", applicable=False))
+        failing = sorted(k for k, ok in candidate.regression.items() if not ok)
+        checks.append(Check("regression", not failing, f"regression items failing: {', '.join(failing)}" if failing
+                            else f"all {len(candidate.regression)} regression items pass"))
+    else:
+        if comparison is None:
+            checks.append(Check("improvement", False, "no comparison with the champion was measured"))
+        else:
+            lcb = comparison.improvement.low
+            checks.append(Check("improvement", lcb > cfg.min_improvement,
+                                f"reward improvement {comparison.improvement.value:+.4f}, lower bound {lcb:+.4f} "
+                                f"(must exceed {cfg.min_improvement:+.4f})", lcb, cfg.min_improvement))
+            checks.append(Check("kl", comparison.kl <= cfg.max_kl,
+                                f"KL(champion || candidate) {comparison.kl:.4f} per token (max {cfg.max_kl:.4f})",
+                                comparison.kl, cfg.max_kl))
+        newly = sorted(k for k, ok in candidate.regression.items() if not ok and champion.regression.get(k, True))
+        checks.append(Check("regression", not newly, f"regression items newly failing: {', '.join(newly)}" if newly
+                            else "no regression item newly failing"))
+    for name, bound in sorted(cfg.bounds.items()):
+        champ = champion.metrics.get(name) if champion else None
+        checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), champ))
+    return Decision(passed=all(c.passed for c in checks), checks=checks, first_deployment=first)
