@@ -9,6 +9,9 @@
     rtrl reward run|explain|diff|recompute|audit   rewards from delayed outcomes
     rtrl model init-tiny|show      base models (local directories)
     rtrl train run|show            LoRA updates from rewarded episodes, tracked in MLflow
+    rtrl gate [RUN]                register a run's adapter, evaluate it against the champion, decide
+    rtrl models list|show          registry versions, decisions, alias moves
+    rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import click
 
 from pipeline.cli import db as db_cmds
+from pipeline.cli import deploy as deploy_cmds
 from pipeline.cli import events as event_cmds
 from pipeline.cli import kafka as kafka_cmds
 from pipeline.cli import model as model_cmds
@@ -49,7 +53,7 @@ cli.add_command(db_cmds.db)
 cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
 cli.add_command(train_cmds.train)
-for command in event_cmds.COMMANDS:
+for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS:
     cli.add_command(command)
 
 

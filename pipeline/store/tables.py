@@ -192,6 +192,24 @@ alias_moves = Table(
     Column("reason", Text, nullable=False),
     Column("actor", String(256), nullable=False),  # "automatic" or a named operator
     Column("at", DateTime, nullable=False),
+    # written "pending" before the registry call, "done" after it: a crash in between is found
+    # and repaired from the registry's state on the next start ("not_applied" if it never moved)
+    Column("status", String(16), nullable=False, server_default="done"),
+    Column("published_at", DateTime),  # when the model-update event went to Kafka
+)
+
+# Every gate decision with the numbers behind it (also tagged on the registry's model version).
+gate_decisions = Table(
+    "gate_decisions",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("model_name", String(256), nullable=False),
+    Column("candidate_version", String(64), nullable=False, index=True),
+    Column("champion_version", String(64)),
+    Column("run_id", String(64)),  # training_runs.run_id of the candidate
+    Column("passed", Integer, nullable=False),  # 0 / 1 (a boolean both dialects agree on)
+    Column("report", JSON, nullable=False),  # checks, both evaluation reports, the comparison
+    Column("decided_at", DateTime, nullable=False),
 )
 
 Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)

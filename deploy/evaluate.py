@@ -1,0 +1,129 @@
+"""Evaluation of a candidate against the champion, on the same inputs.
+
+    held-out episodes   the most recent rewarded episodes of the slice that never trains: each
+                        policy's reward is estimated off-policy from the logged behaviour
+                        log-probs (deploy/offpolicy.py), the improvement by a paired bootstrap
+    KL                  KL(champion || candidate) per completion token on those episodes
+    generation          greedy outputs on the held-out prompts and the regression suite:
+                        canaries (abstention, length, repetition, tool-call format errors,
+                        pipeline/textchecks.py) and the suite's checkers
+    smoke               the candidate loads and generates; median latency per request
+
+The models come through a Runner (train.inference.PolicySet implements it; the orchestration
+layer passes it in): deploy never loads weights itself.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from deploy.gate import Comparison, Estimate, EvalReport
+from deploy.offpolicy import compare
+from deploy.suite import Suite
+from pipeline.config import GateConfig
+from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
+
+
+@dataclass
+class EvalEpisode:
+    request_id: str
+    prompt: Any
+    completion: Any
+    reward: float
+    behavior_logprobs: list[float] | None = None
+    completion_token_ids: list[int] | None = None
+    temperature: float = 1.0
+
+
+class Runner(Protocol):
+    def add(self, name: str, adapter: Any) -> None: ...
+
+    def sequence_logprobs(self, name: str | None, episodes: list[Any]) -> list[float | None]: ...
+
+    def token_kl(self, p: str | None, q: str | None, episodes: list[Any]) -> float: ...
+
+    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64) -> list[Any]: ...
+
+
+@dataclass
+class Evaluation:
+    candidate: EvalReport
+    champion: EvalReport
+    comparison: Comparison
+    episodes: int  # held-out episodes in the off-policy estimate
+    excluded: dict[str, int] = field(default_factory=dict)  # why the others are not
+    outputs: dict[str, dict[str, str]] = field(default_factory=dict)  # policy -> suite item -> output
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {"candidate": asdict(self.candidate), "champion": asdict(self.champion),
+                "comparison": asdict(self.comparison), "episodes": self.episodes, "excluded": self.excluded}
+
+
+def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str, float]:
+    n = max(len(texts), 1)
+    tool_attempts = [t for t in texts if t.lstrip().startswith("{")]
+    errors = 0
+    for t in tool_attempts:
+        try:
+            errors += malformed_tool_call(json.loads(t))
+        except ValueError:
+            errors += 1
+    return {
+        "abstention_rate": sum(is_abstention(t, abstention_patterns) for t in texts) / n,
+        "mean_length": sum(len(t) for t in texts) / n,
+        "repetition_rate": sum(repeated_fraction(t, 3) > 0.5 for t in texts) / n,
+        "tool_format_error_rate": errors / n,
+    }
+
+
+def _generate_report(runner: Runner, name: str | None, label: str, prompts: list[Any], suite: Suite,
+                     patterns: tuple[str, ...], max_new_tokens: int) -> tuple[EvalReport, dict[str, str]]:
+    try:
+        gens = runner.generate(name, prompts + [item.prompt for item in suite.items], max_new_tokens=max_new_tokens)
+    except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
+        return EvalReport(label, Estimate(float("nan"), float("nan"), float("nan")), 0.0, smoke_ok=False,
+                          smoke_error=f"{type(exc).__name__}: {exc}"), {}
+    held, suite_out = gens[:len(prompts)], gens[len(prompts):]
+    outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
+    metrics = canaries([g.text for g in held], patterns)
+    metrics["smoke_latency_ms"] = statistics.median(g.latency_ms for g in gens) if gens else 0.0
+    return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
+
+
+def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[EvalEpisode], suite: Suite,
+             cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
+             max_new_tokens: int = 64, seed: int = 0) -> Evaluation:
+    """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model)."""
+    prompts = [e.prompt for e in episodes[:generate_prompts]]
+    cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
+                                             max_new_tokens)
+    champ_report, champ_out = _generate_report(runner, champion, champion or "base", prompts, suite,
+                                               abstention_patterns, max_new_tokens)
+    excluded = {"no_behavior_logprobs": 0, "misaligned": 0}
+    usable = [e for e in episodes if e.behavior_logprobs]
+    excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
+    if cand_report.smoke_ok:
+        cand_lp = runner.sequence_logprobs(candidate, usable)
+        champ_lp = runner.sequence_logprobs(champion, usable)
+        keep = [i for i, (a, b) in enumerate(zip(cand_lp, champ_lp)) if a is not None and b is not None]
+        excluded["misaligned"] = len(usable) - len(keep)
+        usable = [usable[i] for i in keep]
+        cand_lp, champ_lp = [cand_lp[i] for i in keep], [champ_lp[i] for i in keep]
+    if not cand_report.smoke_ok or not usable:
+        nan = Estimate(float("nan"), float("nan"), float("nan"))
+        return Evaluation(cand_report, champ_report, Comparison(nan, float("nan")), 0, excluded,
+                          {"candidate": cand_out, "champion": champ_out})
+    behavior = [sum(e.behavior_logprobs) for e in usable]
+    cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],
+                                        cap=cfg.sequence_ratio_cap, resamples=cfg.bootstrap,
+                                        confidence=cfg.confidence, seed=seed)
+    cand_report.reward, cand_report.ess = cand_est.estimate, cand_est.ess
+    champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
+    kl = runner.token_kl(champion, candidate, usable[:generate_prompts * 4])
+    return Evaluation(cand_report, champ_report, Comparison(gain, kl), len(usable), excluded,
+                      {"candidate": cand_out, "champion": champ_out})

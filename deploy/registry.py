@@ -1,0 +1,216 @@
+"""The MLflow Model Registry: the only module that talks to it.
+
+    register(run)        a new model version whose source is the run's adapter artifact,
+                         tagged with run, base model, spec version, data window; alias `candidate`
+    record_decision      the gate's decision and every number, on the version and in the store
+    promote(version)     `champion` -> version, the old champion -> `previous`; refuses without a
+                         recorded passing decision unless forced with a reason; the same version
+                         twice is a no-op
+    rollback([to])       `champion` back to `previous` (or a named version)
+    repair()             finishes what a crash left: pending audit rows are checked against the
+                         registry (done or not_applied), unpublished model-update events are sent
+
+Order of one move: audit row "pending" -> `previous` alias -> `champion` alias -> audit "done"
+-> model-update event -> published. If the registry is unreachable mid-way, `champion` has not
+moved (it is the last alias written), so serving never sees half a promotion.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from pipeline.store import deploys as audit
+from pipeline.store.events import utcnow
+
+# the MLflow client retries an unreachable server for minutes by default; an operator at a
+# prompt wants the error now (still overridable from the environment)
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
+log = logging.getLogger("rtrl.deploy")
+
+
+class RegistryError(RuntimeError):
+    """The registry refused or could not be reached; the message says what to do."""
+
+
+@dataclass
+class Version:
+    version: str
+    run_id: str | None
+    source: str
+    tags: dict[str, str]
+    aliases: list[str]
+
+
+class Registry:
+    def __init__(self, tracking_uri: str, model_name: str, engine: Engine,
+                 publish: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.uri, self.name, self.engine, self.publish = tracking_uri, model_name, engine, publish
+
+    # --- reading -------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except MlflowException as exc:
+            raise RegistryError(f"registry {self.uri}: {what} failed: {exc.message}") from None
+        except Exception as exc:  # noqa: BLE001 - connection errors come from requests/urllib3
+            raise RegistryError(f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
+                                "Check mlflow.tracking_uri and that the server is up; nothing was moved") from None
+
+    def _version(self, mv: Any) -> Version:
+        return Version(str(mv.version), mv.run_id, mv.source, dict(mv.tags or {}), list(mv.aliases or []))
+
+    def get(self, version: str) -> Version:
+        try:
+            return self._version(self.client.get_model_version(self.name, str(version)))
+        except MlflowException:
+            known = ", ".join(v.version for v in self.list()) or "none"
+            raise RegistryError(f"model {self.name} has no version {version} (versions: {known})") from None
+
+    def alias(self, alias: str) -> Version | None:
+        try:
+            return self._version(self.client.get_model_version_by_alias(self.name, alias))
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+                return None
+            raise RegistryError(f"registry {self.uri}: reading alias {alias} failed: {exc.message}") from None
+        except Exception as exc:  # noqa: BLE001
+            raise RegistryError(f"registry {self.uri} unreachable: {type(exc).__name__}: {exc}") from None
+
+    def list(self) -> list[Version]:
+        found = self._call("listing versions", lambda: self.client.search_model_versions(f"name='{self.name}'"))
+        return sorted((self._version(mv) for mv in found), key=lambda v: int(v.version))
+
+    def download(self, version: Version, dst: Path) -> Path:
+        """The version's adapter directory, downloaded under `dst`."""
+        from mlflow.artifacts import download_artifacts
+
+        path = self._call(f"downloading version {version.version}", lambda: download_artifacts(
+            artifact_uri=version.source, dst_path=str(dst), tracking_uri=self.uri))
+        return Path(path)
+
+    # --- writing -------------------------------------------------------------------------
+    def register(self, tracking_run_id: str, tags: dict[str, Any]) -> Version:
+        """A new version from the run's `adapter` artifact, aliased `candidate`."""
+        def create() -> Any:
+            try:
+                self.client.get_registered_model(self.name)
+            except MlflowException:
+                self.client.create_registered_model(self.name, description="LoRA adapters trained by rtrl")
+            source = f"runs:/{tracking_run_id}/adapter"
+            return self.client.create_model_version(self.name, source, run_id=tracking_run_id,
+                                                    tags={k: str(v) for k, v in tags.items()})
+        mv = self._call("registering the candidate", create)
+        self._call("setting the candidate alias",
+                   lambda: self.client.set_registered_model_alias(self.name, CANDIDATE, mv.version))
+        return self.get(mv.version)
+
+    def tag(self, version: str, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self._call(f"tagging version {version}",
+                       lambda k=key, v=value: self.client.set_model_version_tag(self.name, version, k, str(v)[:5000]))
+
+    def record_decision(self, version: str, champion: str | None, run_id: str | None, decision: dict[str, Any],
+                        report: dict[str, Any]) -> None:
+        audit.record_decision(self.engine, self.name, version, champion, run_id, decision["passed"],
+                              {"decision": decision, **report})
+        tags = {"gate.passed": str(decision["passed"]).lower(), "gate.champion": champion or "none"}
+        for check in decision["checks"]:
+            if check["value"] is not None:
+                tags[f"gate.{check['name']}"] = f"{check['value']:.6g}"
+        tags["gate.reasons"] = json.dumps([c["detail"] for c in decision["checks"] if not c["passed"]])
+        self.tag(version, tags)
+
+    def promote(self, version: str, actor: str, reason: str, force: bool = False) -> bool:
+        """Move `champion` to `version`; False if it already is (a no-op)."""
+        version = str(version)
+        target = self.get(version)  # refuses an unknown version before anything is written
+        current = self.alias(CHAMPION)
+        if current is not None and current.version == version:
+            return False
+        decision = audit.latest_decision(self.engine, self.name, version)
+        if not force:
+            if decision is None:
+                raise RegistryError(f"version {version} has no gate decision: run `rtrl gate` on it, or "
+                                    "`rtrl promote VERSION --force --reason '...'` to override")
+            if not decision.passed:
+                reasons = "; ".join(c["detail"] for c in decision.report["decision"]["checks"] if not c["passed"])
+                raise RegistryError(f"version {version} failed its gate ({reasons}); "
+                                    "`--force --reason '...'` overrides")
+        elif not reason.strip():
+            raise RegistryError("--force needs --reason: say why the gate is overridden")
+        why = reason or f"gate passed (decision {decision.id})"
+        self._move(target, current, actor, why)
+        return True
+
+    def rollback(self, actor: str, reason: str, to: str | None = None) -> Version:
+        current = self.alias(CHAMPION)
+        target = self.get(to) if to else self.alias(PREVIOUS)
+        if target is None:
+            raise RegistryError(f"model {self.name} has no `previous` version to roll back to; "
+                                "name one with --to VERSION")
+        if current is not None and current.version == target.version:
+            raise RegistryError(f"version {target.version} is already the champion")
+        self._move(target, current, actor, reason or "rollback")
+        return target
+
+    def _move(self, target: Version, current: Version | None, actor: str, reason: str) -> None:
+        move_id = audit.begin_move(self.engine, self.name, CHAMPION, current.version if current else None,
+                                   target.version, reason, actor)
+        try:
+            if current is not None:
+                self._call("moving the previous alias",
+                           lambda: self.client.set_registered_model_alias(self.name, PREVIOUS, current.version))
+            self._call("moving the champion alias",
+                       lambda: self.client.set_registered_model_alias(self.name, CHAMPION, target.version))
+        except RegistryError:
+            audit.complete_move(self.engine, move_id, "not_applied")
+            raise
+        audit.complete_move(self.engine, move_id)
+        self._publish(move_id, target)
+
+    def _publish(self, move_id: int, target: Version) -> bool:
+        """Announce the move; a broker that is down leaves the row unpublished for repair()."""
+        if self.publish is None:
+            return False
+        event = {"type": "model_update", "name": self.name, "version": target.version, "alias": CHAMPION,
+                 "adapter_uri": target.source, "base_model": target.tags.get("base_model"),
+                 "run_id": target.run_id, "at": utcnow().isoformat() + "Z"}
+        try:
+            self.publish(event)
+        except Exception as exc:  # noqa: BLE001 - kafka errors of every kind
+            log.warning("model-update event not published; the next promote, rollback or gate retries it",
+                        extra={"move_id": move_id, "version": target.version, "error": f"{type(exc).__name__}: {exc}"})
+            return False
+        audit.mark_published(self.engine, move_id)
+        return True
+
+    def repair(self) -> list[str]:
+        """Finish what a crash left half done; returns what was repaired, one line each."""
+        done = []
+        for row in audit.unfinished_moves(self.engine, self.name):
+            if row.status == "pending":
+                champion = self.alias(CHAMPION)
+                applied = champion is not None and champion.version == row.to_version
+                audit.complete_move(self.engine, row.id, "done" if applied else "not_applied")
+                done.append(f"move {row.id} ({row.from_version} -> {row.to_version}): "
+                            f"{'completed' if applied else 'never applied'}")
+                if not applied:
+                    continue
+            if self._publish(row.id, self.get(row.to_version)):
+                done.append(f"move {row.id}: model-update event published")
+        return done

@@ -1,0 +1,89 @@
+"""The deploy stage: register a trained adapter, evaluate it against the champion, gate it, and
+(when asked) promote it.
+
+    repair      finish any alias move a crash left half done
+    register    new model version from the run's adapter artifact, alias `candidate`
+    evaluate    candidate vs champion (or the base model on first deployment) on the held-out
+                slice, the regression suite, canaries, KL, smoke (deploy/evaluate.py)
+    decide      deploy/gate.py; the decision and every number go to the store and the version's tags
+    promote     only on a passing decision (automatic), else the candidate stays a candidate
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+from sqlalchemy import Engine
+
+from deploy.evaluate import EvalEpisode, Evaluation, Runner, evaluate
+from deploy.gate import Decision, decide
+from deploy.registry import CHAMPION, Registry, RegistryError, Version
+from deploy.suite import EMPTY, Suite
+from pipeline.config import GateConfig, TrainConfig
+from pipeline.store.events import utcnow
+from pipeline.store.training import get_run, select_eval_episodes
+
+
+@dataclass
+class GateResult:
+    version: Version
+    champion: Version | None
+    decision: Decision
+    evaluation: Evaluation
+    promoted: bool
+
+
+def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[EvalEpisode]:
+    served_after = utcnow() - timedelta(seconds=train.staleness_s) if train.staleness_s else None
+    rows = select_eval_episodes(engine, spec_version, train.holdout_percent, gate.eval_episodes, served_after)
+    out = []
+    for row in rows:
+        ev = orjson.loads(row.body)
+        out.append(EvalEpisode(row.request_id, ev.get("prompt", ""), ev.get("completion", ""), float(row.reward),
+                               ev.get("behavior_logprobs"), ev.get("completion_token_ids"),
+                               float((ev.get("sampling") or {}).get("temperature") or 1.0)))
+    return out
+
+
+def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
+             train: TrainConfig, gate: GateConfig, suite: Suite = EMPTY, abstention_patterns: tuple[str, ...] = (),
+             promote: bool = False) -> GateResult:
+    """Register, evaluate and gate the adapter of training run `run_id`."""
+    registry.repair()
+    run = get_run(engine, run_id)
+    if run is None or run.status != "finished":
+        raise RegistryError(f"training run {run_id} is {'unknown' if run is None else run.status}: "
+                            "gate a finished run (`rtrl train show` lists the latest)")
+    if not run.tracking_run_id:
+        raise RegistryError(f"training run {run_id} has no MLflow run to register the adapter from")
+    version = registry.register(run.tracking_run_id, {
+        "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
+        "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
+        "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",
+    })
+    champion = registry.alias(CHAMPION)
+    runner.add("candidate", Path(run.adapter_path))
+    if champion is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            runner.add(f"v{champion.version}", registry.download(champion, Path(tmp)))
+    episodes = eval_episodes(engine, spec_version, train, gate)
+    evaluation = evaluate(runner, "candidate", f"v{champion.version}" if champion else None, episodes, suite, gate,
+                          abstention_patterns, gate.generate_prompts, gate.max_new_tokens)
+    if champion is None:
+        # first deployment: the base model is the baseline the evaluation compared with, but
+        # the gate applies its first-deployment rule (absolute limits only, or refuse)
+        decision = decide(evaluation.candidate, None, None, gate)
+    else:
+        decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
+    report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version}
+    registry.record_decision(version.version, champion.version if champion else None, run_id, decision.to_dict(),
+                             report)
+    promoted = False
+    if promote and decision.passed:
+        promoted = registry.promote(version.version, actor="automatic", reason="gate passed")
+    return GateResult(version, champion, decision, evaluation, promoted)

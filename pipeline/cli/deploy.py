@@ -1,0 +1,160 @@
+"""`rtrl gate`, `rtrl models`, `rtrl promote`, `rtrl rollback`: the registry side of the loop.
+
+Every alias move is recorded in the store (who, when, from, to, why) and announced on the
+model-updates topic; `promote` refuses a version without a passing gate decision unless a
+human forces it with a reason.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from contextlib import contextmanager
+
+import click
+
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.cli.reward import SPEC_OPTION, _spec
+from pipeline.store.deploys import latest_decision, moves
+from pipeline.store.training import get_run, latest_finished_run
+
+# deploy.* imports mlflow (seconds): imported inside the commands, never at `rtrl --help`
+
+
+@contextmanager
+def _registry(ctx: Context):
+    from deploy.events import ModelUpdatePublisher
+    from deploy.registry import Registry, RegistryError
+
+    config = ctx.config
+    publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
+    try:
+        registry = Registry(config.tracking_uri, config.mlflow.registered_model, ctx.engine(), publisher)
+        for line in registry.repair():
+            click.echo(f"repaired: {line}", err=True)
+        yield registry
+    except RegistryError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        publisher.close()
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("run_id", required=False)
+@click.option("--promote", is_flag=True, help="Move `champion` to the candidate if the gate passes.")
+@click.option("--suite", type=click.Path(dir_okay=False), help="Regression suite TOML (gate.suite).")
+@SPEC_OPTION
+@pass_ctx
+def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spec_path: str | None) -> None:
+    """Register a training run's adapter as a candidate and gate it against the champion.
+
+    Evaluates both on the held-out slice (off-policy reward with a bootstrap interval), the
+    regression suite, canaries, KL and a load-and-generate check; stores the decision with
+    every number and tags it on the model version. RUN_ID defaults to the latest finished run.
+    """
+    from deploy.stage import gate_run
+    from deploy.suite import EMPTY, SuiteError, load_suite
+    from train.inference import PolicySet
+    from train.models import ModelError
+
+    config = ctx.config
+    spec = _spec(ctx, spec_path)
+    run = get_run(ctx.engine(), run_id) if run_id else latest_finished_run(ctx.engine())
+    if run is None:
+        raise click.ClickException(f"no training run {run_id}" if run_id else
+                                   "no finished training run to gate: `rtrl train run` first")
+    try:
+        suite_path = suite or config.gate.suite
+        suite_obj = load_suite(suite_path) if suite_path else EMPTY
+        runner = PolicySet.load(config.train.base_model or run.base_model)
+    except (SuiteError, ModelError) as exc:
+        raise click.ClickException(str(exc)) from None
+    with _registry(ctx) as registry:
+        result = gate_run(ctx.engine(), registry, runner, run.run_id, spec.version, config.train, config.gate,
+                          suite_obj, spec.guards.abstention.patterns, promote=promote)
+    d, ev = result.decision, result.evaluation
+    against = f"champion v{result.champion.version}" if result.champion else "the base model (first deployment)"
+    click.echo(f"candidate v{result.version.version} (run {run.run_id}) against {against}: "
+               f"{'PASSED' if d.passed else 'FAILED'}")
+    click.echo(f"  reward (off-policy, {ev.episodes} held-out episodes): candidate "
+               f"{ev.candidate.reward.value:.4f} [{ev.candidate.reward.low:.4f}, {ev.candidate.reward.high:.4f}], "
+               f"{ev.champion.version} {ev.champion.reward.value:.4f}; improvement "
+               f"{ev.comparison.improvement.value:+.4f} [{ev.comparison.improvement.low:+.4f}, "
+               f"{ev.comparison.improvement.high:+.4f}]")
+    for c in d.checks:
+        mark = "-" if not c.applicable else ("ok" if c.passed else "FAIL")
+        click.echo(f"  [{mark:>4}] {c.name}: {c.detail}")
+    if result.promoted:
+        click.echo(f"promoted v{result.version.version} to champion")
+    elif promote and d.passed:
+        click.echo(f"v{result.version.version} already is the champion")
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+def models() -> None:
+    """Model versions in the registry: aliases, gate decisions, the audit trail."""
+
+
+@models.command("list")
+@pass_ctx
+def list_cmd(ctx: Context) -> None:
+    """Every version with its aliases, training run and gate outcome."""
+    with _registry(ctx) as registry:
+        versions = registry.list()
+        if not versions:
+            click.echo(f"no versions of {registry.name} yet: `rtrl train run`, then `rtrl gate`")
+        for v in versions:
+            decision = latest_decision(ctx.engine(), registry.name, v.version)
+            outcome = "no decision" if decision is None else ("passed" if decision.passed else "failed")
+            click.echo(f"v{v.version:<4} {','.join(v.aliases) or '-':<28} run {v.tags.get('rtrl.run_id', '?')}  "
+                       f"gate {outcome}")
+
+
+@models.command()
+@click.argument("version")
+@pass_ctx
+def show(ctx: Context, version: str) -> None:
+    """One version: source, tags, the gate decision with every number, alias moves."""
+    with _registry(ctx) as registry:
+        v = registry.get(version)
+        click.echo(f"v{v.version}  aliases {', '.join(v.aliases) or '-'}  source {v.source}")
+        for key, value in sorted(v.tags.items()):
+            click.echo(f"  {key} = {value}")
+        decision = latest_decision(ctx.engine(), registry.name, v.version)
+        if decision is not None:
+            click.echo(f"gate decision {decision.id} ({decision.decided_at:%Y-%m-%d %H:%M:%S} UTC): "
+                       f"{'passed' if decision.passed else 'failed'} against "
+                       f"{('v' + decision.champion_version) if decision.champion_version else 'no champion'}")
+            click.echo(json.dumps(decision.report, indent=2, default=str))
+        for m in moves(ctx.engine(), registry.name):
+            if version in (m.to_version, m.from_version):
+                click.echo(f"  {m.at:%Y-%m-%d %H:%M:%S} {m.alias}: {m.from_version} -> {m.to_version} by {m.actor} "
+                           f"({m.status}): {m.reason}")
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("version")
+@click.option("--force", is_flag=True, help="Promote without a passing gate decision (needs --reason).")
+@click.option("--reason", default="", help="Why; recorded in the audit trail.")
+@click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
+@pass_ctx
+def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) -> None:
+    """Make VERSION the champion (the old one becomes `previous`); serving follows."""
+    with _registry(ctx) as registry:
+        moved = registry.promote(version, actor=actor, reason=reason, force=force)
+    click.echo(f"v{version} is the champion" + ("" if moved else " already: nothing moved"))
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--to", "to_version", help="Version to restore (default: the `previous` alias).")
+@click.option("--reason", default="rollback", show_default=True, help="Why; recorded in the audit trail.")
+@click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
+@pass_ctx
+def rollback(ctx: Context, to_version: str | None, reason: str, actor: str) -> None:
+    """Move `champion` back to the previous version (or --to VERSION); serving follows."""
+    with _registry(ctx) as registry:
+        target = registry.rollback(actor=actor, reason=reason, to=to_version)
+    click.echo(f"rolled back: v{target.version} is the champion")
+
+
+COMMANDS = [gate, models, promote, rollback]

@@ -1,0 +1,67 @@
+"""Queries of the deploy stage: gate decisions and the audit trail of alias moves.
+
+An alias move is written in three steps around the registry call:
+    begin_move      a "pending" row (who, why, from, to) -- before the registry is touched
+    complete_move   "done" once the registry moved, or "not_applied" if it did not
+    mark_published  once the model-update event is on Kafka
+A crash leaves "pending" rows or unpublished "done" rows; the registry repairs them on start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, and_, select, update
+
+from pipeline.store.events import utcnow
+from pipeline.store.tables import alias_moves, gate_decisions
+
+
+def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,
+                    run_id: str | None, passed: bool, report: dict[str, Any]) -> int:
+    with engine.begin() as conn:
+        return conn.execute(gate_decisions.insert().values(
+            model_name=model_name, candidate_version=candidate_version, champion_version=champion_version,
+            run_id=run_id, passed=int(passed), report=report, decided_at=utcnow(),
+        )).inserted_primary_key[0]
+
+
+def latest_decision(engine: Engine, model_name: str, version: str) -> Any | None:
+    with engine.connect() as conn:
+        return conn.execute(select(gate_decisions).where(and_(
+            gate_decisions.c.model_name == model_name, gate_decisions.c.candidate_version == version,
+        )).order_by(gate_decisions.c.id.desc()).limit(1)).first()
+
+
+def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str,
+               reason: str, actor: str) -> int:
+    with engine.begin() as conn:
+        return conn.execute(alias_moves.insert().values(
+            model_name=model_name, alias=alias, from_version=from_version, to_version=to_version,
+            reason=reason, actor=actor, at=utcnow(), status="pending",
+        )).inserted_primary_key[0]
+
+
+def complete_move(engine: Engine, move_id: int, status: str = "done") -> None:
+    with engine.begin() as conn:
+        conn.execute(update(alias_moves).where(alias_moves.c.id == move_id).values(status=status))
+
+
+def mark_published(engine: Engine, move_id: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(alias_moves).where(alias_moves.c.id == move_id).values(published_at=utcnow()))
+
+
+def unfinished_moves(engine: Engine, model_name: str) -> list[Any]:
+    """Pending moves, and done moves whose event was never published, oldest first."""
+    with engine.connect() as conn:
+        return conn.execute(select(alias_moves).where(and_(
+            alias_moves.c.model_name == model_name,
+            (alias_moves.c.status == "pending") | ((alias_moves.c.status == "done") & alias_moves.c.published_at.is_(None)),
+        )).order_by(alias_moves.c.id)).all()
+
+
+def moves(engine: Engine, model_name: str, limit: int = 50) -> list[Any]:
+    with engine.connect() as conn:
+        return conn.execute(select(alias_moves).where(alias_moves.c.model_name == model_name)
+                            .order_by(alias_moves.c.id.desc()).limit(limit)).all()

@@ -1,0 +1,203 @@
+"""Gate, registry and audit end to end, with real training runs on the reverse task:
+
+    SQLite store    + embedded MLflow (SQLite tracking store)
+    PostgreSQL store + a real `mlflow server` process (HTTP tracking + registry)
+
+v1 (learned to reverse) passes the first-deployment gate and is promoted automatically; v2 (trained
+on a reward that abstentions game) is rejected by the canaries, refused by `promote`, forced in by a
+named operator with a reason, rolled back; every move is audited and announced on Kafka; a crash
+between the registry call and the audit write is repaired; bad input is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import requests
+from kafka import KafkaConsumer
+
+from deploy import registry as registry_mod
+from deploy.events import ModelUpdatePublisher
+from deploy.registry import CHAMPION, PREVIOUS, Registry, RegistryError
+from deploy.stage import gate_run
+from deploy.suite import load_suite
+from deploy.tracking import MlflowTracker
+from pipeline.config import Bound, GateConfig, TrainConfig
+from pipeline.kafka_local import ensure_topics
+from pipeline.store.deploys import moves
+from reward.spec import load_spec
+from reward.stage import run_rewards
+from tests import reverse_task as task
+from tests.factories import BASE_TS, encode, feedback, interaction
+from tests.test_train_stage import store
+from train.inference import PolicySet
+from train.models import load_policy
+from train.run import Parent, run_training
+
+SPEC = load_spec()
+NOW = BASE_TS.replace(tzinfo=None) + timedelta(days=2)
+ABSTAIN = (r"^\s*\?+\s*$",)  # the deployment's canary: a bare "???" is an abstention
+GATE = GateConfig(eval_episodes=400, generate_prompts=40, max_new_tokens=3, min_ess=5,
+                  bounds={"smoke_latency_ms": Bound(max_rel_increase=50.0)})  # tiny models: latency is noise
+TRAIN = dict(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=64, lora_r=8, lora_alpha=16,
+             holdout_percent=30.0, staleness_s=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (tracking + registry + artifact proxy) on 127.0.0.1."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"], stdout=open(root / "log.txt", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        assert proc.poll() is None, (root / "log.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def reverse_episodes(policy, prefix: str, seed: int) -> list[dict]:
+    prompts, _ = task.split()
+    return task.sample_episodes(policy.model, policy.tokenizer, prompts, per_prompt=2, seed=seed)
+
+
+def gaming_events(episodes: list[dict], prefix: str) -> list[dict]:
+    """Logged traffic where "???" drew no complaint and real attempts were often rejected:
+    a reward spec blind to that abstention pays for it."""
+    events = []
+    start = BASE_TS + timedelta(hours=5)
+    for i, e in enumerate(episodes):
+        ts = (start + timedelta(seconds=i)).isoformat().replace("+00:00", "Z")
+        abstain = i % 2 == 0
+        events.append(interaction(i, prefix=prefix, ts=ts, prompt=e["prompt"], policy_version="1",
+                                  completion="???" if abstain else e["completion"], sampling={"temperature": 1.0},
+                                  completion_token_ids=None if abstain else e["completion_token_ids"],
+                                  behavior_logprobs=None if abstain else e["behavior_logprobs"]))
+        events.append(feedback(i, prefix=prefix, kind="accepted" if abstain else "rejected", value=True, ts=ts))
+    return events
+
+
+def model_updates(bootstrap: str, topic: str, n: int) -> list[dict]:
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             group_id=None, consumer_timeout_ms=1000)
+    out, deadline = [], time.monotonic() + 30
+    while len(out) < n and time.monotonic() < deadline:
+        out += [json.loads(r.value) for r in consumer]
+    consumer.close()
+    return out
+
+
+def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp_path, mlflow_server,
+                                                      kafka_bootstrap, monkeypatch):
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}" if engine.dialect.name == "sqlite" else mlflow_server
+    topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [topic], partitions=1)
+    name = f"policy-{uuid.uuid4().hex[:6]}"
+    publisher = ModelUpdatePublisher(kafka_bootstrap, topic)
+    registry = Registry(tracking, name, engine, publisher)
+    suite_file = tmp_path / "suite.toml"
+    suite_file.write_text('name = "format"\n' + "".join(
+        f'[[items]]\nid = "{s}"\nprompt = "{s}>"\ncheck = "regex"\npattern = "^[a-f]{{3}}$"\n' for s in ("abc", "fed")))
+    suite = load_suite(suite_file)
+    base = load_policy(reverse_base, device="cpu")
+
+    def train(parent=None, **over):
+        tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
+        cfg = TrainConfig(base_model=reverse_base, **{**TRAIN, **over})
+        return run_training(engine, cfg, SPEC.version, tmp_path / "runs", tracker, parent, now=NOW)
+
+    def gate(run, promote=True):
+        runner = PolicySet.load(reverse_base, device="cpu")
+        return gate_run(engine, registry, runner, run.run_id, SPEC.version,
+                        TrainConfig(base_model=reverse_base, **TRAIN), GATE, suite, ABSTAIN, promote=promote)
+
+    # v1: learned to reverse from logged, rewarded samples of the base policy
+    store(engine, task.as_events(reverse_episodes(base, "a", seed=3), "a", BASE_TS))
+    run_rewards(engine, SPEC, now=NOW)
+    first = gate(train())
+    assert first.decision.first_deployment and first.decision.passed, first.decision.reasons
+    assert first.promoted and registry.alias(CHAMPION).version == first.version.version == "1"
+    assert first.evaluation.comparison.improvement.low > 0  # vs the base model, on the held-out slice
+    assert registry.get("1").tags["gate.passed"] == "true"
+
+    # v2: trained (from v1) on traffic where abstaining paid -- the canaries reject it
+    store(engine, gaming_events(reverse_episodes(base, "g", seed=4), "g"))
+    run_rewards(engine, SPEC, now=NOW)
+    v1_adapter = tmp_path / "runs" / first.version.tags["rtrl.run_id"] / "adapter"
+    # (no importance truncation or masking: the "???" completions are far off the champion's
+    # distribution, which would rightly stop the update; the point here is a candidate that did
+    # learn the hack)
+    second = gate(train(Parent.from_adapter(v1_adapter), sequence_mask=None, token_truncate=None))
+    failing = {c.name for c in second.decision.checks if not c.passed}
+    assert not second.decision.passed and "bound:abstention_rate" in failing, second.decision.reasons
+    assert second.evaluation.candidate.metrics["abstention_rate"] > 0.3 and not second.promoted
+    assert registry.alias(CHAMPION).version == "1"
+    with pytest.raises(RegistryError, match="failed its gate"):
+        registry.promote("2", actor="alice", reason="")
+    with pytest.raises(RegistryError, match="--reason"):
+        registry.promote("2", actor="alice", reason=" ", force=True)
+
+    # a human overrides, then rolls back; promoting the champion again is a no-op
+    assert registry.promote("2", actor="alice", reason="hotfix for tenant acme", force=True)
+    assert (registry.alias(CHAMPION).version, registry.alias(PREVIOUS).version) == ("2", "1")
+    assert registry.rollback(actor="bob", reason="abstains too often").version == "1"
+    assert (registry.alias(CHAMPION).version, registry.alias(PREVIOUS).version) == ("1", "2")
+    assert registry.promote("1", actor="bob", reason="again") is False
+    trail = [(m.from_version, m.to_version, m.actor, m.status) for m in reversed(moves(engine, name))]
+    assert trail == [(None, "1", "automatic", "done"), ("1", "2", "alice", "done"), ("2", "1", "bob", "done")]
+    events = model_updates(kafka_bootstrap, topic, 3)
+    assert [(e["name"], e["version"], e["alias"]) for e in events] == [(name, "1", CHAMPION), (name, "2", CHAMPION),
+                                                                     (name, "1", CHAMPION)]
+    assert all(e["adapter_uri"].endswith("/adapter") and e["base_model"] == str(reverse_base) for e in events)
+
+    # a crash between the alias move and the audit write: the next start repairs it
+    real = registry_mod.audit.complete_move
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    registry_mod.audit.complete_move = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            registry.promote("2", actor="carol", reason="retry", force=True)
+    finally:
+        registry_mod.audit.complete_move = real
+    assert registry.alias(CHAMPION).version == "2" and moves(engine, name)[0].status == "pending"
+    repaired = Registry(tracking, name, engine, publisher).repair()
+    assert any("completed" in line for line in repaired) and moves(engine, name)[0].status == "done"
+    assert model_updates(kafka_bootstrap, topic, 4)[-1]["version"] == "2"
+    publisher.close()
+
+    # bad input: a version that does not exist, a registry that is not there
+    with pytest.raises(RegistryError, match="no version 99"):
+        registry.promote("99", actor="bob", reason="x", force=True)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down = Registry(f"http://127.0.0.1:{_free_port()}", name, engine)
+    with pytest.raises(RegistryError, match="unreachable|failed"):
+        down.promote("1", actor="bob", reason="x", force=True)
+    assert moves(engine, name)[0].to_version == "2"  # nothing was recorded as moved

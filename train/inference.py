@@ -1,0 +1,179 @@
+"""Inference on one base model with named LoRA adapters: what evaluation and serving need.
+
+    policies = PolicySet.load(base_dir)        the base weights, once
+    policies.add("7", adapter_dir)             a named adapter (a registry version)
+    policies.sequence_logprobs("7", episodes)  [N] log pi(completion | prompt), at the serving temperature
+    policies.token_kl("6", "7", episodes)      mean over completion tokens of KL(p_6 || p_7)
+    policies.generate("7", prompts, ...)       text, token ids, per-token log-probs (after temperature)
+
+The name None is the base model with every adapter off. Adapters share the base weights: a
+second policy costs only its LoRA matrices. Calls are not thread-safe (peft's active adapter is
+module state); a server serialises them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.batches import collate, pack
+from train.data import TokenizedEpisode, tokenize_episode
+from train.lora import load_adapter
+from train.loop import token_logprobs
+from train.models import ModelError, Policy, load_policy, render_prompt
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
+    latency_ms: float
+
+
+@dataclass
+class LoggedEpisode:
+    """What evaluation scores: a held-out episode as logged."""
+
+    request_id: str
+    prompt: Any
+    completion: Any
+    completion_token_ids: list[int] | None = None
+    behavior_logprobs: list[float] | None = None
+    temperature: float = 1.0
+
+
+class PolicySet:
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.model: Any = policy.model  # becomes a PeftModel with the first adapter
+        self.names: set[str] = set()
+
+    @classmethod
+    def load(cls, base: str | Path, device: str | None = None) -> "PolicySet":
+        return cls(load_policy(base, device=device))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
+
+    def add(self, name: str, adapter: str | Path) -> None:
+        """Load `adapter` under `name` (a ModelError names the path if it does not load)."""
+        if name in self.names:
+            return
+        if not self.names:
+            self.model = load_adapter(self.model, adapter, adapter_name=name, trainable=False)
+        else:
+            try:
+                self.model.load_adapter(str(adapter), adapter_name=name, is_trainable=False)
+            except Exception as exc:  # noqa: BLE001 - safetensors/json/shape errors
+                raise ModelError(f"cannot load the adapter at {adapter}: {type(exc).__name__}: {exc}") from None
+        self.names.add(name)
+        self.model.eval()
+
+    def remove(self, name: str) -> None:
+        if name in self.names and len(self.names) > 1:
+            self.model.delete_adapter(name)
+            self.names.discard(name)
+
+    def _use(self, name: str | None):
+        """A context with `name` active (None: adapters off)."""
+        if name is None:
+            return self.model.disable_adapter() if self.names else _Nothing()
+        if name not in self.names:
+            raise ModelError(f"no adapter named {name!r} is loaded")
+        self.model.set_adapter(name)
+        return _Nothing()
+
+    def _tokenize(self, episodes: list[Any]) -> list[TokenizedEpisode | None]:
+        """None for an episode without assistant tokens, or whose logged behaviour log-probs do
+        not line up with its tokens (its sequence log-prob would not be comparable)."""
+        out = []
+        for e in episodes:
+            t = tokenize_episode(self.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids)
+            behavior = getattr(e, "behavior_logprobs", None)
+            if isinstance(t, TokenizedEpisode) and (behavior is None or len(behavior) == sum(t.loss_mask)):
+                t.temperature = e.temperature
+                out.append(t)
+            else:
+                out.append(None)
+        return out
+
+    @torch.no_grad()
+    def _per_token(self, name: str | None, episodes: list[TokenizedEpisode], fn) -> list[Any]:
+        results: list[Any] = [None] * len(episodes)
+        pad = self.tokenizer.pad_token_id
+        with self._use(name):
+            for index in pack([len(e.input_ids) for e in episodes], 8192, seed=0, epoch=0):
+                batch = collate(episodes, index, pad, self.policy.device)
+                temp = torch.tensor([episodes[i].temperature for i in index], device=self.policy.device)
+                for row, value in zip(index, fn(batch, temp)):
+                    results[row] = value
+        return results
+
+    def sequence_logprobs(self, name: str | None, episodes: list[LoggedEpisode]) -> list[float | None]:
+        """Sum of the completion's (assistant) token log-probs; None where an episode has none."""
+        toks = self._tokenize(episodes)
+        kept = [t for t in toks if t is not None]
+        sums = self._per_token(name, kept, lambda b, temp: (token_logprobs(self.model, b, temp)[0] * b.mask)
+                               .sum(-1).tolist())
+        it = iter(sums)
+        return [next(it) if t is not None else None for t in toks]
+
+    @torch.no_grad()
+    def token_kl(self, p: str | None, q: str | None, episodes: list[LoggedEpisode]) -> float:
+        """Mean over completion tokens of KL(p || q) between the next-token distributions."""
+        kept = [t for t in self._tokenize(episodes) if t is not None]
+        total, tokens = 0.0, 0.0
+        for index in pack([len(e.input_ids) for e in kept], 8192, seed=0, epoch=0):
+            batch = collate(kept, index, self.tokenizer.pad_token_id, self.policy.device)
+            temp = torch.tensor([kept[i].temperature for i in index], device=self.policy.device)[:, None, None]
+            logp = {}
+            for name in (p, q):
+                with self._use(name):
+                    logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
+                    logp[name] = torch.log_softmax(logits[:, :-1].float() / temp, -1)  # [B, T, V]
+            kl = (logp[p].exp() * (logp[p] - logp[q])).sum(-1)  # [B, T]
+            total += float((kl * batch.mask).sum())
+            tokens += float(batch.mask.sum())
+        return total / max(tokens, 1.0)
+
+    @torch.no_grad()
+    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
+        """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1)."""
+        tok = self.tokenizer
+        out = []
+        with self._use(name):
+            for prompt in prompts:  # one at a time: no padding effects, exact per-request latency
+                t0 = time.perf_counter()
+                ids = torch.tensor([tok(render_prompt(tok, prompt), add_special_tokens=False).input_ids],
+                                   device=self.policy.device)
+                if seed is not None:
+                    torch.manual_seed(seed)
+                sample = temperature > 0
+                gen = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                    do_sample=sample, temperature=temperature if sample else None, top_p=top_p if sample else None,
+                    top_k=None, output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+                new = gen.sequences[0, ids.size(1):]  # [n]
+                # scores are the logits after temperature/top-p: the distribution each token came from
+                logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.scores, new)]
+                ids_out = new.tolist()
+                if tok.eos_token_id in ids_out:
+                    cut = ids_out.index(tok.eos_token_id)
+                    ids_out, logprobs = ids_out[:cut], logprobs[:cut]
+                out.append(Generation(tok.decode(ids_out), ids_out, logprobs, (time.perf_counter() - t0) * 1000))
+        return out
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
