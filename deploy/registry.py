@@ -56,8 +56,9 @@ class Version:
 
 
 class Registry:
-    def __init__(self, tracking_uri: str, model_name: str, engine: Engine,
+    def __init__(self, tracking_uri: str, model_name: str, engine: Engine | None,
                  publish: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`engine` (the store, for decisions and the audit trail) may be None for read-only use."""
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.uri, self.name, self.engine, self.publish = tracking_uri, model_name, engine, publish
 
@@ -95,12 +96,13 @@ class Registry:
         found = self._call("listing versions", lambda: self.client.search_model_versions(f"name='{self.name}'"))
         return sorted((self._version(mv) for mv in found), key=lambda v: int(v.version))
 
-    def download(self, version: Version, dst: Path) -> Path:
-        """The version's adapter directory, downloaded under `dst`."""
+    def download(self, version: Version | str, dst: Path) -> Path:
+        """An adapter directory (a version's source, or an artifact URI), downloaded under `dst`."""
         from mlflow.artifacts import download_artifacts
 
-        path = self._call(f"downloading version {version.version}", lambda: download_artifacts(
-            artifact_uri=version.source, dst_path=str(dst), tracking_uri=self.uri))
+        uri = version.source if isinstance(version, Version) else version
+        path = self._call(f"downloading {uri}", lambda: download_artifacts(
+            artifact_uri=uri, dst_path=str(dst), tracking_uri=self.uri))
         return Path(path)
 
     # --- writing -------------------------------------------------------------------------

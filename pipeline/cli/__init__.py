@@ -12,6 +12,7 @@
     rtrl gate [RUN]                register a run's adapter, evaluate it against the champion, decide
     rtrl models list|show          registry versions, decisions, alias moves
     rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
+    rtrl serve                     the reference policy server (or --vllm URL: keep vLLM on the champion)
 """
 
 from __future__ import annotations

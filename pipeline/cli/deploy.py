@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import json
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
@@ -157,4 +158,88 @@ def rollback(ctx: Context, to_version: str | None, reason: str, actor: str) -> N
     click.echo(f"rolled back: v{target.version} is the champion")
 
 
-COMMANDS = [gate, models, promote, rollback]
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--base-model", type=click.Path(file_okay=False),
+              help="Base model directory (default: train.base_model, else the champion's base_model tag).")
+@click.option("--tenant", default="default", show_default=True, help="Tenant of requests without X-Tenant.")
+@click.option("--no-events", is_flag=True, help="Do not send interaction events to Kafka.")
+@click.option("--vllm", "vllm_url", help="Do not serve: keep the vLLM server at this URL on the champion adapter.")
+@pass_ctx
+def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: str, no_events: bool,
+          vllm_url: str | None) -> None:
+    """Serve the champion (OpenAI-compatible /v1/completions and /v1/chat/completions) and
+    follow the registry: a promotion or rollback swaps the adapter without a restart."""
+    import json as _json
+
+    from deploy.follow import Follower
+    from deploy.registry import Registry, RegistryError
+
+    config = ctx.config
+    name = config.mlflow.registered_model
+    adapters = config.state_dir / "serve" / "adapters"
+    registry = Registry(config.tracking_uri, name, None)
+
+    def fetch(uri: str, dst: Path) -> Path:
+        return registry.download(uri, dst)
+
+    try:
+        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None)
+        champion = registry.alias("champion")
+    except RegistryError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - kafka errors
+        raise click.ClickException(f"cannot follow {config.kafka.model_updates_topic} on {config.bootstrap}: {exc}; "
+                                   "is Kafka up (`rtrl kafka up`)?") from None
+    first = {"version": champion.version, "adapter_uri": champion.source} if champion else None
+    if vllm_url:
+        from deploy.vllm import VllmAdapterSync
+
+        sync = VllmAdapterSync(vllm_url, name, fetch, adapters)
+        if first:
+            sync.on_update(first)
+        follower.on_update = sync.on_update
+        follower.start()
+        click.echo(f"keeping {vllm_url} on the champion of {name} (Ctrl-C stops)")
+        try:
+            follower.thread.join()
+        except KeyboardInterrupt:
+            follower.close()
+        return
+
+    import uvicorn
+    from kafka import KafkaProducer
+
+    from deploy.serve import PolicyServer, create_app
+    from train.inference import PolicySet
+    from train.models import ModelError
+
+    base = base_model or config.train.base_model or (champion.tags.get("base_model") if champion else None)
+    if base is None:
+        raise click.ClickException("no base model: pass --base-model or set train.base_model")
+    try:
+        runner = PolicySet.load(base)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+    emit = None
+    if not no_events:
+        producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all", max_block_ms=10_000)
+        topic = config.kafka.interactions_topic
+
+        def emit(event: dict) -> None:  # the response waits until Kafka has the event
+            producer.send(topic, key=event["request_id"].encode(), value=_json.dumps(event).encode()).get(timeout=10)
+
+    server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
+    if first:
+        server.use(first["version"], fetch(first["adapter_uri"], adapters / f"v{first['version']}"))
+    follower.on_update = lambda ev: server.use(ev["version"], fetch(ev["adapter_uri"], adapters / f"v{ev['version']}"))
+    follower.start()
+    click.echo(f"serving {name}:{server.version} on http://{host}:{port} (base {base})", err=True)
+    try:
+        uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+    finally:
+        follower.close()
+
+
+COMMANDS = [gate, models, promote, rollback, serve]

@@ -1,0 +1,184 @@
+"""`rtrl serve`: a reference policy server for small models and the demo.
+
+    POST /v1/completions        {"prompt", "max_tokens", "temperature", "top_p", "seed", "user"}
+    POST /v1/chat/completions   {"messages": [...], same sampling fields}
+    GET  /health                the version being served
+    GET  /metrics               Prometheus: requests, latency, swaps, events not delivered
+
+An OpenAI-compatible subset over the base model plus the champion adapter. Every response
+carries the per-token log-probs of what was sampled (after temperature and top-p) and the
+version that produced it (`model` = "<name>:<version>", header X-Rtrl-Policy-Version); every
+request becomes an `interaction` event on Kafka with the same version as `policy_version`, so
+the loop can learn from it. Headers X-Request-Id, X-Session-Id and X-Tenant fill the event.
+
+Swapping: a model-update event loads the new adapter and switches to it under the model lock.
+Generation holds the same lock, so a request in flight finishes on the version it started
+with and the next one starts on the new version: nothing is dropped or failed by a swap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("rtrl.serve")
+BASE = "base"  # the version name of the base model with no adapter
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(default=16, ge=1, le=4096)
+    temperature: float = Field(default=1.0, ge=0.0, le=5.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str = Field(min_length=1)
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class PolicyServer:
+    """The model, the version it serves, and the lock that serialises generation and swaps."""
+
+    def __init__(self, runner: Any, model_name: str, emit: Callable[[dict[str, Any]], None] | None = None,
+                 default_tenant: str = "default", keep_versions: int = 2) -> None:
+        self.runner, self.model_name, self.emit = runner, model_name, emit
+        self.default_tenant, self.keep_versions = default_tenant, keep_versions
+        self.version = BASE
+        self.loaded: list[str] = []  # adapter versions in memory, oldest first
+        self.lock = threading.Lock()
+        self.metrics = CollectorRegistry()
+        self.requests = Counter("rtrl_serve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=self.metrics)
+        self.latency = Histogram("rtrl_serve_latency_seconds", "Generation latency", registry=self.metrics)
+        self.swaps = Counter("rtrl_serve_swaps", "Adapter swaps applied", registry=self.metrics)
+        self.undelivered = Counter("rtrl_serve_events_undelivered", "Interaction events Kafka did not take",
+                                   registry=self.metrics)
+        self.serving = Gauge("rtrl_serve_version", "Registry version being served (0 = base)", registry=self.metrics)
+
+    def use(self, version: str, adapter_dir: Path | None) -> None:
+        """Serve `version` (its adapter loaded from `adapter_dir`) from the next request on."""
+        with self.lock:
+            if version == self.version:
+                return
+            if adapter_dir is not None and version not in self.loaded:
+                self.runner.add(version, adapter_dir)
+                self.loaded.append(version)
+            self.version = version
+            # keep the newest few in memory (a rollback is then instant); drop the rest
+            while len(self.loaded) > self.keep_versions and self.loaded[0] != version:
+                self.runner.remove(self.loaded.pop(0))
+            self.swaps.inc()
+            self.serving.set(float(version) if version.isdigit() else 0.0)
+        log.info("serving a new version", extra={"version": version})
+
+    def complete(self, prompt: Any, req: _Sampling, headers: dict[str, str]) -> tuple[Any, str, str]:
+        with self.lock, self.latency.time():
+            version = self.version
+            gen = self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
+                                       temperature=req.temperature, top_p=req.top_p, seed=req.seed)[0]
+        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        if self.emit is not None:
+            self._emit(request_id, prompt, gen, version, req, headers)
+        return gen, version, request_id
+
+    def _emit(self, request_id: str, prompt: Any, gen: Any, version: str, req: _Sampling,
+              headers: dict[str, str]) -> None:
+        event = {
+            "schema_version": 1, "event_id": f"srv-{uuid.uuid4().hex}", "type": "interaction",
+            "ts": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"), "request_id": request_id,
+            "session_id": headers.get("x-session-id") or request_id, "user_id": req.user or "anonymous",
+            "tenant": headers.get("x-tenant") or self.default_tenant, "policy_version": version,
+            "prompt": prompt, "completion": gen.text, "completion_token_ids": gen.token_ids,
+            "behavior_logprobs": gen.logprobs,
+            "sampling": {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_tokens,
+                         "seed": req.seed},
+            "latency_ms": round(gen.latency_ms, 3), "metadata": {"server": "rtrl-serve", "model": self.model_name},
+        }
+        try:
+            self.emit(event)
+        except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
+            self.undelivered.inc()
+            log.error("interaction event not delivered", extra={"request_id": request_id, "error": str(exc)})
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}},
+                        status_code=status)
+
+
+def create_app(server: PolicyServer) -> FastAPI:
+    app = FastAPI(title="rtrl reference policy server")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body")
+        server.requests.labels("any", "invalid").inc()
+        return _error(400, f"{param}: {first['msg']}", param)
+
+    def _tokens(gen: Any) -> list[str]:
+        return [server.runner.tokenizer.decode([t]) for t in gen.token_ids]
+
+    def _finish(gen: Any, req: _Sampling) -> str:
+        return "length" if len(gen.token_ids) >= req.max_tokens else "stop"
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest, request: Request) -> JSONResponse:
+        gen, version, request_id = server.complete(req.prompt, req, dict(request.headers))
+        server.requests.labels("completions", "ok").inc()
+        body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": f"{server.model_name}:{version}",
+                "choices": [{"index": 0, "text": gen.text, "finish_reason": _finish(gen, req),
+                             "logprobs": {"tokens": _tokens(gen), "token_logprobs": gen.logprobs,
+                                          "token_ids": gen.token_ids}}],
+                "usage": {"completion_tokens": len(gen.token_ids)}}
+        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version})
+
+    @app.post("/v1/chat/completions")
+    def chat(req: ChatRequest, request: Request) -> JSONResponse:
+        messages = [m.model_dump() for m in req.messages]
+        gen, version, request_id = server.complete(messages, req, dict(request.headers))
+        server.requests.labels("chat", "ok").inc()
+        content = [{"token": tok, "logprob": lp, "token_id": tid}
+                   for tok, lp, tid in zip(_tokens(gen), gen.logprobs, gen.token_ids)]
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": f"{server.model_name}:{version}",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                             "finish_reason": _finish(gen, req), "logprobs": {"content": content}}],
+                "usage": {"completion_tokens": len(gen.token_ids)}}
+        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version})
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok", "model": server.model_name, "version": server.version}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(server.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    return app

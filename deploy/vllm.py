@@ -1,0 +1,53 @@
+"""The vLLM hook: keep a vLLM server on the champion adapter.
+
+On each model-update event the new adapter is downloaded from the registry, loaded on the vLLM
+server under a versioned name (`<model>-v<version>`, POST /v1/load_lora_adapter), and only then
+is the previous one unloaded (POST /v1/unload_lora_adapter): clients asking for the new name
+find it, clients still using the old name finish first. vLLM must run with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import requests
+
+log = logging.getLogger("rtrl.deploy")
+
+
+class VllmError(RuntimeError):
+    """The vLLM server refused or could not be reached."""
+
+
+class VllmAdapterSync:
+    def __init__(self, base_url: str, model_name: str, fetch: Callable[[str, Path], Path], download_dir: Path,
+                 timeout_s: float = 60.0) -> None:
+        self.base_url, self.model_name, self.fetch = base_url.rstrip("/"), model_name, fetch
+        self.download_dir, self.timeout_s = download_dir, timeout_s
+        self.current: str | None = None  # the lora_name vLLM serves as champion
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            r = requests.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise VllmError(f"vLLM at {self.base_url} unreachable ({path}): {exc}") from None
+        if r.status_code >= 400:
+            raise VllmError(f"vLLM refused {path} for {body.get('lora_name')}: HTTP {r.status_code} {r.text[:300]}")
+
+    def on_update(self, event: dict[str, Any]) -> None:
+        name = f"{self.model_name}-v{event['version']}"
+        if name == self.current:
+            return
+        path = self.fetch(event["adapter_uri"], self.download_dir / name)
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        old, self.current = self.current, name
+        log.info("vLLM serves a new adapter", extra={"lora_name": name, "previous": old})
+        if old is not None:
+            try:
+                self._post("/v1/unload_lora_adapter", {"lora_name": old})
+            except VllmError as exc:  # the new one is live; a stale adapter only costs memory
+                log.warning("old adapter not unloaded from vLLM", extra={"lora_name": old, "error": str(exc)})

@@ -1,0 +1,220 @@
+"""`rtrl serve` (a real process) under concurrent requests while three promotions happen, and
+the vLLM hook against a local server that implements vLLM's two adapter endpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from kafka import KafkaConsumer
+
+from deploy.events import ModelUpdatePublisher
+from deploy.follow import Follower
+from deploy.registry import Registry
+from deploy.tracking import MlflowTracker
+from deploy.vllm import VllmAdapterSync
+from pipeline.config import TrainConfig
+from pipeline.kafka_local import ensure_topics
+from pipeline.store import db as store_db
+from tests.conftest import REPO
+from tests.test_deploy_registry import _free_port
+from train.inference import LoggedEpisode, PolicySet
+from train.lora import attach_adapter, save_adapter
+from train.models import load_policy
+
+
+def make_adapter(base: Path, out: Path, seed: int) -> Path:
+    """A LoRA adapter with random (non-zero) B matrices: a policy visibly different from the base."""
+    policy = load_policy(base, device="cpu")
+    torch.manual_seed(seed)
+    model = attach_adapter(policy.model, TrainConfig(lora_r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return save_adapter(model, out)
+
+
+@pytest.fixture
+def registered(tmp_path, reverse_base, kafka_bootstrap):
+    """Two registered versions, the store, the topics, and a registry that publishes moves."""
+    url = f"sqlite:///{tmp_path / 'rtrl.db'}"
+    store_db.upgrade(url)
+    engine = store_db.make_engine(url)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    topics = {k: f"t-{uuid.uuid4().hex[:8]}.{k}" for k in ("updates", "interactions")}
+    ensure_topics(kafka_bootstrap, list(topics.values()), partitions=1)
+    name = f"policy-{uuid.uuid4().hex[:6]}"
+    publisher = ModelUpdatePublisher(kafka_bootstrap, topics["updates"])
+    registry = Registry(tracking, name, engine, publisher)
+    dirs = {}
+    for seed in (1, 2):
+        adapter = make_adapter(reverse_base, tmp_path / f"adapter-{seed}", seed)
+        tracker = MlflowTracker(tracking, "serve-test", tmp_path / "artifacts")
+        tracker.log_artifacts(adapter, "adapter")
+        tracker.end("FINISHED")
+        version = registry.register(tracker.run_id, {"base_model": str(reverse_base)}).version
+        dirs[version] = adapter
+    yield {"registry": registry, "tracking": tracking, "topics": topics, "name": name, "dirs": dirs, "url": url}
+    publisher.close()
+    engine.dispose()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_serve_follows_three_promotions_under_concurrent_requests(registered, reverse_base, tmp_path,
+                                                                  kafka_bootstrap):
+    r = registered
+    registry = r["registry"]
+    registry.promote("1", actor="test", reason="start", force=True)
+    port = _free_port()
+    env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": r["url"],
+           "RTRL_MLFLOW__TRACKING_URI": r["tracking"], "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
+           "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap, "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
+           "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"]}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model",
+                             str(reverse_base)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+
+    def health():
+        try:
+            return requests.get(f"{base_url}/health", timeout=2).json()
+        except requests.ConnectionError:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            return None
+
+    try:
+        assert wait_until(health, 120, "rtrl serve to start")["version"] == "1"
+        results, failures, stop = [], [], threading.Event()
+
+        def client(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                prompt = "abcdef"[k] + "abcdef"[i % 6] + "abcdef"[(i + k) % 6] + ">"
+                rid = f"c{k}-{i}"
+                try:
+                    resp = requests.post(f"{base_url}/v1/completions", headers={"X-Request-Id": rid}, timeout=30,
+                                         json={"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "seed": i})
+                    (results if resp.status_code == 200 else failures).append((rid, prompt, resp))
+                except requests.RequestException as exc:
+                    failures.append((rid, prompt, exc))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for target in ("2", "1", "2"):  # promote, roll back, promote
+            wait_until(lambda: len(results) >= 10, 60, "requests on the current version")
+            done = len(results)
+            if target == "1":
+                registry.rollback(actor="test", reason="back")
+            else:
+                registry.promote(target, actor="test", reason="next", force=True)
+            wait_until(lambda: health()["version"] == target, 60, f"the server to serve v{target}")
+            wait_until(lambda: len(results) >= done + 10, 60, "requests on the new version")
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert not failures, failures[:3]
+        versions = [resp.headers["X-Rtrl-Policy-Version"] for _, _, resp in results]
+        assert {"1", "2"} <= set(versions) and len(results) >= 40
+
+        # every response's log-probs are those of the adapter it names (and not the other's)
+        policies = PolicySet.load(reverse_base, device="cpu")
+        for v, d in r["dirs"].items():
+            policies.add(v, d)
+        by_version: dict[str, list] = {"1": [], "2": []}
+        for rid, prompt, resp in results:
+            choice = resp.json()["choices"][0]
+            ids = choice["logprobs"]["token_ids"]
+            if ids:
+                by_version[resp.headers["X-Rtrl-Policy-Version"]].append(
+                    (LoggedEpisode(rid, prompt, choice["text"], ids), sum(choice["logprobs"]["token_logprobs"])))
+        for v, items in by_version.items():
+            other = "2" if v == "1" else "1"
+            mine = policies.sequence_logprobs(v, [e for e, _ in items])
+            theirs = policies.sequence_logprobs(other, [e for e, _ in items])
+            assert all(abs(m - s) < 1e-3 for m, (_, s) in zip(mine, items)), v
+            assert sum(abs(t - s) > 1e-3 for t, (_, s) in zip(theirs, items)) > 0.9 * len(items)
+
+        # every request became an interaction event naming the version that served it
+        consumer = KafkaConsumer(r["topics"]["interactions"], bootstrap_servers=kafka_bootstrap,
+                                 auto_offset_reset="earliest", group_id=None, consumer_timeout_ms=2000)
+        events = {}
+        deadline = time.monotonic() + 30
+        while len(events) < len(results) + len(failures) and time.monotonic() < deadline:
+            for rec in consumer:
+                ev = json.loads(rec.value)
+                events[ev["request_id"]] = ev
+        consumer.close()
+        for rid, _, resp in results:
+            assert events[rid]["policy_version"] == resp.headers["X-Rtrl-Policy-Version"]
+            assert events[rid]["behavior_logprobs"] == resp.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+        bad = requests.post(f"{base_url}/v1/completions", json={"prompt": "ab>", "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        chat = requests.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                                       "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        assert "rtrl_serve_swaps_total 4.0" in requests.get(f"{base_url}/metrics").text  # start + 3 moves
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+class FakeVllm(BaseHTTPRequestHandler):
+    calls: list[tuple[str, dict]] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and body.get("lora_name")
+        if self.path == "/v1/load_lora_adapter":
+            ok = ok and (Path(body["lora_path"]) / "adapter_config.json").is_file()
+        FakeVllm.calls.append((self.path, body))
+        self.send_response(200 if ok else 400)
+        self.end_headers()
+        self.wfile.write(b"Success" if ok else b"bad request")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_path, kafka_bootstrap):
+    r = registered
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    FakeVllm.calls = []
+    sync = VllmAdapterSync(f"http://127.0.0.1:{httpd.server_port}", r["name"], r["registry"].download, tmp_path / "dl")
+    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update).start()
+    try:
+        r["registry"].promote("1", actor="test", reason="first", force=True)
+        wait_until(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
+        r["registry"].promote("2", actor="test", reason="second", force=True)
+        wait_until(lambda: len(FakeVllm.calls) >= 3, 30, "vLLM to load v2 and unload v1")
+    finally:
+        follower.close()
+        httpd.shutdown()
+    name = r["name"]
+    assert [(path, body["lora_name"]) for path, body in FakeVllm.calls] == [
+        ("/v1/load_lora_adapter", f"{name}-v1"), ("/v1/load_lora_adapter", f"{name}-v2"),
+        ("/v1/unload_lora_adapter", f"{name}-v1")]
+    assert sync.current == f"{name}-v2"
