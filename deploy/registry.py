@@ -94,7 +94,16 @@ class Registry:
 
     def list(self) -> list[Version]:
         found = self._call("listing versions", lambda: self.client.search_model_versions(f"name='{self.name}'"))
-        return sorted((self._version(mv) for mv in found), key=lambda v: int(v.version))
+        if not found:
+            return []
+        # search results do not carry aliases; the registered model does (alias -> version)
+        aliases = self._call("reading aliases", lambda: self.client.get_registered_model(self.name).aliases) or {}
+        out = []
+        for mv in found:
+            v = self._version(mv)
+            v.aliases = sorted(a for a, ver in aliases.items() if str(ver) == v.version)
+            out.append(v)
+        return sorted(out, key=lambda v: int(v.version))
 
     def download(self, version: Version | str, dst: Path) -> Path:
         """An adapter directory (a version's source, or an artifact URI), downloaded under `dst`."""

@@ -22,6 +22,7 @@ COMMANDS = [
     ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
     ["reward", "audit"], ["model"], ["model", "init-tiny"], ["model", "show"],
     ["train"], ["train", "run"], ["train", "show"],
+    ["gate"], ["models"], ["models", "list"], ["models", "show"], ["promote"], ["rollback"], ["serve"],
 ]
 
 

@@ -201,3 +201,57 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     with pytest.raises(RegistryError, match="unreachable|failed"):
         down.promote("1", actor="bob", reason="x", force=True)
     assert moves(engine, name)[0].to_version == "2"  # nothing was recorded as moved
+
+
+def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
+        cfg_env, cfg, engine, reverse_base, topics, kafka_bootstrap, mlflow_server):
+    if engine.dialect.name == "postgresql":
+        pytest.skip("the registry is under test here; the PostgreSQL store is covered above")
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+    from pipeline.store.events import utcnow
+    from tests.test_ingest_kafka import ingest_until_idle, produce
+
+    base = load_policy(reverse_base, device="cpu")
+    events = task.as_events(reverse_episodes(base, "k", seed=5), "k", utcnow().replace(tzinfo=BASE_TS.tzinfo)
+                            - timedelta(hours=2))
+    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
+        batch = [e for e in events if e["type"] == kind]
+        produce(kafka_bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
+    assert ingest_until_idle(cfg, engine).events == len(events)
+    updates = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [updates], partitions=1)
+    env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__LEARNING_RATE": "5e-3",
+           "RTRL_TRAIN__EPOCHS": "8", "RTRL_TRAIN__BATCH_TOKENS": "1024", "RTRL_TRAIN__MAX_SEQ_LEN": "64",
+           "RTRL_TRAIN__LORA_R": "8", "RTRL_TRAIN__LORA_ALPHA": "16", "RTRL_TRAIN__HOLDOUT_PERCENT": "30",
+           "RTRL_MLFLOW__TRACKING_URI": mlflow_server, "RTRL_MLFLOW__REGISTERED_MODEL": f"cli-{uuid.uuid4().hex[:6]}",
+           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "RTRL_GATE__MAX_NEW_TOKENS": "3", "RTRL_GATE__MIN_ESS": "5",
+           "RTRL_GATE__GENERATE_PROMPTS": "40", "USER": "ops-alice"}
+    runner = CliRunner()
+
+    def rtrl(*args, ok=True):
+        out = runner.invoke(cli, list(args), env=env)
+        assert (out.exit_code == 0) == ok, out.output
+        return out.output
+
+    rtrl("reward", "run")
+    rtrl("train", "run")
+    gated = rtrl("gate", "--promote")
+    assert "PASSED" in gated and "promoted v1 to champion" in gated and "first deployment" in gated
+    assert "already" in rtrl("promote", "1")
+    assert "no `previous` version" in rtrl("rollback", ok=False)
+
+    rtrl("train", "run", "--since", "0")  # a second candidate from the same data
+    second = rtrl("gate")
+    assert "candidate v2" in second and "against champion v1" in second
+    if "FAILED" in second:
+        assert "failed its gate" in rtrl("promote", "2", ok=False)
+    assert "v2 is the champion" in rtrl("promote", "2", "--force", "--reason", "canary tenant")
+    assert "v1 is the champion" in rtrl("rollback", "--reason", "back to the gated one")
+    listed = rtrl("models", "list")
+    assert "v1" in listed and "champion" in listed.split("v1", 1)[1].splitlines()[0]
+    shown = rtrl("models", "show", "2")
+    assert "gate decision" in shown and "by ops-alice" in shown and "canary tenant" in shown
+    assert "no version 7" in rtrl("promote", "7", ok=False)
+    assert [e["version"] for e in model_updates(kafka_bootstrap, updates, 3)] == ["1", "2", "1"]
