@@ -82,12 +82,15 @@ def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str
 
 
 def _generate_report(runner: Runner, name: str | None, label: str, prompts: list[Any], suite: Suite,
-                     patterns: tuple[str, ...], max_new_tokens: int) -> tuple[EvalReport, dict[str, str]]:
+                     patterns: tuple[str, ...], max_new_tokens: int,
+                     load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
+    nan = Estimate(float("nan"), float("nan"), float("nan"))
+    if load_error is not None:
+        return EvalReport(label, nan, 0.0, smoke_ok=False, smoke_error=load_error), {}
     try:
         gens = runner.generate(name, prompts + [item.prompt for item in suite.items], max_new_tokens=max_new_tokens)
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
-        return EvalReport(label, Estimate(float("nan"), float("nan"), float("nan")), 0.0, smoke_ok=False,
-                          smoke_error=f"{type(exc).__name__}: {exc}"), {}
+        return EvalReport(label, nan, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
     held, suite_out = gens[:len(prompts)], gens[len(prompts):]
     outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
     metrics = canaries([g.text for g in held], patterns)
@@ -97,11 +100,12 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
 
 def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[EvalEpisode], suite: Suite,
              cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
-             max_new_tokens: int = 64, seed: int = 0) -> Evaluation:
-    """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model)."""
+             max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None) -> Evaluation:
+    """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
+    `load_error`: the candidate's adapter did not load (the smoke check fails with it)."""
     prompts = [e.prompt for e in episodes[:generate_prompts]]
     cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
-                                             max_new_tokens)
+                                             max_new_tokens, load_error)
     champ_report, champ_out = _generate_report(runner, champion, champion or "base", prompts, suite,
                                                abstention_patterns, max_new_tokens)
     excluded = {"no_behavior_logprobs": 0, "misaligned": 0}
@@ -124,6 +128,8 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
                                         confidence=cfg.confidence, seed=seed)
     cand_report.reward, cand_report.ess = cand_est.estimate, cand_est.ess
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
+    # the reward is a metric too: [gate.bounds.reward] can set value and change limits on it
+    cand_report.metrics["reward"], champ_report.metrics["reward"] = cand_est.estimate.value, champ_est.estimate.value
     kl = runner.token_kl(champion, candidate, usable[:generate_prompts * 4])
     return Evaluation(cand_report, champ_report, Comparison(gain, kl), len(usable), excluded,
                       {"candidate": cand_out, "champion": champ_out})

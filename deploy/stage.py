@@ -52,8 +52,10 @@ def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: G
 
 def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
              train: TrainConfig, gate: GateConfig, suite: Suite = EMPTY, abstention_patterns: tuple[str, ...] = (),
-             promote: bool = False) -> GateResult:
-    """Register, evaluate and gate the adapter of training run `run_id`."""
+             promote: bool = False, cycle_id: str | None = None,
+             production_canaries: dict[str, dict[str, float]] | None = None) -> GateResult:
+    """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
+    (per policy version, from the reward stage's audit) are kept with the decision."""
     registry.repair()
     run = get_run(engine, run_id)
     if run is None or run.status != "finished":
@@ -65,22 +67,28 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
         "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
         "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
         "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",
+        **({"rtrl.cycle": cycle_id} if cycle_id else {}),
     })
     champion = registry.alias(CHAMPION)
-    runner.add("candidate", Path(run.adapter_path))
     if champion is not None:
         with tempfile.TemporaryDirectory() as tmp:
             runner.add(f"v{champion.version}", registry.download(champion, Path(tmp)))
     episodes = eval_episodes(engine, spec_version, train, gate)
+    load_error = None
+    try:
+        runner.add("candidate", Path(run.adapter_path))
+    except Exception as exc:  # noqa: BLE001 - an adapter that does not load fails the smoke check
+        load_error = f"{type(exc).__name__}: {exc}"
     evaluation = evaluate(runner, "candidate", f"v{champion.version}" if champion else None, episodes, suite, gate,
-                          abstention_patterns, gate.generate_prompts, gate.max_new_tokens)
+                          abstention_patterns, gate.generate_prompts, gate.max_new_tokens, load_error=load_error)
     if champion is None:
         # first deployment: the base model is the baseline the evaluation compared with, but
         # the gate applies its first-deployment rule (absolute limits only, or refuse)
         decision = decide(evaluation.candidate, None, None, gate)
     else:
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
-    report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version}
+    report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version,
+                              "production_canaries": production_canaries or {}}
     registry.record_decision(version.version, champion.version if champion else None, run_id, decision.to_dict(),
                              report)
     promoted = False

@@ -255,3 +255,25 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     assert "gate decision" in shown and "by ops-alice" in shown and "canary tenant" in shown
     assert "no version 7" in rtrl("promote", "7", ok=False)
     assert [e["version"] for e in model_updates(kafka_bootstrap, updates, 3)] == ["1", "2", "1"]
+
+
+def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, reverse_base, tmp_path):
+    from pipeline.store.training import finish_run, start_run
+
+    if engine.dialect.name == "postgresql":
+        pytest.skip("store-independent")
+    bad = tmp_path / "adapter"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')  # truncated
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
+    tracker.log_artifacts(bad, "adapter")
+    start_run(engine, run_id="r-bad", tracking_run_id=tracker.run_id, spec_version=SPEC.version, loss="cispo",
+              base_model=str(reverse_base), base_revision="x", watermark_from=0, watermark_to=0, episodes=0)
+    finish_run(engine, "r-bad", "finished", adapter_path=str(bad))
+    registry = Registry(tracking, f"policy-{uuid.uuid4().hex[:6]}", engine)
+    result = gate_run(engine, registry, PolicySet.load(reverse_base, device="cpu"), "r-bad", SPEC.version,
+                      TrainConfig(), GATE, promote=True)
+    assert not result.decision.passed and not result.promoted
+    assert any("cannot load the adapter" in r for r in result.decision.reasons), result.decision.reasons
+    assert registry.alias(CHAMPION) is None and registry.get("1").tags["gate.passed"] == "false"

@@ -139,7 +139,6 @@ def train_policy(
     correction = CorrectionConfig(token_truncate=cfg.token_truncate, token_mask=None, sequence_truncate=None,
                                   sequence_mask=cfg.sequence_mask)
     per_token_fn, aggregate_fn = LOSSES[cfg.loss]
-    needs_reference = cfg.kl_coef > 0 or cfg.loss == "kto"
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
@@ -191,10 +190,9 @@ def train_policy(
             loss = aggregate_fn(per_token, mask, loss_cfg, adv=a, **extra)
             (loss / len(micro)).backward()
 
-            n_tok = float(mask.sum())
             tokens += batch.tokens
             add("loss", float(loss.detach()) / len(micro))
-            add("mask_tokens", n_tok)
+            add("mask_tokens", float(mask.sum()))
             add("entropy", float((entropy * mask).sum()))
             add("recomputed_behavior", float(recomputed_flag[idx].sum()))
             add("sequences", len(index))

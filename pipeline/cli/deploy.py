@@ -70,9 +70,13 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
         runner = PolicySet.load(config.train.base_model or run.base_model)
     except (SuiteError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
+    from reward.analysis import audit
+
+    production = {version: c.rates() for version, c in audit(ctx.engine(), spec).items()}
     with _registry(ctx) as registry:
         result = gate_run(ctx.engine(), registry, runner, run.run_id, spec.version, config.train, config.gate,
-                          suite_obj, spec.guards.abstention.patterns, promote=promote)
+                          suite_obj, spec.guards.abstention.patterns, promote=promote,
+                          production_canaries=production)
     d, ev = result.decision, result.evaluation
     against = f"champion v{result.champion.version}" if result.champion else "the base model (first deployment)"
     click.echo(f"candidate v{result.version.version} (run {run.run_id}) against {against}: "
