@@ -15,11 +15,12 @@ the field and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_STATE_DIR = Path.home() / ".rtrl"
 
@@ -195,6 +196,22 @@ class GateConfig(_Section):
         return data
 
 
+class CycleConfig(_Section):
+    """The loop's schedule and when a cycle is worth running."""
+
+    every: str = Field(default="4h", description="interval between cycles: <n>s|m|h|d, or a 5-field cron expression")
+    min_new_episodes: int = Field(default=50, ge=1, description="fewer new rewarded episodes: the cycle is skipped")
+    sla_s: float = Field(default=3600.0, gt=0, description="a cycle longer than this is logged and counted")
+
+    @field_validator("every")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        if re.fullmatch(r"\d+(\.\d+)?[smhd]", value.strip()) or len(value.split()) == 5:
+            return value.strip()
+        raise ValueError(f"cycle.every must be an interval such as '30s', '15m', '4h', '1d' or a 5-field cron "
+                         f"expression such as '0 */4 * * *' (got {value!r})")
+
+
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
@@ -211,6 +228,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     mlflow: MlflowConfig = MlflowConfig()
     gate: GateConfig = GateConfig()
+    cycle: CycleConfig = CycleConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property

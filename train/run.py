@@ -130,8 +130,10 @@ def prompt_group(body: str) -> str:
 def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: Path, tracker: Tracker,
                  parent: Parent | None = None, since: int | None = None, dry_run: bool = False,
                  now: datetime | None = None, params: dict[str, Any] | None = None,
-                 on_step: Callable[[int, int, dict[str, float]], None] | None = None) -> TrainReport:
-    """One training run; with `dry_run`, only the selection (nothing loaded, nothing written)."""
+                 on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+                 run_id: str | None = None) -> TrainReport:
+    """One training run; with `dry_run`, only the selection (nothing loaded, nothing written).
+    `run_id` lets a caller record the id before the run starts (a cycle that may crash)."""
     selection = select(engine, cfg, spec_version, parent, now, since)
     report = TrainReport(run_id=None, selection=selection.counts, watermark_from=selection.watermark_from,
                          watermark_to=selection.watermark_to,
@@ -151,7 +153,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
     report.watermark_to = selection.watermark_to  # skipped episodes are read too: never selected again
     model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
 
-    run_id = report.run_id = uuid.uuid4().hex
+    run_id = report.run_id = run_id or uuid.uuid4().hex
     run_dir = report.run_dir = runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     start_run(engine, run_id=run_id, tracking_run_id=tracker.run_id, spec_version=spec_version, loss=cfg.loss,

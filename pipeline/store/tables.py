@@ -212,6 +212,23 @@ gate_decisions = Table(
     Column("decided_at", DateTime, nullable=False),
 )
 
+# One row per cycle (reward -> train -> evaluate -> gate -> promote), updated as it moves through
+# its states; a crashed cycle is resumed from the state it reached (pipeline/cycle.py).
+cycles = Table(
+    "cycles",
+    metadata,
+    Column("cycle_id", String(64), primary_key=True),
+    Column("state", String(16), nullable=False, index=True),  # pending .. done | rejected | skipped | failed
+    Column("reason", Text),  # why it was skipped, rejected or failed
+    Column("run_id", String(64)),  # the training run
+    Column("candidate_version", String(64)),
+    Column("promoted", Integer),  # 0 / 1 once decided
+    Column("timings", JSON, nullable=False),  # stage -> seconds
+    Column("started_at", DateTime, nullable=False),
+    Column("updated_at", DateTime, nullable=False),
+    Column("finished_at", DateTime),
+)
+
 Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)
 
 EVENT_TABLES = {"interaction": interactions, "feedback": feedback}

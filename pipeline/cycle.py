@@ -1,0 +1,155 @@
+"""One cycle of the loop, as a state machine persisted in the store:
+
+    pending -> rewarding -> training -> evaluating -> promoting -> done
+                   \\-> skipped (too few new rewarded episodes)   \\-> rejected (the gate said no)
+    any state -> failed (an error: recorded, the next cycle starts afresh)
+
+Each state is written before its work starts. After a crash, `run_cycle` resumes the unfinished
+cycle from the state it reached, and every stage's work is idempotent when re-entered:
+
+    rewarding   run_rewards is incremental
+    training    a finished training run recorded on the cycle is reused; one that died is
+                marked failed and trained again
+    evaluating  a gate decision stored for the cycle's run is reused
+    promoting   promote() of the current champion is a no-op; registry.repair() completes a
+                move a crash interrupted
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from deploy.registry import CHAMPION, Registry
+from deploy.stage import gate_run
+from deploy.suite import EMPTY, Suite
+from pipeline.config import Config
+from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
+from pipeline.store.training import finish_run, get_run
+from reward.spec import RewardSpec
+from reward.stage import run_rewards
+from train.run import NothingToTrain, Parent, run_training
+from train.tracking import MemoryTracker, Tracker
+
+log = logging.getLogger("rtrl.cycle")
+
+
+@dataclass
+class CycleDeps:
+    """What a cycle works with; the daemon, the demo and tests build it."""
+
+    engine: Engine
+    config: Config
+    spec: RewardSpec
+    registry: Registry
+    make_tracker: Callable[[str], Tracker]  # cycle id -> a tracker for its training run
+    make_runner: Callable[[Path], Any]  # base model -> a deploy.evaluate.Runner
+    suite: Suite = EMPTY
+
+
+def run_cycle(deps: CycleDeps) -> Any:
+    """Run one cycle, or finish the one a crash interrupted; returns its row. Never raises for
+    a failing stage: the cycle ends `failed` with the reason."""
+    row = unfinished_cycle(deps.engine)
+    if row is None:
+        cycle_id = f"c-{uuid.uuid4().hex[:12]}"
+        create_cycle(deps.engine, cycle_id)
+        row = get_cycle(deps.engine, cycle_id)
+    else:
+        log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})
+    cycle_id, timings = row.cycle_id, dict(row.timings or {})
+    t_cycle = time.perf_counter()
+
+    def enter(state: str, **values: Any) -> None:
+        set_cycle(deps.engine, cycle_id, state=state, timings=timings, **values)
+
+    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - t0, 3)
+
+    try:
+        state, run_id = row.state, row.run_id
+        if state in ("pending", "rewarding"):
+            enter("rewarding")
+            timed("reward", lambda: run_rewards(deps.engine, deps.spec))
+            state = "training"
+        champion = deps.registry.alias(CHAMPION)
+        with tempfile.TemporaryDirectory() as tmp:
+            parent = Parent.from_adapter(deps.registry.download(champion, Path(tmp))) if champion else None
+            if state == "training":
+                run_id = timed("train", lambda: _train(deps, cycle_id, run_id, parent, enter))
+                if run_id is None:
+                    return get_cycle(deps.engine, cycle_id)  # skipped
+                state = "evaluating"
+        if state == "evaluating":
+            enter("evaluating", run_id=run_id)
+            decision = decision_for_run(deps.engine, run_id)
+            if decision is None:
+                result = timed("evaluate", lambda: gate_run(
+                    deps.engine, deps.registry, deps.make_runner(Path(get_run(deps.engine, run_id).base_model)),
+                    run_id, deps.spec.version, deps.config.train, deps.config.gate, deps.suite,
+                    deps.spec.guards.abstention.patterns, cycle_id=cycle_id))
+                passed, version, reasons = result.decision.passed, result.version.version, result.decision.reasons
+            else:
+                passed, version = bool(decision.passed), decision.candidate_version
+                reasons = [c["detail"] for c in decision.report["decision"]["checks"] if not c["passed"]]
+            if not passed:
+                enter("rejected", candidate_version=version, promoted=0, reason="; ".join(reasons))
+                return get_cycle(deps.engine, cycle_id)
+            enter("promoting", candidate_version=version)
+            state = "promoting"
+        if state == "promoting":
+            version = get_cycle(deps.engine, cycle_id).candidate_version
+            timed("promote", lambda: deps.registry.promote(version, actor="automatic",
+                                                            reason=f"cycle {cycle_id}: gate passed"))
+            enter("done", promoted=1)
+    except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
+        log.exception("cycle failed", extra={"cycle": cycle_id})
+        enter("failed", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        total = time.perf_counter() - t_cycle
+        if total > deps.config.cycle.sla_s:
+            log.warning("cycle exceeded its SLA", extra={"cycle": cycle_id, "seconds": round(total, 1),
+                                                         "sla_s": deps.config.cycle.sla_s})
+    return get_cycle(deps.engine, cycle_id)
+
+
+def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | None,
+           enter: Callable[..., None]) -> str | None:
+    """The cycle's finished training run id, training if needed; None when the cycle is skipped."""
+    if run_id is not None:
+        run = get_run(deps.engine, run_id)
+        if run is not None and run.status == "finished":
+            return run_id
+        if run is not None and run.status == "running":  # the process died mid-training
+            finish_run(deps.engine, run_id, "failed", error=f"abandoned: cycle {cycle_id} was interrupted")
+    cfg, runs_dir = deps.config.train, deps.config.state_dir / "runs"
+    selection = run_training(deps.engine, cfg, deps.spec.version, runs_dir, MemoryTracker(), parent, dry_run=True)
+    selected = selection.selection["selected"]
+    if selected < deps.config.cycle.min_new_episodes:
+        enter("skipped", reason=f"{selected} new rewarded episodes, fewer than cycle.min_new_episodes "
+                                f"({deps.config.cycle.min_new_episodes})")
+        return None
+    run_id = uuid.uuid4().hex
+    enter("training", run_id=run_id)  # recorded first: a crash mid-training is found on resume
+    tracker = deps.make_tracker(cycle_id)
+    tracker.set_tags({"rtrl.cycle": cycle_id})
+    try:
+        run_training(deps.engine, cfg, deps.spec.version, runs_dir, tracker, parent, params={"cycle": cycle_id},
+                     run_id=run_id)
+    except NothingToTrain as exc:
+        tracker.end("KILLED")
+        enter("skipped", reason=str(exc))
+        return None
+    return run_id

@@ -1,0 +1,104 @@
+"""The cycle: two full cycles end to end (events through the real broker, SQLite, the local MLflow
+store, a tiny model), a cycle with too little new data skipped, and cycles resumed after a crash
+in training and in evaluation completing exactly once."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+import train.run
+from deploy.registry import CHAMPION, Registry
+from deploy.tracking import MlflowTracker
+from pipeline import cycle as cycle_mod
+from pipeline.config import Config
+from pipeline.cycle import CycleDeps, run_cycle
+from pipeline.store.events import utcnow
+from pipeline.store.tables import training_runs
+from pipeline.store.training import get_run
+from reward.spec import load_spec
+from tests import reverse_task as task
+from tests.factories import BASE_TS, encode
+from tests.test_ingest_kafka import ingest_until_idle, produce
+from train.inference import PolicySet
+from train.models import load_policy
+
+
+@pytest.fixture
+def deps(cfg, engine, reverse_base, tmp_path):
+    if engine.dialect.name == "postgresql":
+        pytest.skip("the cycle runs on SQLite and the local MLflow store here (PostgreSQL: test_deploy_registry)")
+    config = Config.model_validate({
+        **cfg.model_dump(), "state_dir": tmp_path / "state",
+        "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,
+                  "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 30.0},
+        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40,
+                 "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}}},
+        "cycle": {"min_new_episodes": 20},
+    })
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registry = Registry(tracking, "cycle-policy", engine)
+    return CycleDeps(engine, config, load_spec(), registry,
+                     make_tracker=lambda cycle_id: MlflowTracker(tracking, "rtrl", tmp_path / "artifacts", cycle_id),
+                     make_runner=lambda base: PolicySet.load(base, device="cpu"))
+
+
+def feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: int) -> int:
+    """Logged, rewarded traffic of the base policy, through Kafka into the store."""
+    policy = load_policy(reverse_base, device="cpu")
+    prompts, _ = task.split()
+    episodes = task.sample_episodes(policy.model, policy.tokenizer, prompts, per_prompt=2, seed=seed)
+    events = task.as_events(episodes, prefix, utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
+    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
+        batch = [e for e in events if e["type"] == kind]
+        produce(kafka_bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
+    return ingest_until_idle(cfg, engine).events
+
+
+def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "a", seed=6) > 0
+    first = run_cycle(deps)
+    assert first.state == "done" and first.promoted == 1, first.reason
+    assert deps.registry.alias(CHAMPION).version == first.candidate_version
+    assert {"reward", "train", "evaluate", "promote"} <= set(first.timings)
+
+    assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "b", seed=7) > 0
+    second = run_cycle(deps)
+    assert second.state in ("done", "rejected"), second.reason
+    run = get_run(engine, second.run_id)
+    assert run.parent_run_id == first.run_id and run.watermark_from == get_run(engine, first.run_id).watermark_to
+    champion = deps.registry.alias(CHAMPION).version
+    assert champion == (second.candidate_version if second.state == "done" else first.candidate_version)
+
+    # the champion's watermark: after a promotion nothing is new; after a rejection the same
+    # episodes are still new (the champion never learned from them) -- either way, too few
+    deps.config.cycle.min_new_episodes = 10_000
+    third = run_cycle(deps)
+    assert third.state == "skipped" and "fewer than cycle.min_new_episodes" in third.reason
+    assert third.run_id is None and deps.registry.alias(CHAMPION).version == champion
+
+
+def test_a_cycle_interrupted_in_training_or_evaluation_completes_exactly_once(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch):
+    feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "c", seed=8)
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as m:  # the process dies in the middle of the training loop
+        m.setattr(train.run, "train_policy", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run_cycle(deps)
+    with monkeypatch.context() as m:  # the restarted process dies in the middle of the gate
+        m.setattr(cycle_mod, "gate_run", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run_cycle(deps)
+    done = run_cycle(deps)  # the next start finishes it
+    assert done.state == "done" and done.promoted == 1, done.reason
+    with engine.connect() as conn:
+        runs = conn.execute(select(training_runs.c.run_id, training_runs.c.status)).all()
+    assert sorted(status for _, status in runs) == ["failed", "finished"]  # the killed one, the one that counts
+    assert dict(runs)[done.run_id] == "finished"
+    assert [v.version for v in deps.registry.list()] == [done.candidate_version] == ["1"]
