@@ -53,6 +53,26 @@ class CycleDeps:
     make_tracker: Callable[[str], Tracker]  # cycle id -> a tracker for its training run
     make_runner: Callable[[Path], Any]  # base model -> a deploy.evaluate.Runner
     suite: Suite = EMPTY
+    owner: str | None = None  # the daemon running the cycle (recorded on the row)
+
+
+def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
+    """The real parts: MLflow tracking and registry from the config, model-update events on
+    Kafka, models loaded with train.inference, the configured regression suite."""
+    from deploy.events import ModelUpdatePublisher
+    from deploy.suite import load_suite
+    from deploy.tracking import MlflowTracker
+    from train.inference import PolicySet
+
+    publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
+    registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher)
+    return CycleDeps(
+        engine, config, spec, registry,
+        make_tracker=lambda cycle_id: MlflowTracker(config.tracking_uri, config.mlflow.experiment,
+                                                    config.artifact_root, run_name=cycle_id),
+        make_runner=lambda base: PolicySet.load(base),
+        suite=load_suite(config.gate.suite) if config.gate.suite else EMPTY,
+    )
 
 
 def run_cycle(deps: CycleDeps) -> Any:
@@ -61,7 +81,7 @@ def run_cycle(deps: CycleDeps) -> Any:
     row = unfinished_cycle(deps.engine)
     if row is None:
         cycle_id = f"c-{uuid.uuid4().hex[:12]}"
-        create_cycle(deps.engine, cycle_id)
+        create_cycle(deps.engine, cycle_id, deps.owner)
         row = get_cycle(deps.engine, cycle_id)
     else:
         log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})

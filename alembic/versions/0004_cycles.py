@@ -2,7 +2,7 @@
 
 Revision ID: 0004
 Revises: 0003
-Create Date: 2026-11-30 12:01:54.736773
+Create Date: 2026-11-30 12:06:54.679486
 """
 from typing import Sequence, Union
 
@@ -26,6 +26,7 @@ def upgrade() -> None:
     sa.Column('candidate_version', sa.String(length=64), nullable=True),
     sa.Column('promoted', sa.Integer(), nullable=True),
     sa.Column('timings', sa.JSON(), nullable=False),
+    sa.Column('owner', sa.String(length=256), nullable=True),
     sa.Column('started_at', sa.DateTime(), nullable=False),
     sa.Column('updated_at', sa.DateTime(), nullable=False),
     sa.Column('finished_at', sa.DateTime(), nullable=True),

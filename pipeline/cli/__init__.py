@@ -13,6 +13,7 @@
     rtrl models list|show          registry versions, decisions, alias moves
     rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
     rtrl serve                     the reference policy server (or --vllm URL: keep vLLM on the champion)
+    rtrl daemon                    ingest continuously, run cycles on a schedule (one daemon at a time)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 
 import click
 
+from pipeline.cli import daemon as daemon_cmds
 from pipeline.cli import db as db_cmds
 from pipeline.cli import deploy as deploy_cmds
 from pipeline.cli import events as event_cmds
@@ -54,6 +56,7 @@ cli.add_command(db_cmds.db)
 cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
 cli.add_command(train_cmds.train)
+cli.add_command(daemon_cmds.daemon)
 for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS:
     cli.add_command(command)
 

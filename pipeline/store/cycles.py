@@ -13,11 +13,11 @@ from pipeline.store.tables import cycles, gate_decisions
 TERMINAL = ("done", "rejected", "skipped", "failed")
 
 
-def create_cycle(engine: Engine, cycle_id: str) -> None:
+def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None) -> None:
     now = utcnow()
     with engine.begin() as conn:
-        conn.execute(cycles.insert().values(cycle_id=cycle_id, state="pending", timings={}, started_at=now,
-                                            updated_at=now))
+        conn.execute(cycles.insert().values(cycle_id=cycle_id, state="pending", timings={}, owner=owner,
+                                            started_at=now, updated_at=now))
 
 
 def get_cycle(engine: Engine, cycle_id: str) -> Any | None:

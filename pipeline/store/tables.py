@@ -224,6 +224,7 @@ cycles = Table(
     Column("candidate_version", String(64)),
     Column("promoted", Integer),  # 0 / 1 once decided
     Column("timings", JSON, nullable=False),  # stage -> seconds
+    Column("owner", String(256)),  # the daemon (lease holder) that ran it
     Column("started_at", DateTime, nullable=False),
     Column("updated_at", DateTime, nullable=False),
     Column("finished_at", DateTime),

@@ -1,0 +1,176 @@
+"""`rtrl daemon`: ingest continuously, run a cycle on a schedule, one daemon at a time.
+
+    ingest      a thread running the consumer-group member (every daemon ingests: partitions
+                are shared by the group)
+    lease       a job every ttl/3: renew the store's lease if we hold it, take it if it expired;
+                only the holder runs cycles, so a second daemon waits and takes over within
+                the lease's ttl when the first dies
+    cycle       APScheduler job on `cycle.every` (interval or cron): max_instances=1, coalesced,
+                with a misfire grace; runs pipeline/cycle.py's state machine if we hold the lease
+    metrics     Prometheus text on /metrics and a JSON /health, on 127.0.0.1 by default
+
+SIGTERM/SIGINT: stop scheduling, drain and commit ingest, release the lease unless a cycle is
+running (an interrupted cycle resumes from its state on the next start, wherever it runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ingest.consumer import IngestStats, run_ingest
+from pipeline.config import Config
+from pipeline.cycle import CycleDeps, run_cycle
+from pipeline.store.leases import acquire, release
+from pipeline.store.training import get_run
+
+log = logging.getLogger("rtrl.daemon")
+LEASE = "cycle"
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def trigger(every: str):
+    """`30s` / `15m` / `4h` / `1d` -> an interval; five fields -> a cron expression."""
+    every = every.strip()
+    if every[-1] in _UNITS and every[:-1].replace(".", "", 1).isdigit():
+        return IntervalTrigger(seconds=float(every[:-1]) * _UNITS[every[-1]])
+    return CronTrigger.from_crontab(every)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ingested = Gauge("rtrl_ingest_events", "Events stored by this daemon's ingest", registry=r)
+        self.ingest_rate = Gauge("rtrl_ingest_rate", "Events per second since ingest started", registry=r)
+        self.lag = Gauge("rtrl_consumer_lag", "Records behind the high watermark", ["topic", "partition"], registry=r)
+        self.dead_letters = Gauge("rtrl_dead_letters", "Dead letters written by this daemon's ingest", registry=r)
+        self.cycle_seconds = Histogram("rtrl_cycle_duration_seconds", "Cycle wall time",
+                                       buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600), registry=r)
+        self.cycles = Counter("rtrl_cycles", "Cycles by outcome", ["outcome"], registry=r)
+        self.sla_exceeded = Counter("rtrl_cycle_sla_exceeded", "Cycles longer than cycle.sla_s", registry=r)
+        self.champion = Gauge("rtrl_champion_version", "Registry version of the champion (0: none)", registry=r)
+        self.reward_mean = Gauge("rtrl_reward_mean", "Mean reward of the last training run's episodes", registry=r)
+        self.gate = Counter("rtrl_gate_decisions", "Gate decisions", ["passed"], registry=r)
+        self.lease_held = Gauge("rtrl_lease_held", "1 if this daemon holds the cycle lease", registry=r)
+
+    def on_ingest(self, stats: IngestStats) -> None:
+        self.ingested.set(stats.events)
+        self.ingest_rate.set(stats.rate)
+        self.dead_letters.set(stats.dead_letters)
+        for (topic, partition), lag in stats.lag.items():
+            self.lag.labels(topic, str(partition)).set(lag)
+
+
+class Daemon:
+    def __init__(self, config: Config, deps: CycleDeps, lease_ttl_s: float = 60.0, owner: str | None = None) -> None:
+        self.config, self.deps, self.ttl = config, deps, lease_ttl_s
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        deps.owner = self.owner
+        self.metrics = Metrics()
+        self.stop = threading.Event()
+        self.holds_lease = False
+        self.cycle_running = threading.Lock()
+        self.scheduler = BackgroundScheduler(timezone="UTC")
+        self.last_cycle: dict[str, Any] = {}
+
+    # --- jobs ----------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        try:
+            held = acquire(self.deps.engine, LEASE, self.owner, self.ttl)
+        except Exception as exc:  # noqa: BLE001 - the store may be away; we just do not hold the lease
+            log.error("lease heartbeat failed", extra={"error": str(exc)})
+            held = False
+        if held != self.holds_lease:
+            log.info("cycle lease " + ("taken" if held else "lost"), extra={"owner": self.owner})
+        self.holds_lease = held
+        self.metrics.lease_held.set(1 if held else 0)
+
+    def cycle(self) -> None:
+        self.heartbeat()
+        if not self.holds_lease:
+            log.info("another daemon holds the cycle lease; not running a cycle")
+            return
+        with self.cycle_running:
+            t0 = time.perf_counter()
+            row = run_cycle(self.deps)
+            seconds = time.perf_counter() - t0
+        self.metrics.cycle_seconds.observe(seconds)
+        self.metrics.cycles.labels(row.state).inc()
+        if seconds > self.config.cycle.sla_s:
+            self.metrics.sla_exceeded.inc()
+        if row.state in ("done", "rejected"):
+            self.metrics.gate.labels(str(row.state == "done").lower()).inc()
+        champion = self.deps.registry.alias("champion")
+        self.metrics.champion.set(float(champion.version) if champion else 0.0)
+        run = get_run(self.deps.engine, row.run_id) if row.run_id else None
+        if run is not None and run.summary:
+            self.metrics.reward_mean.set(run.summary.get("final", {}).get("reward_mean", 0.0))
+        self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "reason": row.reason,
+                           "seconds": round(seconds, 2)}
+        log.info("cycle finished", extra=self.last_cycle)
+
+    def _ingest(self) -> None:
+        while not self.stop.is_set():
+            try:
+                run_ingest(self.config, self.deps.engine, self.stop, on_batch=self.metrics.on_ingest)
+            except Exception as exc:  # noqa: BLE001 - the broker may be away: retry, never die
+                log.error("ingest stopped with an error; restarting in 5 s", extra={"error": str(exc)})
+                self.stop.wait(5)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self, ingest: bool = True, metrics_port: int | None = None, host: str = "127.0.0.1") -> None:
+        if metrics_port is not None:
+            self._serve_metrics(host, metrics_port)
+        if ingest:
+            threading.Thread(target=self._ingest, name="ingest", daemon=True).start()
+        self.heartbeat()
+        self.scheduler.add_job(self.heartbeat, IntervalTrigger(seconds=max(self.ttl / 3, 1)), id="lease",
+                               max_instances=1, coalesce=True)
+        self.scheduler.add_job(self.cycle, trigger(self.config.cycle.every), id="cycle", max_instances=1,
+                               coalesce=True, misfire_grace_time=300)
+        self.scheduler.start()
+        log.info("daemon started", extra={"owner": self.owner, "every": self.config.cycle.every})
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.scheduler.shutdown(wait=False)
+        if self.cycle_running.acquire(blocking=False):  # no cycle in progress: let another daemon go on
+            release(self.deps.engine, LEASE, self.owner)
+        log.info("daemon stopped", extra={"owner": self.owner})
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "owner": self.owner, "lease": self.holds_lease, "last_cycle": self.last_cycle}
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        daemon = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if self.path == "/metrics":
+                    body, ctype = generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST
+                elif self.path == "/health":
+                    body, ctype = json.dumps(daemon.health()).encode(), "application/json"
+                else:
+                    self.send_error(404, "try /metrics or /health")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
