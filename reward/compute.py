@@ -12,6 +12,8 @@ a terminal kind has arrived.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -38,10 +40,16 @@ def is_ripe(ep: Episode, spec: RewardSpec, now: datetime) -> bool:
     return any(fb.kind in terminal for fb in ep.feedback)
 
 
+def _order(fb) -> tuple:
+    return (fb.ts, fb.event_id, fb.kind, repr(fb.value), json.dumps(fb.payload, sort_keys=True, default=str))
+
+
 def compute_reward(ep: Episode, spec: RewardSpec, judge_score: float | None = None) -> RewardResult:
     """`judge_score` in (0, 1) from the spec's judge, when it has one (see judge.py)."""
     by_kind: dict[str, list] = {}
-    for fb in sorted(ep.feedback, key=lambda f: (f.ts, f.event_id)):
+    # a total order (ties on time and id broken by the content): the result never depends on
+    # the order events arrived or were read in
+    for fb in sorted(ep.feedback, key=_order):
         by_kind.setdefault(fb.kind, []).append(fb)
     components: dict[str, float] = {}
     ignored = []
