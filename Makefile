@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv test lint postgres kafka-jars clean
+.PHONY: venv test demo lint postgres kafka-jars clean
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ lint: venv
 test: venv kafka-jars
 	$(BIN)/lint-imports
 	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q
+
+# The main job on embedded defaults: local Kafka, SQLite, a local MLflow store, a tiny model.
+demo: venv kafka-jars
+	$(BIN)/rtrl demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,6 +14,8 @@
     rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
     rtrl serve                     the reference policy server (or --vllm URL: keep vLLM on the champion)
     rtrl daemon                    ingest continuously, run cycles on a schedule (one daemon at a time)
+    rtrl demo [--naive-reward]     the whole loop on a laptop, with a simulated fleet and a report
+    rtrl sim                       the simulated fleet alone, against a running `rtrl serve`
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import click
 
 from pipeline.cli import daemon as daemon_cmds
 from pipeline.cli import db as db_cmds
+from pipeline.cli import demo as demo_cmds
 from pipeline.cli import deploy as deploy_cmds
 from pipeline.cli import events as event_cmds
 from pipeline.cli import kafka as kafka_cmds
@@ -57,7 +60,7 @@ cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
 cli.add_command(train_cmds.train)
 cli.add_command(daemon_cmds.daemon)
-for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS:
+for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS + demo_cmds.COMMANDS:
     cli.add_command(command)
 
 

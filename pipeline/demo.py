@@ -1,0 +1,236 @@
+"""`rtrl demo`: the whole loop on a laptop, on embedded defaults, in a few minutes.
+
+    1. a local Kafka broker, a SQLite store and an MLflow store under the state folder
+    2. a tiny base model, warmed up to copy more often than it reverses (mediocre, not hopeless)
+    3. `rtrl serve` (in process) answering with the champion, following the registry
+    4. the daemon (in process): ingest, and a cycle every `--every`
+    5. the simulated fleet (pipeline/sim.py) sending tasks and reacting with delays
+    6. after N cycles that reached the gate: a report -- online accept rate and mean reward
+       per policy version (PNG), the gate decisions -- in <state>/demo/report and in MLflow
+       (the run's own store, MLflow store and topics: a demo never re-reads an earlier one)
+
+`--naive-reward` swaps in a spec with no abstention penalty: abstaining draws no complaint, so
+it pays better than a wrong attempt on hard tasks; the gate's canaries must catch the candidate
+that learns it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from pipeline.config import Config
+from pipeline.store.cycles import recent_cycles
+from pipeline.store.tables import feedback, gate_decisions, interactions, rewards
+
+DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
+NAIVE_SPEC = Path(__file__).with_name("demo_spec_naive.toml")
+
+
+def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int, tag: str) -> Config:
+    """The user's state folder (and so their local broker) with this run's own store, MLflow
+    store, topics and model name: every demo starts from nothing and re-reads nothing."""
+    return Config.model_validate({
+        "state_dir": state_dir,
+        "store": {"url": f"sqlite:///{run_dir / 'rtrl.db'}"},
+        "kafka": {"interactions_topic": f"rtrl-demo-{tag}.interactions", "feedback_topic": f"rtrl-demo-{tag}.feedback",
+                  "model_updates_topic": f"rtrl-demo-{tag}.model-updates", "partitions": 2},
+        "ingest": {"group_id": f"rtrl-demo-{tag}"},
+        "reward": {"spec": NAIVE_SPEC if naive else DEMO_SPEC},
+        "train": {"base_model": state_dir / "demo-base", "learning_rate": 3e-3, "epochs": 4,
+                  "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
+                  "holdout_percent": 20.0, "staleness_s": 3600, "max_episodes": 4000},
+        "gate": {"max_new_tokens": 6, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
+                 "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
+        "cycle": {"every": every, "min_new_episodes": 80},
+        "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
+    })
+
+
+def build_base(out: Path, seed: int) -> Path:
+    from pipeline.sim import base_behaviour
+    from train.models import init_tiny
+    from train.warmup import warm_up
+
+    if (out / "config.json").is_file():
+        return out
+    init_tiny(out, arch="llama", hidden=64, layers=2, heads=4, seed=seed)
+    return warm_up(out, base_behaviour, steps=300, seed=seed)
+
+
+@dataclass
+class DemoReport:
+    versions: list[dict[str, Any]] = field(default_factory=list)  # version, served, accept_rate, reward_mean
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    cycles: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    files: list[Path] = field(default_factory=list)
+
+
+def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
+    """Online accept rate (share of served requests the user accepted) and mean reward per version."""
+    with engine.connect() as conn:
+        served = dict(conn.execute(select(interactions.c.policy_version, func.count())
+                                   .group_by(interactions.c.policy_version)).all())
+        accepted = dict(conn.execute(
+            select(interactions.c.policy_version, func.count(func.distinct(interactions.c.request_id)))
+            .select_from(interactions.join(feedback, feedback.c.request_id == interactions.c.request_id))
+            .where(feedback.c.kind == "accepted").group_by(interactions.c.policy_version)).all())
+        reward = dict(conn.execute(select(rewards.c.policy_version, func.avg(rewards.c.value))
+                                   .where(rewards.c.spec_version == spec_version)
+                                   .group_by(rewards.c.policy_version)).all())
+    order = sorted(served, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
+    return [{"version": v, "served": served[v], "accept_rate": accepted.get(v, 0) / served[v],
+             "reward_mean": float(reward[v]) if v in reward else None} for v in order]
+
+
+def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = [v["version"] for v in report.versions]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, [100 * v["accept_rate"] for v in report.versions], color="#4477aa", label="accept rate (%)")
+    ax.set_xlabel("policy version (served)")
+    ax.set_ylabel("online accept rate (%)")
+    ax2 = ax.twinx()
+    ax2.plot(names, [v["reward_mean"] if v["reward_mean"] is not None else float("nan") for v in report.versions],
+             "o-", color="#cc6677", label="mean reward")
+    ax2.set_ylabel("mean reward")
+    ax.set_title("rtrl demo" + (" (naive reward)" if naive else "") + ": accept rate and reward per version")
+    fig.tight_layout()
+    png = out / "report.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    lines = ["# rtrl demo report" + (" (--naive-reward)" if naive else ""), "",
+             f"{len(report.cycles)} cycles in {report.seconds:.0f} s.", "",
+             "| version | served | accept rate | mean reward |", "|---|---:|---:|---:|"]
+    for v in report.versions:
+        reward = "" if v["reward_mean"] is None else f"{v['reward_mean']:+.3f}"
+        lines.append(f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | {reward} |")
+    lines += ["", "| cycle | state | candidate | reason |", "|---|---|---|---|"]
+    lines += [f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['reason'] or ''} |"
+              for c in report.cycles]
+    lines += ["", "| candidate | champion | passed | failing checks |", "|---|---|---|---|"]
+    lines += [f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['passed']} | "
+              f"{'; '.join(d['reasons'])} |" for d in report.decisions]
+    md = out / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    data = out / "report.json"
+    data.write_text(json.dumps({"versions": report.versions, "cycles": report.cycles,
+                                "decisions": report.decisions, "seconds": report.seconds}, indent=2, default=str))
+    return [png, md, data]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 8.0,
+             every: str = "30s", timeout_s: float = 900.0, say=print) -> DemoReport:
+    """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
+    import uvicorn
+
+    from deploy.follow import Follower
+    from deploy.serve import PolicyServer, create_app
+    from deploy.tracking import MlflowTracker
+    from pipeline import kafka_local
+    from pipeline.cycle import default_deps
+    from pipeline.daemon import Daemon
+    from pipeline.sim import Fleet, kafka_sender
+    from pipeline.store import db as store_db
+    from reward.spec import load_spec
+    from train.inference import PolicySet
+
+    t0 = time.monotonic()
+    run_dir = state_dir / ("demo-naive" if naive else "demo")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    config = demo_config(state_dir, run_dir, naive, every, seed, tag=uuid.uuid4().hex[:8])
+    broker = kafka_local.up(config, progress=say)
+    kafka_local.ensure_topics(broker.bootstrap, [config.kafka.interactions_topic, config.kafka.feedback_topic,
+                                                 config.kafka.model_updates_topic], config.kafka.partitions)
+    store_db.upgrade(config.db_url)
+    engine = store_db.make_engine(config.db_url)
+    say("building the base model (a short supervised warm-up)")
+    base = build_base(config.train.base_model, seed)
+    spec = load_spec(config.reward.spec)
+    deps = default_deps(config, engine, spec)
+
+    # serving: the champion, following the registry
+    producer = kafka_sender(config.bootstrap, config.kafka.interactions_topic)
+    server = PolicyServer(PolicySet.load(base, device="cpu"), config.mlflow.registered_model, emit=producer)
+    champion = deps.registry.alias("champion")
+    adapters = run_dir / "adapters"
+    follower = Follower(config.bootstrap, config.kafka.model_updates_topic, config.mlflow.registered_model,
+                        lambda ev: server.use(ev["version"], deps.registry.download(ev["adapter_uri"],
+                                                                                   adapters / f"v{ev['version']}")))
+    if champion is not None:
+        server.use(champion.version, deps.registry.download(champion, adapters / f"v{champion.version}"))
+    follower.start()
+    port = _free_port()
+    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=http.run, name="serve", daemon=True).start()
+    while not http.started:
+        time.sleep(0.05)
+
+    daemon = Daemon(config, deps, lease_ttl_s=30)
+    daemon.start(ingest=True, metrics_port=None)
+    feedback_sender = kafka_sender(config.bootstrap, config.kafka.feedback_topic)
+    fleet = Fleet(f"http://127.0.0.1:{port}", feedback_sender, rate=rate, seed=seed)
+    fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
+    fleet_thread.start()
+    say(f"serving on http://127.0.0.1:{port}; the fleet sends {rate:g} tasks/s; a cycle every {every}")
+
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < timeout_s:
+            ran = [c for c in recent_cycles(engine, 100) if c.state in ("done", "rejected")]
+            rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
+                              for v, n in sorted(fleet.stats.by_version.items()))
+            say(f"[{time.monotonic() - t0:5.0f}s] cycles {len(ran)}/{cycles}  champion {server.version}  "
+                f"accept rate by version: {rates or '-'}")
+            if len(ran) >= cycles:
+                break
+            time.sleep(5)
+    finally:
+        fleet.stop.set()
+        fleet_thread.join(timeout=60)
+        daemon.shutdown()
+        follower.close()
+        http.should_exit = True
+        feedback_sender.close()
+        producer.close()
+
+    report = DemoReport(seconds=time.monotonic() - t0)
+    report.versions = per_version(engine, spec.version)
+    report.cycles = [{"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
+                      "reason": c.reason, "timings": c.timings} for c in reversed(recent_cycles(engine, 100))]
+    with engine.connect() as conn:
+        for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
+            report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,
+                                     "passed": bool(d.passed), "reasons": [
+                                         c["detail"] for c in d.report["decision"]["checks"] if not c["passed"]]})
+    report.files = write_report(report, run_dir / "report", naive)
+    tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root, run_name="demo-report")
+    tracker.log_params({"naive_reward": naive, "seed": seed, "cycles": cycles, "rate": rate, "every": every})
+    for v in report.versions:
+        if v["version"].isdigit():
+            tracker.log_metrics({"accept_rate": v["accept_rate"]}, step=int(v["version"]))
+    tracker.log_artifacts(run_dir / "report", "report")
+    tracker.end("FINISHED")
+    return report

@@ -1,0 +1,168 @@
+"""`rtrl sim`: a simulated production fleet for the demo and for load.
+
+Users send tasks from a family a tiny character-level model can learn on a CPU -- reverse a
+short string; difficulty is the length (3 easy .. 5 hard) -- to `rtrl serve`, which answers with
+the champion and emits the interaction event. Then the users react, with delays, through the
+feedback topic, the way real users do:
+
+    correct answer     accepted (0.3-1.5 s), later persisted (1-3 s)
+    wrong answer       edited with their correct answer (40 %) or rejected (60 %); a
+                       dissatisfied follow-up question on a third of them
+    abstention         nothing at all: no complaint -- the bait a naive reward spec pays for
+                       ("sorry", "I can't"; the model learns it if it pays better than trying)
+
+Seeded (the same seed sends the same tasks in the same order) and rate-limited.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import requests
+
+from pipeline.textchecks import is_abstention
+
+ALPHABET = "abcdef"
+LENGTHS = (3, 4, 5)  # difficulty
+ABSTAIN_PATTERNS = (r"(?i)^\s*(i\s*(can.?t|cannot)|sorry)",)
+
+
+@dataclass(frozen=True)
+class Task:
+    text: str
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.text}>"
+
+    @property
+    def answer(self) -> str:
+        return self.text[::-1]
+
+
+def draw_task(rng: random.Random) -> Task:
+    n = rng.choice(LENGTHS)
+    while True:
+        text = "".join(rng.choice(ALPHABET) for _ in range(n))
+        if text != text[::-1]:  # palindromes would make copying right
+            return Task(text)
+
+
+def base_behaviour(rng: random.Random) -> tuple[str, str]:
+    """What the demo's base policy is warmed up on: mostly copying (wrong), reversing less often
+    the longer the string, and sometimes declining -- mediocre, not hopeless."""
+    task = draw_task(rng)
+    p_reverse = {3: 0.45, 4: 0.3, 5: 0.15}[len(task.text)]
+    u = rng.random()
+    answer = task.answer if u < p_reverse else ("sorry" if u < p_reverse + 0.1 else task.text)
+    return task.prompt, answer
+
+
+@dataclass
+class FleetStats:
+    requests: int = 0
+    failed: int = 0
+    feedback: int = 0
+    by_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [served, correct, abstained]
+
+    def accept_rate(self, version: str) -> float:
+        served, correct, _ = self.by_version.get(version, [0, 0, 0])
+        return correct / served if served else 0.0
+
+
+class Fleet:
+    def __init__(self, serve_url: str, send_feedback, rate: float = 5.0, seed: int = 0, tenant: str = "sim",
+                 max_tokens: int = 6) -> None:
+        """`send_feedback(event)`: puts a feedback event on Kafka (the caller owns the producer)."""
+        self.url, self.send, self.rate, self.tenant = serve_url.rstrip("/"), send_feedback, rate, tenant
+        self.rng = random.Random(seed)
+        self.seed, self.max_tokens = seed, max_tokens
+        self.stats = FleetStats()
+        self.stop = threading.Event()
+        self._due: list[tuple[float, int, dict]] = []  # (send at, tie-breaker, event)
+        self._n = 0
+
+    def _feedback(self, request_id: str, kind: str, value, delay: float, payload=None) -> None:
+        self._n += 1
+        event = {"schema_version": 1, "event_id": f"sim-fb-{uuid.uuid4().hex}", "type": "feedback",
+                 "request_id": request_id, "kind": kind, "value": value}
+        if payload is not None:
+            event["payload"] = payload
+        heapq.heappush(self._due, (time.monotonic() + delay, self._n, event))
+
+    def _react(self, request_id: str, task: Task, output: str) -> tuple[bool, bool]:
+        rng = self.rng
+        if is_abstention(output, ABSTAIN_PATTERNS):
+            return False, True  # the bait: no signal at all
+        if output.strip() == task.answer:
+            self._feedback(request_id, "accepted", True, rng.uniform(0.3, 1.5))
+            self._feedback(request_id, "persisted", True, rng.uniform(1.0, 3.0))
+            return True, False
+        if rng.random() < 0.4:
+            self._feedback(request_id, "edited", True, rng.uniform(0.5, 2.0), {"text": task.answer})
+        else:
+            self._feedback(request_id, "rejected", True, rng.uniform(0.3, 1.5))
+        if rng.random() < 1 / 3:
+            self._feedback(request_id, "followup", True, rng.uniform(1.0, 3.0))
+        return False, False
+
+    def _flush_due(self) -> None:
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            _, _, event = heapq.heappop(self._due)
+            event["ts"] = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+            self.send(event)
+            self.stats.feedback += 1
+
+    def run(self, duration_s: float | None = None, max_requests: int | None = None) -> FleetStats:
+        started = time.monotonic()
+        session = requests.Session()
+        while not self.stop.is_set():
+            if duration_s is not None and time.monotonic() - started > duration_s:
+                break
+            if max_requests is not None and self.stats.requests >= max_requests:
+                break
+            tick = time.monotonic()
+            task = draw_task(self.rng)
+            request_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"
+            try:
+                resp = session.post(f"{self.url}/v1/completions", timeout=60, headers={
+                    "X-Request-Id": request_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
+                    "X-Tenant": self.tenant}, json={"prompt": task.prompt, "max_tokens": self.max_tokens,
+                                                    "temperature": 1.0, "seed": self.rng.randrange(1 << 30)})
+                resp.raise_for_status()
+                output, version = resp.json()["choices"][0]["text"], resp.headers["X-Rtrl-Policy-Version"]
+            except (requests.RequestException, KeyError, ValueError):
+                self.stats.failed += 1
+                self.stop.wait(1.0)
+                continue
+            self.stats.requests += 1
+            correct, abstained = self._react(request_id, task, output)
+            row = self.stats.by_version.setdefault(version, [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + correct, row[2] + abstained
+            self._flush_due()
+            self.stop.wait(max(0.0, 1.0 / self.rate - (time.monotonic() - tick)))
+        while self._due:  # the users' last reactions still arrive
+            time.sleep(max(0.0, self._due[0][0] - time.monotonic()))
+            self._flush_due()
+        return self.stats
+
+
+def kafka_sender(bootstrap: str, topic: str):
+    """A send_feedback for Fleet: one producer, keyed by request id, waiting for the broker."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+
+    def send(event: dict) -> None:
+        producer.send(topic, key=event["request_id"].encode(), value=json.dumps(event).encode()).get(timeout=30)
+
+    send.close = producer.close  # type: ignore[attr-defined]
+    return send
