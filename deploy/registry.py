@@ -139,11 +139,12 @@ class Registry:
                         report: dict[str, Any]) -> None:
         audit.record_decision(self.engine, self.name, version, champion, run_id, decision["passed"],
                               {"decision": decision, **report})
-        tags = {"gate.passed": str(decision["passed"]).lower(), "gate.champion": champion or "none"}
-        for check in decision["checks"]:
-            if check["value"] is not None:
-                tags[f"gate.{check['name']}"] = f"{check['value']:.6g}"
-        tags["gate.reasons"] = json.dumps([c["detail"] for c in decision["checks"] if not c["passed"]])
+        numbers = [{"check": c["name"], "value": round(c["value"], 6), "limit": c["limit"]}
+                   for c in decision["checks"] if c["value"] is not None]
+        # four tags (one registry call each); every number is in gate.numbers
+        tags = {"gate.passed": str(decision["passed"]).lower(), "gate.champion": champion or "none",
+                "gate.reasons": json.dumps([c["detail"] for c in decision["checks"] if not c["passed"]]),
+                "gate.numbers": json.dumps(numbers)}
         self.tag(version, tags)
 
     def promote(self, version: str, actor: str, reason: str, force: bool = False) -> bool:

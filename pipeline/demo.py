@@ -31,6 +31,7 @@ from sqlalchemy import Engine, func, select
 from pipeline.config import Config
 from pipeline.store.cycles import recent_cycles
 from pipeline.store.tables import feedback, gate_decisions, interactions, rewards
+from pipeline.store.training import get_run
 
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
 NAIVE_SPEC = Path(__file__).with_name("demo_spec_naive.toml")
@@ -46,9 +47,9 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
                   "model_updates_topic": f"rtrl-demo-{tag}.model-updates", "partitions": 2},
         "ingest": {"group_id": f"rtrl-demo-{tag}"},
         "reward": {"spec": NAIVE_SPEC if naive else DEMO_SPEC},
-        "train": {"base_model": state_dir / "demo-base", "learning_rate": 3e-3, "epochs": 4,
+        "train": {"base_model": state_dir / "demo-base", "learning_rate": 3e-3, "epochs": 6,
                   "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
-                  "holdout_percent": 20.0, "staleness_s": 3600, "max_episodes": 4000},
+                  "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000},
         "gate": {"max_new_tokens": 6, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
@@ -120,9 +121,12 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f"{v['reward_mean']:+.3f}"
         lines.append(f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | {reward} |")
-    lines += ["", "| cycle | state | candidate | reason |", "|---|---|---|---|"]
-    lines += [f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['reason'] or ''} |"
-              for c in report.cycles]
+    lines += ["", "| cycle | state | candidate | seconds | training loop | outside the loop | reason |",
+              "|---|---|---|---:|---:|---:|---|"]
+    for c in report.cycles:
+        outside = "" if c["overhead_frac"] is None else f"{100 * c['overhead_frac']:.0f} %"
+        lines.append(f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['seconds']} | "
+                     f"{c['training_loop_s']} | {outside} | {c['reason'] or ''} |")
     lines += ["", "| candidate | champion | passed | failing checks |", "|---|---|---|---|"]
     lines += [f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['passed']} | "
               f"{'; '.join(d['reasons'])} |" for d in report.decisions]
@@ -218,8 +222,14 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
 
     report = DemoReport(seconds=time.monotonic() - t0)
     report.versions = per_version(engine, spec.version)
-    report.cycles = [{"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
-                      "reason": c.reason, "timings": c.timings} for c in reversed(recent_cycles(engine, 100))]
+    for c in reversed(recent_cycles(engine, 100)):
+        run = get_run(engine, c.run_id) if c.run_id else None
+        total = sum((c.timings or {}).values())
+        loop_s = float(run.summary.get("seconds", 0.0)) if run is not None and run.summary else 0.0
+        report.cycles.append({"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
+                              "reason": c.reason, "timings": c.timings, "seconds": round(total, 2),
+                              "training_loop_s": round(loop_s, 2),
+                              "overhead_frac": round(1 - loop_s / total, 3) if total else None})
     with engine.connect() as conn:
         for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
             report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,

@@ -29,7 +29,7 @@ import requests
 
 from pipeline.textchecks import is_abstention
 
-ALPHABET = "abcdef"
+ALPHABET = "abcde"  # small enough that common tasks recur (several samples per prompt)
 LENGTHS = (3, 4, 5)  # difficulty
 ABSTAIN_PATTERNS = (r"(?i)^\s*(i\s*(can.?t|cannot)|sorry)",)
 
@@ -61,7 +61,7 @@ def base_behaviour(rng: random.Random) -> tuple[str, str]:
     task = draw_task(rng)
     p_reverse = {3: 0.45, 4: 0.3, 5: 0.15}[len(task.text)]
     u = rng.random()
-    answer = task.answer if u < p_reverse else ("sorry" if u < p_reverse + 0.1 else task.text)
+    answer = task.answer if u < p_reverse else ("sorry" if u < p_reverse + 0.05 else task.text)
     return task.prompt, answer
 
 
@@ -79,8 +79,10 @@ class FleetStats:
 
 class Fleet:
     def __init__(self, serve_url: str, send_feedback, rate: float = 5.0, seed: int = 0, tenant: str = "sim",
-                 max_tokens: int = 6) -> None:
-        """`send_feedback(event)`: puts a feedback event on Kafka (the caller owns the producer)."""
+                 max_tokens: int = 6, delay_scale: float = 1.0) -> None:
+        """`send_feedback(event)`: puts a feedback event on Kafka (the caller owns the producer);
+        `delay_scale` stretches or shrinks the users' reaction times (0: immediate)."""
+        self.delay_scale = delay_scale
         self.url, self.send, self.rate, self.tenant = serve_url.rstrip("/"), send_feedback, rate, tenant
         self.rng = random.Random(seed)
         self.seed, self.max_tokens = seed, max_tokens
@@ -95,7 +97,7 @@ class Fleet:
                  "request_id": request_id, "kind": kind, "value": value}
         if payload is not None:
             event["payload"] = payload
-        heapq.heappush(self._due, (time.monotonic() + delay, self._n, event))
+        heapq.heappush(self._due, (time.monotonic() + delay * self.delay_scale, self._n, event))
 
     def _react(self, request_id: str, task: Task, output: str) -> tuple[bool, bool]:
         rng = self.rng

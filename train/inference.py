@@ -144,30 +144,46 @@ class PolicySet:
 
     @torch.no_grad()
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
-        """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1)."""
-        tok = self.tokenizer
-        out = []
+                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1) -> list[Generation]:
+        """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1).
+        `batch_size` > 1 generates left-padded batches (evaluation); latency is then the batch's
+        time per prompt. Serving uses 1: exact per-request latency, no padding effects."""
+        out: list[Generation] = []
         with self._use(name):
-            for prompt in prompts:  # one at a time: no padding effects, exact per-request latency
-                t0 = time.perf_counter()
-                ids = torch.tensor([tok(render_prompt(tok, prompt), add_special_tokens=False).input_ids],
-                                   device=self.policy.device)
+            for i in range(0, len(prompts), batch_size):
                 if seed is not None:
                     torch.manual_seed(seed)
-                sample = temperature > 0
-                gen = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                    do_sample=sample, temperature=temperature if sample else None, top_p=top_p if sample else None,
-                    top_k=None, output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-                new = gen.sequences[0, ids.size(1):]  # [n]
-                # scores are the logits after temperature/top-p: the distribution each token came from
-                logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.scores, new)]
-                ids_out = new.tolist()
-                if tok.eos_token_id in ids_out:
-                    cut = ids_out.index(tok.eos_token_id)
-                    ids_out, logprobs = ids_out[:cut], logprobs[:cut]
-                out.append(Generation(tok.decode(ids_out), ids_out, logprobs, (time.perf_counter() - t0) * 1000))
+                out += self._generate_batch(prompts[i:i + batch_size], max_new_tokens, temperature, top_p)
+        return out
+
+    def _generate_batch(self, prompts: list[Any], max_new_tokens: int, temperature: float,
+                        top_p: float) -> list[Generation]:
+        tok = self.tokenizer
+        t0 = time.perf_counter()
+        rows = [tok(render_prompt(tok, p), add_special_tokens=False).input_ids for p in prompts]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, device=self.policy.device)  # [B, L], left-padded
+        attention = torch.zeros_like(ids)
+        for b, r in enumerate(rows):
+            ids[b, width - len(r):] = torch.tensor(r)
+            attention[b, width - len(r):] = 1
+        sample = temperature > 0
+        gen = self.model.generate(
+            input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=sample,
+            temperature=temperature if sample else None, top_p=top_p if sample else None, top_k=None,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        new = gen.sequences[:, width:]  # [B, n]
+        # scores are the logits after temperature/top-p: the distribution each token came from
+        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in gen.scores], 1)  # [B, n, V]
+        chosen = logp.gather(-1, new[:, :logp.size(1), None]).squeeze(-1)  # [B, n]
+        latency = (time.perf_counter() - t0) * 1000 / len(rows)
+        out = []
+        for b in range(len(rows)):
+            ids_out, logprobs = new[b].tolist(), chosen[b].tolist()
+            if tok.eos_token_id in ids_out:
+                cut = ids_out.index(tok.eos_token_id)
+                ids_out, logprobs = ids_out[:cut], logprobs[:cut]
+            out.append(Generation(tok.decode(ids_out), ids_out, logprobs, latency))
         return out
 
 
