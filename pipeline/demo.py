@@ -145,7 +145,7 @@ def _free_port() -> int:
 
 
 def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 8.0,
-             every: str = "30s", timeout_s: float = 900.0, say=print) -> DemoReport:
+             every: str = "45s", timeout_s: float = 900.0, say=print) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
     import uvicorn
 

@@ -12,7 +12,7 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 @click.option("--naive-reward", is_flag=True, help="A reward spec that does not penalise abstention: watch the gate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rate", default=8.0, show_default=True, help="Tasks per second the simulated users send.")
-@click.option("--every", default="30s", show_default=True, help="Cycle interval (compressed schedule).")
+@click.option("--every", default="45s", show_default=True, help="Cycle interval (compressed schedule).")
 @click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Give up after this many seconds.")
 @pass_ctx
 def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, every: str, timeout_s: float) -> None:
