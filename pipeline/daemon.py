@@ -36,6 +36,7 @@ from pipeline.store.leases import acquire, release
 from pipeline.store.training import get_run
 
 log = logging.getLogger("rtrl.daemon")
+logging.getLogger("apscheduler").setLevel(logging.WARNING)  # a line per job run drowns the daemon's own
 LEASE = "cycle"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
