@@ -160,6 +160,12 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0) -> LocalBroker:
     if shutil.which("java") is None:
         raise KafkaLocalError("Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) to run the local Kafka broker")
     ensure_jars(broker, cfg.kafka.version, progress)
+    for port in (cfg.kafka.port, cfg.kafka.controller_port):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise KafkaLocalError(
+                    f"port {port} on 127.0.0.1 is taken (a broker started with another state folder?): stop it with "
+                    f"`RTRL_STATE_DIR=<its folder> rtrl kafka down`, or set kafka.port / kafka.controller_port")
     broker.state.mkdir(parents=True, exist_ok=True)
     props = broker.state / "server.properties"
     props.write_text(_properties(broker))
