@@ -151,7 +151,6 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
 
     out = runner.invoke(cli, ["train", "run", "--epochs", "2"], env=env)
     assert out.exit_code == 0, out.output
-    print(out.output)
     run_id = next(line.split()[1] for line in out.output.splitlines() if line.startswith("run "))
     row = get_run(engine, run_id)
     assert row.status == "finished" and row.episodes == len(samples) - held
