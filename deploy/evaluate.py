@@ -25,17 +25,10 @@ from deploy.offpolicy import compare
 from deploy.suite import Suite
 from pipeline.config import GateConfig
 from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
+from pipeline.types import LoggedEpisode
 
 
-@dataclass
-class EvalEpisode:
-    request_id: str
-    prompt: Any
-    completion: Any
-    reward: float
-    behavior_logprobs: list[float] | None = None
-    completion_token_ids: list[int] | None = None
-    temperature: float = 1.0
+NOT_MEASURED = Estimate(float("nan"), float("nan"), float("nan"))  # fails every comparison in the gate
 
 
 class Runner(Protocol):
@@ -85,9 +78,8 @@ def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str
 def _generate_report(runner: Runner, name: str | None, label: str, prompts: list[Any], suite: Suite,
                      patterns: tuple[str, ...], max_new_tokens: int,
                      load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
-    nan = Estimate(float("nan"), float("nan"), float("nan"))
     if load_error is not None:
-        return EvalReport(label, nan, 0.0, smoke_ok=False, smoke_error=load_error), {}
+        return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=load_error), {}
     everything = prompts + [item.prompt for item in suite.items]
     try:
         # the smoke check: a few requests one at a time, as serving would (their latency), then
@@ -95,7 +87,7 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
         smoke = runner.generate(name, everything[:3], max_new_tokens=max_new_tokens)
         gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=32)
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
-        return EvalReport(label, nan, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
+        return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
     held, suite_out = gens[:len(prompts)], gens[len(prompts):]
     outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
     metrics = canaries([g.text for g in held], patterns)
@@ -103,7 +95,7 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
     return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
 
 
-def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[EvalEpisode], suite: Suite,
+def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[LoggedEpisode], suite: Suite,
              cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
              max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None) -> Evaluation:
     """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
@@ -124,8 +116,7 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         usable = [usable[i] for i in keep]
         cand_lp, champ_lp = [cand_lp[i] for i in keep], [champ_lp[i] for i in keep]
     if not cand_report.smoke_ok or not usable:
-        nan = Estimate(float("nan"), float("nan"), float("nan"))
-        return Evaluation(cand_report, champ_report, Comparison(nan, float("nan")), 0, excluded,
+        return Evaluation(cand_report, champ_report, Comparison(NOT_MEASURED, float("nan")), 0, excluded,
                           {"candidate": cand_out, "champion": champ_out})
     behavior = [sum(e.behavior_logprobs) for e in usable]
     cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],

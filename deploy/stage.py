@@ -20,13 +20,14 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
-from deploy.evaluate import EvalEpisode, Evaluation, Runner, evaluate
+from deploy.evaluate import Evaluation, Runner, evaluate
 from deploy.gate import Decision, decide
 from deploy.registry import CHAMPION, Registry, RegistryError, Version
 from deploy.suite import EMPTY, Suite
 from pipeline.config import GateConfig, TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import get_run, select_eval_episodes
+from pipeline.types import LoggedEpisode
 
 
 @dataclass
@@ -38,15 +39,15 @@ class GateResult:
     promoted: bool
 
 
-def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[EvalEpisode]:
+def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[LoggedEpisode]:
     served_after = utcnow() - timedelta(seconds=train.staleness_s) if train.staleness_s else None
     rows = select_eval_episodes(engine, spec_version, train.holdout_percent, gate.eval_episodes, served_after)
     out = []
     for row in rows:
         ev = orjson.loads(row.body)
-        out.append(EvalEpisode(row.request_id, ev.get("prompt", ""), ev.get("completion", ""), float(row.reward),
-                               ev.get("behavior_logprobs"), ev.get("completion_token_ids"),
-                               float((ev.get("sampling") or {}).get("temperature") or 1.0)))
+        out.append(LoggedEpisode(row.request_id, ev.get("prompt", ""), ev.get("completion", ""),
+                                 ev.get("completion_token_ids"), ev.get("behavior_logprobs"),
+                                 float((ev.get("sampling") or {}).get("temperature") or 1.0), float(row.reward)))
     return out
 
 

@@ -17,6 +17,7 @@ This module imports only pydantic and the standard library: every stage may depe
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
@@ -122,6 +123,21 @@ class DeadLetter(BaseModel):
     source: str  # Kafka topic, or "file:<path>" for replays from files
     partition: int  # -1 for files
     offset: int  # Kafka offset, or line number for files
+
+
+@dataclass
+class LoggedEpisode:
+    """A served episode as logged, for scoring a policy on it (evaluation, the server's tests):
+    the prompt, what was served (text, and the token ids when serving sent them), the behaviour
+    log-probs and sampling temperature it was drawn with, and its reward."""
+
+    request_id: str
+    prompt: Any
+    completion: Any
+    completion_token_ids: list[int] | None = None
+    behavior_logprobs: list[float] | None = None
+    temperature: float = 1.0
+    reward: float = 0.0
 
 
 class SourcePosition(BaseModel):

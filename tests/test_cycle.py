@@ -26,10 +26,12 @@ from train.inference import PolicySet
 from train.models import load_policy
 
 
+# the cycle runs on SQLite and the local MLflow store here (PostgreSQL + an MLflow server: test_deploy_registry)
+pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+
+
 @pytest.fixture
 def deps(cfg, engine, reverse_base, tmp_path):
-    if engine.dialect.name == "postgresql":
-        pytest.skip("the cycle runs on SQLite and the local MLflow store here (PostgreSQL: test_deploy_registry)")
     config = Config.model_validate({
         **cfg.model_dump(), "state_dir": tmp_path / "state",
         "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,

@@ -46,9 +46,8 @@ def test_schedules_and_a_bad_schedule_is_refused():
         load_config(environ={"RTRL_CYCLE__EVERY": "every tuesday"})
 
 
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: both stores, above
 def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, tmp_path):
-    if engine.dialect.name == "postgresql":
-        pytest.skip("the lease itself is tested on both stores above")
     env = {**cfg_env, "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "RTRL_CYCLE__EVERY": "1s", "RTRL_CYCLE__MIN_NEW_EPISODES": "1000000"}  # cycles skip quickly
 

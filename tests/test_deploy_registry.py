@@ -203,10 +203,10 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     assert moves(engine, name)[0].to_version == "2"  # nothing was recorded as moved
 
 
+# the registry is under test here; the PostgreSQL store is covered above
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
         cfg_env, cfg, engine, reverse_base, topics, kafka_bootstrap, mlflow_server):
-    if engine.dialect.name == "postgresql":
-        pytest.skip("the registry is under test here; the PostgreSQL store is covered above")
     from click.testing import CliRunner
 
     from pipeline.cli import cli
@@ -257,11 +257,10 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     assert [e["version"] for e in model_updates(kafka_bootstrap, updates, 3)] == ["1", "2", "1"]
 
 
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # store-independent
 def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, reverse_base, tmp_path):
     from pipeline.store.training import finish_run, start_run
 
-    if engine.dialect.name == "postgresql":
-        pytest.skip("store-independent")
     bad = tmp_path / "adapter"
     bad.mkdir()
     (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')  # truncated

@@ -28,7 +28,8 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.store import db as store_db
 from tests.conftest import REPO
 from tests.test_deploy_registry import _free_port
-from train.inference import LoggedEpisode, PolicySet
+from pipeline.types import LoggedEpisode
+from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import load_policy
 

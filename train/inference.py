@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeline.types import LoggedEpisode
 from train.batches import collate, pack
 from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import load_adapter
@@ -33,18 +34,6 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
     latency_ms: float
-
-
-@dataclass
-class LoggedEpisode:
-    """What evaluation scores: a held-out episode as logged."""
-
-    request_id: str
-    prompt: Any
-    completion: Any
-    completion_token_ids: list[int] | None = None
-    behavior_logprobs: list[float] | None = None
-    temperature: float = 1.0
 
 
 class PolicySet:

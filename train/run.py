@@ -99,9 +99,10 @@ def _nothing(report: TrainReport, why: str) -> NothingToTrain:
 
 
 def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
-                       report: TrainReport) -> tuple[list[TokenizedEpisode], list[Any]]:
-    """Tokenized episodes and the selection rows they came from (skips counted in `report`)."""
-    episodes, rows = [], []
+                       report: TrainReport) -> tuple[list[TokenizedEpisode], list[Any], list[str]]:
+    """Tokenized episodes, the selection rows they came from, and each one's prompt group
+    (episodes with the same prompt, for group-relative advantages); skips counted in `report`."""
+    episodes, rows, groups = [], [], []
     for row in selection.rows:
         try:
             ev = orjson.loads(row.body)
@@ -118,13 +119,8 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
         out.temperature = float((ev.get("sampling") or {}).get("temperature") or 1.0)
         episodes.append(out)
         rows.append(row)
-    return episodes, rows
-
-
-def prompt_group(body: str) -> str:
-    """Episodes with the same prompt form a group (for group-relative advantages)."""
-    prompt = orjson.loads(body).get("prompt", "")
-    return hashlib.sha1(orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        groups.append(hashlib.sha1(orjson.dumps(ev.get("prompt", ""), option=orjson.OPT_SORT_KEYS)).hexdigest())
+    return episodes, rows, groups
 
 
 def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: Path, tracker: Tracker,
@@ -147,7 +143,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
                          "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.base_model)
-    episodes, rows = tokenize_selection(policy.tokenizer, selection, cfg, report)
+    episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
     if not episodes:
         raise _nothing(report, "every selected episode was skipped")
     report.watermark_to = selection.watermark_to  # skipped episodes are read too: never selected again
@@ -172,7 +168,6 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
             "episodes": len(episodes), "device": policy.device,
             **{f"selection.{k}": v for k, v in selection.counts.items()},
         })
-        groups = [prompt_group(r.body) for r in rows]
         rewards = [float(r.reward) for r in rows]
         report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
                                    checkpoint_dir=run_dir / "checkpoints", on_step=on_step)

@@ -8,7 +8,7 @@ import threading
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.cli.reward import SPEC_OPTION, _spec
+from pipeline.cli.reward import SPEC_OPTION, reward_spec
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
@@ -33,7 +33,7 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
 
     engine = ctx.engine()  # refuses a store whose schema is behind
     config = ctx.config
-    d = Daemon(config, default_deps(config, engine, _spec(ctx, spec_path)), lease_ttl_s=lease_ttl)
+    d = Daemon(config, default_deps(config, engine, reward_spec(ctx, spec_path)), lease_ttl_s=lease_ttl)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())

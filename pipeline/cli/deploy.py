@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.cli.reward import SPEC_OPTION, _spec
+from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.store.deploys import latest_decision, moves
 from pipeline.store.training import get_run, latest_finished_run
 
@@ -59,7 +59,7 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     from train.models import ModelError
 
     config = ctx.config
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     run = get_run(ctx.engine(), run_id) if run_id else latest_finished_run(ctx.engine())
     if run is None:
         raise click.ClickException(f"no training run {run_id}" if run_id else

@@ -22,7 +22,8 @@ SPEC_OPTION = click.option(
 )
 
 
-def _spec(ctx: Context, path: str | None) -> RewardSpec:
+def reward_spec(ctx: Context, path: str | None) -> RewardSpec:
+    """The spec a command uses: --spec, else reward.spec, else the shipped one; a bad file is a clean error."""
     try:
         return load_spec(path or ctx.config.reward.spec)
     except SpecError as exc:
@@ -60,7 +61,7 @@ def reward() -> None:
 def run(ctx: Context, spec_path: str | None) -> None:
     """Compute rewards for ripe episodes; update those with late feedback. Incremental and
     idempotent: running it twice changes nothing."""
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     with _progress() as on_progress:
         report = run_rewards(ctx.engine(), spec, on_progress=on_progress)
     click.echo(report.summary())
@@ -76,7 +77,7 @@ def run(ctx: Context, spec_path: str | None) -> None:
 @pass_ctx
 def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool) -> None:
     """Print an episode, its feedback and every component of its reward."""
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     found = explain_episode(ctx.engine(), spec, request_id)
     if found is None:
         raise click.ClickException(f"no interaction with request_id {request_id!r} is stored")
@@ -115,7 +116,7 @@ def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> No
     """Show how rewards would change under a new spec, before anyone adopts it: both
     distributions, per-signal contributions, how many episodes change sign, the biggest movers.
     Writes nothing."""
-    old, new = _spec(ctx, against_path), _spec(ctx, spec_path)
+    old, new = reward_spec(ctx, against_path), reward_spec(ctx, spec_path)
     d = diff_specs(ctx.engine(), old, new, top=top)
     if d.new.n == 0:
         click.echo("no ripe episodes to compare")
@@ -144,7 +145,7 @@ def recompute(ctx: Context, spec_path: str | None) -> None:
     """Re-apply a spec to all stored history: every ripe episode is scored again and stored
     under the spec's version (other versions' rewards are kept). To adopt it, point
     `reward.spec` in the config at the file."""
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     with _progress() as on_progress:
         report = run_rewards(ctx.engine(), spec, on_progress=on_progress, force=True)
     click.echo(report.summary())
@@ -156,7 +157,7 @@ def recompute(ctx: Context, spec_path: str | None) -> None:
 def audit(ctx: Context, spec_path: str | None) -> None:
     """Per policy version, the production canary rates the gate uses: abstention, mean output
     length, tool-error rate, accept rate, follow-up rate."""
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     per_version = audit_canaries(ctx.engine(), spec)
     if not per_version:
         click.echo("no episodes stored")

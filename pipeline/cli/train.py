@@ -11,7 +11,7 @@ import click
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.cli.reward import SPEC_OPTION, _spec
+from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.config import TrainConfig
 from pipeline.store.training import get_run, latest_finished_run, lineage
 from train.models import ModelError
@@ -87,7 +87,7 @@ def run(ctx: Context, base_model: str | None, adapter: str | None, since: int | 
         parent = Parent.from_adapter(adapter) if adapter else None
     except (ValueError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
-    spec = _spec(ctx, spec_path)
+    spec = reward_spec(ctx, spec_path)
     engine = ctx.engine()
     if dry_run:
         report = run_training(engine, cfg, spec.version, Path(), MemoryTracker(), parent, since, dry_run=True)
