@@ -86,12 +86,15 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
         killed_at = time.monotonic()
         wait_for(lambda: f"{host}:{b.pid}" in owners(), 30, "daemon b to take over")
         assert time.monotonic() - killed_at < 3 + 10  # the lease's ttl, plus a heartbeat and a cycle period
+        # b's cycle row is written when the cycle starts; its counter when it ends
+        skipped = 'rtrl_cycles_total{outcome="skipped"}'
+        wait_for(lambda: skipped in requests.get(f"http://127.0.0.1:{b_port}/metrics").text, 30,
+                 "b's first cycle to finish")
         metrics = requests.get(f"http://127.0.0.1:{b_port}/metrics").text
         for name in ("rtrl_ingest_events", "rtrl_ingest_rate", "rtrl_dead_letters", "rtrl_consumer_lag",
                      "rtrl_cycle_duration_seconds", "rtrl_cycles_total", "rtrl_champion_version", "rtrl_reward_mean",
                      "rtrl_gate_decisions", "rtrl_lease_held 1.0"):
             assert name in metrics, name
-        assert 'rtrl_cycles_total{outcome="skipped"}' in metrics
     finally:
         for proc in (a, b):
             if proc is not None and proc.poll() is None:
