@@ -131,8 +131,11 @@ def run_cycle(deps: CycleDeps) -> Any:
             state = "promoting"
         if state == "promoting":
             version = get_cycle(deps.engine, cycle_id).candidate_version
-            timed("promote", lambda: deps.registry.promote(version, actor="automatic",
-                                                            reason=f"cycle {cycle_id}: gate passed"))
+
+            def promote() -> None:
+                deps.registry.repair()  # a move a crash interrupted: its audit row completed, its event sent
+                deps.registry.promote(version, actor="automatic", reason=f"cycle {cycle_id}: gate passed")
+            timed("promote", promote)
             enter("done", promoted=1)
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": cycle_id})

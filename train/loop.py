@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from pipeline.config import TrainConfig
+from pipeline.faults import pause_point
 from train.batches import MicroBatch, collate, mismatched_pairs, pack
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.data import TokenizedEpisode
@@ -246,6 +247,7 @@ def train_policy(
         if checkpoint_dir is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(checkpoint_dir / f"step-{step + 1}", model, optimizer, step + 1,
                             extra={"recomputed_behavior": recomputed})
+        pause_point("train.step")  # crash tests kill the process here
         if on_step:
             on_step(step + 1, total_steps, metrics)
     return result

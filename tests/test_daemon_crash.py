@@ -1,0 +1,180 @@
+"""kill -9 an `rtrl daemon` process in the middle of training, restart it, kill -9 it again in
+the middle of a promotion (the registry's champion alias moved, its audit row still pending),
+restart it: the cycle completes exactly once -- one finished training run, one registry version,
+one audit row done and published, one model-update event -- and every event sent is stored once.
+
+The daemons freeze at named points (pipeline/faults.py) so the test can kill them there from
+outside: a crash at an exact instant, without racing a promotion that lasts milliseconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer
+from sqlalchemy import func, select
+
+from deploy.registry import CHAMPION, Registry
+from pipeline.kafka_local import ensure_topics
+from pipeline.store.events import utcnow
+from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
+from tests import reverse_task as task
+from tests.conftest import REPO
+from tests.factories import BASE_TS, encode
+from tests.test_ingest_kafka import produce
+from train.models import load_policy
+
+pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: test_daemon
+
+MODEL = "crash-policy"
+
+
+def _events(reverse_base: Path, prefix: str, seed: int, limit: int | None = None) -> list[dict]:
+    policy = load_policy(reverse_base, device="cpu")
+    prompts, _ = task.split()
+    episodes = task.sample_episodes(policy.model, policy.tokenizer, prompts[:limit], per_prompt=2, seed=seed)
+    return task.as_events(episodes, prefix, utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
+
+
+def _send(bootstrap: str, topics: dict[str, str], events: list[dict]) -> None:
+    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
+        batch = [e for e in events if e["type"] == kind]
+        produce(bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
+
+
+def _wait_for(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            assert p.poll() is None, f"the daemon exited with {p.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_once(
+        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = tmp_path / "rtrl.toml"
+    config.write_text(f"""
+[train]
+base_model = "{reverse_base}"
+learning_rate = 5e-3
+epochs = 8
+batch_tokens = 1024
+max_seq_len = 64
+lora_r = 8
+lora_alpha = 16
+holdout_percent = 30.0
+[gate]
+max_new_tokens = 3
+min_ess = 5
+generate_prompts = 40
+[gate.bounds.smoke_latency_ms]
+max_rel_increase = 50.0
+[cycle]
+every = "1s"
+min_new_episodes = 20
+[mlflow]
+tracking_uri = "{tracking}"
+registered_model = "{MODEL}"
+""")
+    env = {**os.environ, **cfg_env, "RTRL_CONFIG": str(config), "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates_topic}
+
+    def start(name: str, pause: str | None = None) -> subprocess.Popen:
+        faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3"],
+                                env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
+                                stderr=subprocess.STDOUT)
+
+    def kill_9(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+
+    def the_cycle():
+        with engine.connect() as conn:
+            return conn.execute(select(cycles).where(cycles.c.state != "skipped")).all()
+
+    first = _events(reverse_base, "a", seed=8)
+    _send(kafka_bootstrap, topics, first)
+    daemons = []
+    try:
+        # 1. killed while training
+        a = start("a", pause="train.step")
+        daemons.append(a)
+        _wait_for((tmp_path / "a.paused").exists, 240, "daemon a to reach a training step", [a])
+        [row] = the_cycle()
+        assert row.state == "training"
+        kill_9(a)
+
+        # more traffic while no daemon runs: a few new events and a resend of ones already stored
+        late = _events(reverse_base, "b", seed=9, limit=4)
+        _send(kafka_bootstrap, topics, late + first[:10])
+
+        # 2. the restarted daemon resumes the cycle and is killed between the champion alias and its audit row
+        b = start("b", pause="promote.champion_moved")
+        daemons.append(b)
+        _wait_for((tmp_path / "b.paused").exists, 300, "daemon b to reach the promotion", [b])
+        [row] = the_cycle()
+        assert row.state == "promoting" and row.candidate_version == "1"
+        registry = Registry(tracking, MODEL, engine)
+        assert registry.alias(CHAMPION).version == "1"  # moved in the registry...
+        with engine.connect() as conn:  # ...not yet in the audit table
+            assert [m.status for m in conn.execute(select(alias_moves))] == ["pending"]
+        kill_9(b)
+
+        # 3. the next start finishes it, once, and goes on skipping (nothing new)
+        c = start("c")
+        daemons.append(c)
+
+        def settled() -> bool:
+            with engine.connect() as conn:
+                skipped_after = conn.execute(select(func.count()).select_from(cycles)
+                                             .where(cycles.c.state == "skipped")).scalar()
+            return the_cycle()[0].state == "done" and skipped_after >= 2
+        _wait_for(settled, 240, "the cycle to complete and the next ones to skip", [c])
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    assert c.returncode == 0  # SIGTERM: a clean exit
+
+    [row] = the_cycle()  # exactly one cycle trained, gated and promoted; no second one
+    assert row.state == "done" and row.promoted == 1 and row.candidate_version == "1", row.reason
+    with engine.connect() as conn:
+        runs = dict(conn.execute(select(training_runs.c.run_id, training_runs.c.status)).all())
+        moves = conn.execute(select(alias_moves)).all()
+        decisions = conn.execute(select(gate_decisions.c.run_id, gate_decisions.c.passed)).all()
+        stored = {t.name: conn.execute(select(func.count()).select_from(t)).scalar()
+                  for t in (interactions, feedback)}
+        reward_rows = conn.execute(select(rewards.c.request_id)).scalars().all()
+    assert sorted(runs.values()) == ["failed", "finished"]  # the killed run, the one that counts
+    assert runs[row.run_id] == "finished"
+    assert [(d.run_id, bool(d.passed)) for d in decisions] == [(row.run_id, True)]
+
+    # the registry and the audit table agree; the model-update event went out once
+    registry = Registry(tracking, MODEL, engine)
+    assert [v.version for v in registry.list()] == ["1"] and registry.alias(CHAMPION).version == "1"
+    assert [(m.to_version, m.status, m.published_at is not None) for m in moves] == [("1", "done", True)]
+    consumer = KafkaConsumer(updates_topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=3000)
+    updates = [json.loads(m.value) for m in consumer]
+    consumer.close()
+    assert [(u["name"], u["version"]) for u in updates] == [(MODEL, "1")]
+
+    # no event lost or stored twice (the resent ones deduplicated), one reward per interaction
+    sent = {e["event_id"]: e["type"] for e in first + late}
+    assert stored == {"interactions": list(sent.values()).count("interaction"),
+                      "feedback": list(sent.values()).count("feedback")}
+    assert len(reward_rows) == len(set(reward_rows)) == stored["interactions"]
