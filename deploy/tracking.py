@@ -19,6 +19,8 @@ from mlflow.tracking import MlflowClient
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
 BATCH = 100  # MLflow's limit on params per log_batch call
+METRICS_PER_CALL = 1000  # ...and on metrics
+FLUSH_S = 10.0  # metrics reach the store at least this often during a run
 
 
 class MlflowTracker:
@@ -33,6 +35,8 @@ class MlflowTracker:
             location = artifact_root.resolve().as_uri() if artifact_root and _is_local(tracking_uri) else None
             experiment_id = self.client.create_experiment(experiment, artifact_location=location)
         self.run_id: str | None = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self._buffer: list[Metric] = []
+        self._flushed = time.monotonic()
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in sorted(params.items())]
@@ -40,8 +44,18 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=items[i:i + BATCH])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffered: a store round trip per step would stall a fast loop. Written every
+        FLUSH_S seconds or METRICS_PER_CALL metrics, and by end()."""
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        self._buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if len(self._buffer) >= METRICS_PER_CALL or time.monotonic() - self._flushed > FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._buffer:
+            batch, self._buffer = self._buffer[:METRICS_PER_CALL], self._buffer[METRICS_PER_CALL:]
+            self.client.log_batch(self.run_id, metrics=batch)
+        self._flushed = time.monotonic()
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
@@ -51,6 +65,7 @@ class MlflowTracker:
             self.client.set_tag(self.run_id, key, value)
 
     def end(self, status: str) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(status)))
 
 

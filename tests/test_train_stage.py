@@ -171,3 +171,20 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     assert shown.exit_code == 0 and all(f"  {r}\t" in shown.output for r in trained)
     missing = runner.invoke(cli, ["train", "run", "--base-model", "/nonexistent"], env=env)
     assert missing.exit_code != 0 and "/nonexistent" in missing.output
+
+
+def test_mlflow_tracker_buffers_metrics_and_writes_every_step_by_the_end(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from deploy.tracking import METRICS_PER_CALL, MlflowTracker
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(tracking, "buffer", tmp_path / "artifacts")
+    steps = METRICS_PER_CALL // 2 + 7  # two metrics a step: one flush on the way, the rest at end()
+    for step in range(1, steps + 1):
+        tracker.log_metrics({"loss": 1.0 / step, "kl": 0.1}, step=step)
+    client = MlflowClient(tracking_uri=tracking)
+    assert 0 < len(client.get_metric_history(tracker.run_id, "loss")) < steps  # written on the way, not all yet
+    tracker.end("FINISHED")
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == list(range(1, steps + 1))
+    assert len(client.get_metric_history(tracker.run_id, "kl")) == steps
