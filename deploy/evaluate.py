@@ -34,9 +34,8 @@ NOT_MEASURED = Estimate(float("nan"), float("nan"), float("nan"))  # fails every
 class Runner(Protocol):
     def add(self, name: str, adapter: Any) -> None: ...
 
-    def sequence_logprobs(self, name: str | None, episodes: list[Any]) -> list[float | None]: ...
-
-    def token_kl(self, p: str | None, q: str | None, episodes: list[Any]) -> float: ...
+    def compare(self, p: str | None, q: str | None,
+                episodes: list[Any]) -> tuple[list[float | None], list[float | None], float]: ...
 
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64,
                  batch_size: int = 1) -> list[Any]: ...
@@ -108,9 +107,9 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     excluded = {"no_behavior_logprobs": 0, "misaligned": 0}
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
+    kl = float("nan")
     if cand_report.smoke_ok:
-        cand_lp = runner.sequence_logprobs(candidate, usable)
-        champ_lp = runner.sequence_logprobs(champion, usable)
+        champ_lp, cand_lp, kl = runner.compare(champion, candidate, usable)
         keep = [i for i, (a, b) in enumerate(zip(cand_lp, champ_lp)) if a is not None and b is not None]
         excluded["misaligned"] = len(usable) - len(keep)
         usable = [usable[i] for i in keep]
@@ -126,6 +125,5 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
     # the reward is a metric too: [gate.bounds.reward] can set value and change limits on it
     cand_report.metrics["reward"], champ_report.metrics["reward"] = cand_est.estimate.value, champ_est.estimate.value
-    kl = runner.token_kl(champion, candidate, usable[:generate_prompts * 4])
     return Evaluation(cand_report, champ_report, Comparison(gain, kl), len(usable), excluded,
                       {"candidate": cand_out, "champion": champ_out})

@@ -156,6 +156,9 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
             theirs = policies.sequence_logprobs(other, [e for e, _ in items])
             assert all(abs(m - s) < 1e-3 for m, (_, s) in zip(mine, items)), v
             assert sum(abs(t - s) > 1e-3 for t, (_, s) in zip(theirs, items)) > 0.9 * len(items)
+            # the gate's one-pass comparison: the same log-probs, and a KL that tells the two apart
+            mine2, theirs2, kl = policies.compare(v, other, [e for e, _ in items])
+            assert all(abs(a - b) < 1e-4 for a, b in zip(mine + theirs, mine2 + theirs2)) and kl > 1e-3
 
         # every request became an interaction event naming the version that served it
         consumer = KafkaConsumer(r["topics"]["interactions"], bootstrap_servers=kafka_bootstrap,

@@ -3,7 +3,8 @@
     policies = PolicySet.load(base_dir)        the base weights, once
     policies.add("7", adapter_dir)             a named adapter (a registry version)
     policies.sequence_logprobs("7", episodes)  [N] log pi(completion | prompt), at the serving temperature
-    policies.token_kl("6", "7", episodes)      mean over completion tokens of KL(p_6 || p_7)
+    policies.compare("6", "7", episodes)       both policies' [N] log-probs and the mean KL(p_6 || p_7)
+                                               per completion token, from one forward pass of each
     policies.generate("7", prompts, ...)       text, token ids, per-token log-probs (after temperature)
 
 The name None is the base model with every adapter off. Adapters share the base weights: a
@@ -114,22 +115,36 @@ class PolicySet:
         return [next(it) if t is not None else None for t in toks]
 
     @torch.no_grad()
-    def token_kl(self, p: str | None, q: str | None, episodes: list[LoggedEpisode]) -> float:
-        """Mean over completion tokens of KL(p || q) between the next-token distributions."""
-        kept = [t for t in self._tokenize(episodes) if t is not None]
+    def compare(self, p: str | None, q: str | None,
+                episodes: list[LoggedEpisode]) -> tuple[list[float | None], list[float | None], float]:
+        """`sequence_logprobs` of `p` and of `q`, and the mean over completion tokens of KL(p || q)
+        between their next-token distributions, from one forward pass of each (what the gate needs)."""
+        if p == q:
+            raise ValueError(f"compare needs two different policies, got {p!r} twice")
+        toks = self._tokenize(episodes)
+        kept = [t for t in toks if t is not None]
+        seq = {p: [0.0] * len(kept), q: [0.0] * len(kept)}
         total, tokens = 0.0, 0.0
         for index in pack([len(e.input_ids) for e in kept], 8192, seed=0, epoch=0):
             batch = collate(kept, index, self.tokenizer.pad_token_id, self.policy.device)
             temp = torch.tensor([kept[i].temperature for i in index], device=self.policy.device)[:, None, None]
+            targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T, 1]
             logp = {}
             for name in (p, q):
                 with self._use(name):
                     logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-                    logp[name] = torch.log_softmax(logits[:, :-1].float() / temp, -1)  # [B, T, V]
+                logp[name] = torch.log_softmax(logits[:, :-1].float() / temp, -1)  # [B, T, V]
+                sums = (logp[name].gather(-1, targets).squeeze(-1) * batch.mask).sum(-1)  # [B]
+                for row, value in zip(index, sums.tolist()):
+                    seq[name][row] = value
             kl = (logp[p].exp() * (logp[p] - logp[q])).sum(-1)  # [B, T]
             total += float((kl * batch.mask).sum())
             tokens += float(batch.mask.sum())
-        return total / max(tokens, 1.0)
+        out = {}
+        for name in (p, q):
+            it = iter(seq[name])
+            out[name] = [next(it) if t is not None else None for t in toks]
+        return out[p], out[q], total / max(tokens, 1.0)
 
     @torch.no_grad()
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
