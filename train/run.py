@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -169,8 +170,10 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
             **{f"selection.{k}": v for k, v in selection.counts.items()},
         })
         rewards = [float(r.reward) for r in rows]
+        t_loop = time.perf_counter()
         report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
                                    checkpoint_dir=run_dir / "checkpoints", on_step=on_step)
+        loop_wall_s = time.perf_counter() - t_loop  # the steps, plus recomputed behaviour and checkpoints
         report.adapter = save_adapter(model, run_dir / "adapter")
         manifest = {"run_id": run_id, "watermark": selection.watermark_to, "spec_version": spec_version,
                     "loss": cfg.loss, "base_model": str(policy.path), "base_revision": policy.revision,
@@ -181,6 +184,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
         tracker.log_artifacts(run_dir / "episodes", "episodes")
         record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward)) for r in rows])
         summary = {"steps": report.loop.steps, "tokens": report.loop.tokens, "seconds": round(report.loop.seconds, 3),
+                   "loop_wall_s": round(loop_wall_s, 3),
                    "final": report.loop.history[-1] if report.loop.history else {},
                    "selection": selection.counts, "skipped": report.data.skipped,
                    "behavior": report.data.behavior, "too_long": report.too_long}
