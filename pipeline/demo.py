@@ -57,15 +57,28 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
     })
 
 
-def build_base(out: Path, seed: int) -> Path:
+BASE_RECIPE = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "warmup_steps": 1000,
+               "behaviour": "sim.base_behaviour: reverse 0.3, decline 0.05, copy 0.65"}
+
+
+def build_base(out: Path, seed: int, say=print) -> Path:
+    """The demo's base model, built once per state folder (rebuilt when the recipe changes)."""
     from pipeline.sim import base_behaviour
     from train.models import init_tiny
     from train.warmup import warm_up
 
-    if (out / "config.json").is_file():
+    recipe = {**BASE_RECIPE, "seed": seed}
+    marker = out / "rtrl_base_recipe.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return out
-    init_tiny(out, arch="llama", hidden=64, layers=2, heads=4, seed=seed)
-    return warm_up(out, base_behaviour, steps=300, seed=seed)
+    say(f"building the base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width {recipe['hidden']}), "
+        f"{recipe['warmup_steps']} supervised warm-up steps (about a minute, once per state folder)")
+    shutil.rmtree(out, ignore_errors=True)
+    init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
+              seed=seed)
+    warm_up(out, base_behaviour, steps=recipe["warmup_steps"], seed=seed)
+    marker.write_text(json.dumps(recipe, indent=2))
+    return out
 
 
 @dataclass
@@ -170,8 +183,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
                                                  config.kafka.model_updates_topic], config.kafka.partitions)
     store_db.upgrade(config.db_url)
     engine = store_db.make_engine(config.db_url)
-    say("building the base model (a short supervised warm-up)")
-    base = build_base(config.train.base_model, seed)
+    base = build_base(config.train.base_model, seed, say)
     spec = load_spec(config.reward.spec)
     deps = default_deps(config, engine, spec)
 
@@ -225,7 +237,8 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     for c in reversed(recent_cycles(engine, 100)):
         run = get_run(engine, c.run_id) if c.run_id else None
         total = sum((c.timings or {}).values())
-        loop_s = float(run.summary.get("seconds", 0.0)) if run is not None and run.summary else 0.0
+        summary = run.summary if run is not None and run.summary else {}
+        loop_s = float(summary.get("loop_wall_s", summary.get("seconds", 0.0)))
         report.cycles.append({"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
                               "reason": c.reason, "timings": c.timings, "seconds": round(total, 2),
                               "training_loop_s": round(loop_s, 2),

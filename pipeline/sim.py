@@ -55,13 +55,16 @@ def draw_task(rng: random.Random) -> Task:
             return Task(text)
 
 
+P_REVERSE, P_DECLINE = 0.3, 0.05
+
+
 def base_behaviour(rng: random.Random) -> tuple[str, str]:
-    """What the demo's base policy is warmed up on: mostly copying (wrong), reversing less often
-    the longer the string, and sometimes declining -- mediocre, not hopeless."""
+    """What the demo's base policy is warmed up on: it reverses (right) 30 % of the time, declines
+    ("sorry") 5 %, and copies (wrong) the rest -- it can do the task but mostly does something
+    else: mediocre, not hopeless, and what the users' feedback has to correct."""
     task = draw_task(rng)
-    p_reverse = {3: 0.45, 4: 0.3, 5: 0.15}[len(task.text)]
     u = rng.random()
-    answer = task.answer if u < p_reverse else ("sorry" if u < p_reverse + 0.05 else task.text)
+    answer = task.answer if u < P_REVERSE else ("sorry" if u < P_REVERSE + P_DECLINE else task.text)
     return task.prompt, answer
 
 
