@@ -13,6 +13,14 @@ completion cannot carry the estimate:
 Candidate and champion are compared on the *same* episodes: the improvement's interval comes
 from a paired bootstrap (each resample scores both policies on the same indices), which is much
 tighter than two independent intervals.
+
+The improvement the gate reads is the more cautious of two estimators. Self-normalisation
+divides by sum_i w_i, so probability a sharpened candidate puts on completions that were never
+logged (mean w < 1) is silently renormalised onto the logged ones -- it over-estimates exactly
+the candidates that drifted off the data. The plain clipped estimator, mean_i w_i r_i, counts
+that mass as earning nothing. The gate takes whichever improvement has the lower bound. (Measured
+in a demo run: SNIS put a candidate +0.10 above the champion; it served 8 points fewer accepts
+online; the plain estimate had them level.)
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ def snis(weights: np.ndarray, rewards: np.ndarray) -> float:
     return float("nan") if np.any(total == 0) else (weights * rewards).sum(axis=-1) / total
 
 
+def ipw(weights: np.ndarray, rewards: np.ndarray) -> float:
+    """Plain (not self-normalised) clipped importance weighting."""
+    return (weights * rewards).mean(axis=-1)
+
+
 def ess(weights: np.ndarray) -> float:
     return float(weights.sum() ** 2 / max((weights ** 2).sum(), 1e-300))
 
@@ -54,7 +67,8 @@ def compare(candidate_logp: Sequence[float], champion_logp: Sequence[float], beh
             rewards: Sequence[float], cap: float = 20.0, resamples: int = 1000, confidence: float = 0.95,
             seed: int = 0) -> tuple[OffPolicy, OffPolicy, Estimate]:
     """(candidate, champion, improvement = candidate - champion), each with a percentile
-    bootstrap interval; sequence log-probs are sums over the completion's tokens."""
+    bootstrap interval; sequence log-probs are sums over the completion's tokens. The policies'
+    estimates are SNIS; the improvement is SNIS's or plain IS's, whichever bound is lower."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(r) == 0:
         raise ValueError("no held-out episodes to evaluate on: ingest and reward more traffic, "
@@ -65,6 +79,9 @@ def compare(candidate_logp: Sequence[float], champion_logp: Sequence[float], beh
     idx = np.random.default_rng(seed).integers(0, len(r), size=(resamples, len(r)))  # [R, N]
     boot_cand, boot_champ = snis(w_cand[idx], r[idx]), snis(w_champ[idx], r[idx])  # [R]
     v_cand, v_champ = snis(w_cand, r), snis(w_champ, r)
+    gain_snis = _interval(boot_cand - boot_champ, v_cand - v_champ, confidence)
+    gain_ipw = _interval(ipw(w_cand[idx], r[idx]) - ipw(w_champ[idx], r[idx]),
+                         float(ipw(w_cand, r) - ipw(w_champ, r)), confidence)
     return (OffPolicy(_interval(boot_cand, v_cand, confidence), ess(w_cand)),
             OffPolicy(_interval(boot_champ, v_champ, confidence), ess(w_champ)),
-            _interval(boot_cand - boot_champ, v_cand - v_champ, confidence))
+            min(gain_snis, gain_ipw, key=lambda g: g.low))

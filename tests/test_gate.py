@@ -122,3 +122,18 @@ def test_off_policy_estimate_is_the_plain_mean_on_policy_and_moves_with_the_targ
     assert gain.low > 0.35 and cand.ess < n
     # paired: the improvement's interval is tighter than the two intervals side by side
     assert gain.high - gain.low < (cand.estimate.high - cand.estimate.low) + (champ.estimate.high - champ.estimate.low)
+
+
+def test_a_candidate_that_moved_off_the_logged_completions_gets_no_credit_for_it():
+    # mu logged "good" (reward 1) or "bad" (0), each with probability 1/2. The candidate gives
+    # "good" 0.5 too but moves the rest to completions never logged (they would earn nothing):
+    # it is worth 0.5, like the champion (= mu). SNIS renormalises onto "good" and says 1.0.
+    rng = np.random.default_rng(1)
+    n = 4000
+    mu = np.log(np.full(n, 0.5))
+    good = rng.random(n) < 0.5
+    rewards = good.astype(float)
+    cand_lp = np.where(good, np.log(0.5), np.log(1e-6))
+    cand, _, gain = compare(cand_lp, mu, mu, rewards, resamples=500)
+    assert cand.estimate.value > 0.99  # the self-normalised estimate alone would pass it...
+    assert gain.low <= 0 and abs(gain.value) < 0.05  # ...the improvement the gate reads (must exceed 0) does not
