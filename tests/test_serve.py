@@ -147,6 +147,8 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         for rid, prompt, resp in results:
             choice = resp.json()["choices"][0]
             ids = choice["logprobs"]["token_ids"]
+            if choice["finish_reason"] == "stop":  # stopping is an action: its token is logged, its text is not
+                assert ids[-1] == policies.tokenizer.eos_token_id and policies.tokenizer.decode(ids[:-1]) == choice["text"]
             if ids:
                 by_version[resp.headers["X-Rtrl-Policy-Version"]].append(
                     (LoggedEpisode(rid, prompt, choice["text"], ids), sum(choice["logprobs"]["token_logprobs"])))

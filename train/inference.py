@@ -32,9 +32,10 @@ from train.models import ModelError, Policy, load_policy, render_prompt
 @dataclass
 class Generation:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # as sampled: the end-of-sequence token included when it stopped
     logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
     latency_ms: float
+    stopped: bool = False  # ended with the end-of-sequence token (the last of token_ids), not at the limit
 
 
 class PolicySet:
@@ -184,10 +185,15 @@ class PolicySet:
         out = []
         for b in range(len(rows)):
             ids_out, logprobs = new[b].tolist(), chosen[b].tolist()
-            if tok.eos_token_id in ids_out:
-                cut = ids_out.index(tok.eos_token_id)
+            stopped = tok.eos_token_id in ids_out
+            if stopped:
+                # the end-of-sequence token is an action the policy took (stopping here): it stays
+                # in the ids and log-probs (as vLLM reports them), so training and the gate's
+                # importance ratios see it; only the text leaves it out
+                cut = ids_out.index(tok.eos_token_id) + 1
                 ids_out, logprobs = ids_out[:cut], logprobs[:cut]
-            out.append(Generation(tok.decode(ids_out), ids_out, logprobs, latency))
+            text = tok.decode(ids_out[:-1] if stopped else ids_out)
+            out.append(Generation(text, ids_out, logprobs, latency, stopped))
         return out
 
 
