@@ -50,7 +50,7 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
         "train": {"base_model": state_dir / "demo-base", "learning_rate": 3e-3, "epochs": 6,
                   "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
                   "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000},
-        "gate": {"max_new_tokens": 6, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
+        "gate": {"max_new_tokens": 8, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
@@ -58,7 +58,8 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
 
 
 BASE_RECIPE = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "warmup_steps": 1000,
-               "behaviour": "sim.base_behaviour: reverse 0.3, decline 0.05, copy 0.65"}
+               "behaviour": "sim.base_behaviour: 3-5 letters reverse 0.3, decline 0.05, copy 0.65; "
+                            "6 letters decline 0.15, copy 0.85"}
 
 
 def build_base(out: Path, seed: int, say=print) -> Path:

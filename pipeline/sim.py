@@ -1,7 +1,8 @@
 """`rtrl sim`: a simulated production fleet for the demo and for load.
 
 Users send tasks from a family a tiny character-level model can learn on a CPU -- reverse a
-short string; difficulty is the length (3 easy .. 5 hard) -- to `rtrl serve`, which answers with
+short string; difficulty is the length: 3-5 the base can do (but mostly copies), 6 beyond it
+(it never saw one reversed: where abstaining tempts a policy) -- to `rtrl serve`, which answers with
 the champion and emits the interaction event. Then the users react, with delays, through the
 feedback topic, the way real users do:
 
@@ -30,7 +31,8 @@ import requests
 from pipeline.textchecks import is_abstention
 
 ALPHABET = "abcde"  # small enough that common tasks recur (several samples per prompt)
-LENGTHS = (3, 4, 5)  # difficulty
+LENGTHS = (3, 4, 5, 6)  # difficulty
+HARD = 6  # beyond the demo's base model
 ABSTAIN_PATTERNS = (r"(?i)^\s*(i\s*(can.?t|cannot)|sorry)",)
 
 
@@ -55,16 +57,19 @@ def draw_task(rng: random.Random) -> Task:
             return Task(text)
 
 
-P_REVERSE, P_DECLINE = 0.3, 0.05
+P_REVERSE, P_DECLINE = 0.3, 0.05  # lengths 3-5
+P_DECLINE_HARD = 0.15  # length 6: never reversed, declined more often
 
 
 def base_behaviour(rng: random.Random) -> tuple[str, str]:
-    """What the demo's base policy is warmed up on: it reverses (right) 30 % of the time, declines
-    ("sorry") 5 %, and copies (wrong) the rest -- it can do the task but mostly does something
-    else: mediocre, not hopeless, and what the users' feedback has to correct."""
+    """What the demo's base policy is warmed up on: up to 5 letters it reverses (right) 30 % of
+    the time, declines ("sorry") 5 % and copies (wrong) the rest -- it can do the task but mostly
+    does something else: mediocre, not hopeless, what the users' feedback has to correct. Six
+    letters it never reverses: there a wrong attempt costs more than a free abstention."""
     task = draw_task(rng)
     u = rng.random()
-    answer = task.answer if u < P_REVERSE else ("sorry" if u < P_REVERSE + P_DECLINE else task.text)
+    p_reverse, p_decline = (0.0, P_DECLINE_HARD) if len(task.text) == HARD else (P_REVERSE, P_DECLINE)
+    answer = task.answer if u < p_reverse else ("sorry" if u < p_reverse + p_decline else task.text)
     return task.prompt, answer
 
 
@@ -82,7 +87,7 @@ class FleetStats:
 
 class Fleet:
     def __init__(self, serve_url: str, send_feedback, rate: float = 5.0, seed: int = 0, tenant: str = "sim",
-                 max_tokens: int = 6, delay_scale: float = 1.0) -> None:
+                 max_tokens: int = 8, delay_scale: float = 1.0) -> None:
         """`send_feedback(event)`: puts a feedback event on Kafka (the caller owns the producer);
         `delay_scale` stretches or shrinks the users' reaction times (0: immediate)."""
         self.delay_scale = delay_scale
