@@ -1,8 +1,12 @@
-"""Model-update events: every alias move is announced on Kafka, keyed by model name, so that
-every serving replica (and anything else) follows the registry without polling it.
+"""Events rtrl puts on Kafka itself, through one kind of producer (EventSender): keyed, and
+blocking until the broker has the event (acks=all), so a caller records only what is durable.
 
-    {"type": "model_update", "name": ..., "version": ..., "alias": "champion",
-     "adapter_uri": "runs:/<run>/adapter", "base_model": ..., "run_id": ..., "at": ...}
+    model updates   every alias move is announced, keyed by model name, so that every serving
+                    replica (and anything else) follows the registry without polling it:
+        {"type": "model_update", "name": ..., "version": ..., "alias": "champion",
+         "adapter_uri": "runs:/<run>/adapter", "base_model": ..., "run_id": ..., "at": ...}
+    interactions    what `rtrl serve` answered, keyed by request id
+    feedback        what the simulated users did (pipeline/sim.py), keyed by request id
 """
 
 from __future__ import annotations
@@ -13,19 +17,27 @@ from typing import Any
 from kafka import KafkaProducer
 
 
-class ModelUpdatePublisher:
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self.bootstrap, self.topic = bootstrap, topic
+class EventSender:
+    def __init__(self, bootstrap: str, topic: str, key: str, timeout_s: float = 15.0) -> None:
+        """`key`: the event field that keys the record (its partition); `timeout_s`: how long a
+        send may wait for the broker (connecting, and each request)."""
+        self.bootstrap, self.topic, self.key, self.timeout_s = bootstrap, topic, key, timeout_s
         self.producer: KafkaProducer | None = None  # connected on first use: a registry command
         # that moves nothing never needs the broker
 
     def __call__(self, event: dict[str, Any]) -> None:
         if self.producer is None:
-            # acks=all and a blocking send: the caller records "published" only once the broker has it
+            ms = int(self.timeout_s * 1000)
             self.producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", retries=5,
-                                          request_timeout_ms=15_000, max_block_ms=15_000)
-        self.producer.send(self.topic, key=event["name"].encode(), value=json.dumps(event).encode()).get(timeout=30)
+                                          request_timeout_ms=ms, max_block_ms=ms)
+        self.producer.send(self.topic, key=str(event[self.key]).encode(),
+                           value=json.dumps(event).encode()).get(timeout=2 * self.timeout_s)
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+
+
+class ModelUpdatePublisher(EventSender):
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(bootstrap, topic, key="name")

@@ -163,13 +163,14 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
     import uvicorn
 
+    from deploy.events import EventSender
     from deploy.follow import Follower
     from deploy.serve import PolicyServer, create_app
     from deploy.tracking import MlflowTracker
     from pipeline import kafka_local
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
-    from pipeline.sim import Fleet, kafka_sender
+    from pipeline.sim import Fleet
     from pipeline.store import db as store_db
     from reward.spec import load_spec
     from train.inference import PolicySet
@@ -189,15 +190,12 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     deps = default_deps(config, engine, spec)
 
     # serving: the champion, following the registry
-    producer = kafka_sender(config.bootstrap, config.kafka.interactions_topic)
+    producer = EventSender(config.bootstrap, config.kafka.interactions_topic, key="request_id")
     server = PolicyServer(PolicySet.load(base, device="cpu"), config.mlflow.registered_model, emit=producer)
-    champion = deps.registry.alias("champion")
-    adapters = run_dir / "adapters"
+    adapters = run_dir / "adapters"  # a fresh run has no champion yet: the base serves until the first promotion
     follower = Follower(config.bootstrap, config.kafka.model_updates_topic, config.mlflow.registered_model,
                         lambda ev: server.use(ev["version"], deps.registry.download(ev["adapter_uri"],
                                                                                    adapters / f"v{ev['version']}")))
-    if champion is not None:
-        server.use(champion.version, deps.registry.download(champion, adapters / f"v{champion.version}"))
     follower.start()
     port = _free_port()
     http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
@@ -207,7 +205,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
 
     daemon = Daemon(config, deps, lease_ttl_s=30)
     daemon.start(ingest=True, metrics_port=None)
-    feedback_sender = kafka_sender(config.bootstrap, config.kafka.feedback_topic)
+    feedback_sender = EventSender(config.bootstrap, config.kafka.feedback_topic, key="request_id")
     fleet = Fleet(f"http://127.0.0.1:{port}", feedback_sender, rate=rate, seed=seed)
     fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
     fleet_thread.start()

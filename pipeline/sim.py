@@ -18,7 +18,6 @@ Seeded (the same seed sends the same tasks in the same order) and rate-limited.
 from __future__ import annotations
 
 import heapq
-import json
 import random
 import threading
 import time
@@ -163,16 +162,3 @@ class Fleet:
             time.sleep(max(0.0, self._due[0][0] - time.monotonic()))
             self._flush_due()
         return self.stats
-
-
-def kafka_sender(bootstrap: str, topic: str):
-    """A send_feedback for Fleet: one producer, keyed by request id, waiting for the broker."""
-    from kafka import KafkaProducer
-
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-
-    def send(event: dict) -> None:
-        producer.send(topic, key=event["request_id"].encode(), value=json.dumps(event).encode()).get(timeout=30)
-
-    send.close = producer.close  # type: ignore[attr-defined]
-    return send

@@ -42,9 +42,10 @@ def sim(ctx: Context, url: str, rate: float, seed: int, duration_s: float | None
     """Simulated users: send reverse-a-string tasks to the server and react on the feedback
     topic with realistic delays (accept, edit, reject, persist, follow up; abstentions draw no
     complaint -- the reward-hacking bait)."""
-    from pipeline.sim import Fleet, kafka_sender
+    from deploy.events import EventSender
+    from pipeline.sim import Fleet
 
-    send = kafka_sender(ctx.config.bootstrap, ctx.config.kafka.feedback_topic)
+    send = EventSender(ctx.config.bootstrap, ctx.config.kafka.feedback_topic, key="request_id")
     fleet = Fleet(url, send, rate=rate, seed=seed)
     try:
         stats = fleet.run(duration_s=duration_s)

@@ -175,7 +175,6 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
           vllm_url: str | None) -> None:
     """Serve the champion (OpenAI-compatible /v1/completions and /v1/chat/completions) and
     follow the registry: a promotion or rollback swaps the adapter without a restart."""
-    import json as _json
 
     from deploy.follow import Follower
     from deploy.registry import Registry, RegistryError
@@ -213,8 +212,8 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         return
 
     import uvicorn
-    from kafka import KafkaProducer
 
+    from deploy.events import EventSender
     from deploy.serve import PolicyServer, create_app
     from train.inference import PolicySet
     from train.models import ModelError
@@ -226,14 +225,9 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         runner = PolicySet.load(base)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    emit = None
-    if not no_events:
-        producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all", max_block_ms=10_000)
-        topic = config.kafka.interactions_topic
-
-        def emit(event: dict) -> None:  # the response waits until Kafka has the event
-            producer.send(topic, key=event["request_id"].encode(), value=_json.dumps(event).encode()).get(timeout=10)
-
+    # the response waits until Kafka has the interaction event
+    emit = None if no_events else EventSender(config.bootstrap, config.kafka.interactions_topic, key="request_id",
+                                              timeout_s=10.0)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
     if first:
         server.use(first["version"], fetch(first["adapter_uri"], adapters / f"v{first['version']}"))
