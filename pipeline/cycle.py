@@ -36,8 +36,8 @@ from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set
 from pipeline.store.training import finish_run, get_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
-from train.run import NothingToTrain, Parent, run_training
-from train.tracking import MemoryTracker, Tracker
+from train.run import NothingToTrain, Parent, run_training, select
+from train.tracking import Tracker
 
 log = logging.getLogger("rtrl.cycle")
 
@@ -158,8 +158,8 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
         if run is not None and run.status == "running":  # the process died mid-training
             finish_run(deps.engine, run_id, "failed", error=f"abandoned: cycle {cycle_id} was interrupted")
     cfg, runs_dir = deps.config.train, deps.config.state_dir / "runs"
-    selection = run_training(deps.engine, cfg, deps.spec.version, runs_dir, MemoryTracker(), parent, dry_run=True)
-    selected = selection.selection["selected"]
+    selection = select(deps.engine, cfg, deps.spec.version, parent)
+    selected = selection.counts["selected"]
     if selected < deps.config.cycle.min_new_episodes:
         enter("skipped", reason=f"{selected} new rewarded episodes, fewer than cycle.min_new_episodes "
                                 f"({deps.config.cycle.min_new_episodes})")
@@ -170,7 +170,7 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
     tracker.set_tags({"rtrl.cycle": cycle_id})
     try:
         run_training(deps.engine, cfg, deps.spec.version, runs_dir, tracker, parent, params={"cycle": cycle_id},
-                     run_id=run_id)
+                     run_id=run_id, selection=selection)
     except NothingToTrain as exc:
         tracker.end("KILLED")
         enter("skipped", reason=str(exc))

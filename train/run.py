@@ -128,10 +128,11 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
                  parent: Parent | None = None, since: int | None = None, dry_run: bool = False,
                  now: datetime | None = None, params: dict[str, Any] | None = None,
                  on_step: Callable[[int, int, dict[str, float]], None] | None = None,
-                 run_id: str | None = None) -> TrainReport:
+                 run_id: str | None = None, selection: Selection | None = None) -> TrainReport:
     """One training run; with `dry_run`, only the selection (nothing loaded, nothing written).
-    `run_id` lets a caller record the id before the run starts (a cycle that may crash)."""
-    selection = select(engine, cfg, spec_version, parent, now, since)
+    `run_id` lets a caller record the id before the run starts (a cycle that may crash);
+    `selection`, one it already made with select() (a cycle that counted it first)."""
+    selection = selection or select(engine, cfg, spec_version, parent, now, since)
     report = TrainReport(run_id=None, selection=selection.counts, watermark_from=selection.watermark_from,
                          watermark_to=selection.watermark_to,
                          by_policy_version=dict(Counter(r.policy_version for r in selection.rows)))
