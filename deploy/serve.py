@@ -145,7 +145,7 @@ def create_app(server: PolicyServer) -> FastAPI:
         return [server.runner.tokenizer.decode([t]) for t in gen.token_ids]
 
     def _finish(gen: Any, req: _Sampling) -> str:
-        return "stop" if getattr(gen, "stopped", False) or len(gen.token_ids) < req.max_tokens else "length"
+        return "stop" if gen.stopped else "length"
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest, request: Request) -> JSONResponse:
