@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from pipeline.store import db as store_db
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,8 +44,8 @@ def local_kafka_env(tmp_path_factory) -> dict[str, str] | None:
 
     env = {
         "RTRL_STATE_DIR": str(tmp_path_factory.mktemp("kafka-state")),
-        "RTRL_KAFKA__PORT": str(_free_port()),
-        "RTRL_KAFKA__CONTROLLER_PORT": str(_free_port()),
+        "RTRL_KAFKA__PORT": str(free_port()),
+        "RTRL_KAFKA__CONTROLLER_PORT": str(free_port()),
     }
     up = CliRunner().invoke(cli, ["kafka", "up"], env=env)
     assert up.exit_code == 0, up.output
@@ -147,3 +148,14 @@ def reverse_base(tmp_path_factory) -> Path:
     from tests import reverse_task
 
     return reverse_task.make_base(tmp_path_factory.mktemp("reverse-base"))
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll `predicate` until it returns something true (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)  # polling with a deadline, not synchronisation by sleep
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -20,8 +20,8 @@ from pipeline.store.tables import training_runs
 from pipeline.store.training import get_run
 from reward.spec import load_spec
 from tests import reverse_task as task
-from tests.factories import BASE_TS, encode
-from tests.test_ingest_kafka import ingest_until_idle, produce
+from tests.factories import BASE_TS
+from tests.test_ingest_kafka import ingest_until_idle, produce_events
 from train.inference import PolicySet
 from train.models import load_policy
 
@@ -53,9 +53,7 @@ def feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: 
     prompts, _ = task.split()
     episodes = task.sample_episodes(policy.model, policy.tokenizer, prompts, per_prompt=2, seed=seed)
     events = task.as_events(episodes, prefix, utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
-    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
-        batch = [e for e in events if e["type"] == kind]
-        produce(kafka_bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
+    produce_events(kafka_bootstrap, topics, events)
     return ingest_until_idle(cfg, engine).events
 
 

@@ -21,8 +21,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.daemon import trigger
 from pipeline.store.leases import acquire, holder, release
 from pipeline.store.tables import cycles
-from tests.conftest import REPO
-from tests.test_deploy_registry import _free_port
+from tests.conftest import REPO, free_port, wait_for
 
 
 def test_the_lease_is_held_by_one_owner_until_it_expires_or_is_released(engine):
@@ -52,7 +51,7 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
            "RTRL_CYCLE__EVERY": "1s", "RTRL_CYCLE__MIN_NEW_EPISODES": "1000000"}  # cycles skip quickly
 
     def start(name: str) -> tuple[subprocess.Popen, int]:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(port),
                                  "--lease-ttl", "3"], env={**os.environ, **env}, cwd=REPO,
                                 stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
@@ -61,12 +60,6 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
     def owners() -> list[str]:
         with engine.connect() as conn:
             return [r.owner for r in conn.execute(select(cycles.c.owner).order_by(cycles.c.started_at))]
-
-    def wait_for(predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.2)
 
     host = socket.gethostname()
     a, a_port = start("a")

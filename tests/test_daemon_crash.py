@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -27,9 +26,9 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.store.events import utcnow
 from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
 from tests import reverse_task as task
-from tests.conftest import REPO
-from tests.factories import BASE_TS, encode
-from tests.test_ingest_kafka import produce
+from tests.conftest import REPO, wait_for
+from tests.factories import BASE_TS
+from tests.test_ingest_kafka import produce_events
 from train.models import load_policy
 
 pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: test_daemon
@@ -44,19 +43,12 @@ def _events(reverse_base: Path, prefix: str, seed: int, limit: int | None = None
     return task.as_events(episodes, prefix, utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
 
 
-def _send(bootstrap: str, topics: dict[str, str], events: list[dict]) -> None:
-    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
-        batch = [e for e in events if e["type"] == kind]
-        produce(bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
-
-
 def _wait_for(predicate, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while not predicate():
+    def check():
         for p in procs:
             assert p.poll() is None, f"the daemon exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.2)
+        return predicate()
+    wait_for(check, timeout, what, interval=0.2)
 
 
 def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_once(
@@ -106,7 +98,7 @@ registered_model = "{MODEL}"
             return conn.execute(select(cycles).where(cycles.c.state != "skipped")).all()
 
     first = _events(reverse_base, "a", seed=8)
-    _send(kafka_bootstrap, topics, first)
+    produce_events(kafka_bootstrap, topics, first)
     daemons = []
     try:
         # 1. killed while training
@@ -119,7 +111,7 @@ registered_model = "{MODEL}"
 
         # more traffic while no daemon runs: a few new events and a resend of ones already stored
         late = _events(reverse_base, "b", seed=9, limit=4)
-        _send(kafka_bootstrap, topics, late + first[:10])
+        produce_events(kafka_bootstrap, topics, late + first[:10])
 
         # 2. the restarted daemon resumes the cycle and is killed between the champion alias and its audit row
         b = start("b", pause="promote.champion_moved")

@@ -12,7 +12,6 @@ between the registry call and the audit write is repaired; bad input is a clear 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,8 @@ from pipeline.store.deploys import moves
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
-from tests.factories import BASE_TS, encode, feedback, interaction
+from tests.conftest import free_port
+from tests.factories import BASE_TS, feedback, interaction
 from tests.test_train_stage import store
 from train.inference import PolicySet
 from train.models import load_policy
@@ -50,17 +50,11 @@ TRAIN = dict(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=64, lo
              holdout_percent=30.0, staleness_s=None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (tracking + registry + artifact proxy) on 127.0.0.1."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
@@ -197,7 +191,7 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     with pytest.raises(RegistryError, match="no version 99"):
         registry.promote("99", actor="bob", reason="x", force=True)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    down = Registry(f"http://127.0.0.1:{_free_port()}", name, engine)
+    down = Registry(f"http://127.0.0.1:{free_port()}", name, engine)
     with pytest.raises(RegistryError, match="unreachable|failed"):
         down.promote("1", actor="bob", reason="x", force=True)
     assert moves(engine, name)[0].to_version == "2"  # nothing was recorded as moved
@@ -211,14 +205,12 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
 
     from pipeline.cli import cli
     from pipeline.store.events import utcnow
-    from tests.test_ingest_kafka import ingest_until_idle, produce
+    from tests.test_ingest_kafka import ingest_until_idle, produce_events
 
     base = load_policy(reverse_base, device="cpu")
     events = task.as_events(reverse_episodes(base, "k", seed=5), "k", utcnow().replace(tzinfo=BASE_TS.tzinfo)
                             - timedelta(hours=2))
-    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
-        batch = [e for e in events if e["type"] == kind]
-        produce(kafka_bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
+    produce_events(kafka_bootstrap, topics, events)
     assert ingest_until_idle(cfg, engine).events == len(events)
     updates = f"t-{uuid.uuid4().hex[:8]}.model-updates"
     ensure_topics(kafka_bootstrap, [updates], partitions=1)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -18,7 +17,7 @@ from sqlalchemy import func, select
 from ingest.consumer import run_ingest
 from pipeline.store.events import stored_offsets, table_counts
 from pipeline.store.tables import dead_letters, feedback, interactions
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.factories import encode, feedback as fb, interaction
 from tests.test_decode import BAD, EXPECTED
 
@@ -35,14 +34,11 @@ def produce(bootstrap: str, topic: str, values: list[bytes], *, keys: list[bytes
     producer.close()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)  # polling with a deadline, not synchronisation by sleep
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+def produce_events(bootstrap: str, topics: dict[str, str], events: list[dict]) -> None:
+    """Interaction and feedback events onto their topics, keyed by request id (as producers do)."""
+    for kind, topic in (("interaction", topics["interactions"]), ("feedback", topics["feedback"])):
+        batch = [e for e in events if e["type"] == kind]
+        produce(bootstrap, topic, [encode(e) for e in batch], keys=[e["request_id"].encode() for e in batch])
 
 
 def child_pids(pid: int) -> list[int]:

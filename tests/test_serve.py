@@ -26,8 +26,7 @@ from deploy.vllm import VllmAdapterSync
 from pipeline.config import TrainConfig
 from pipeline.kafka_local import ensure_topics
 from pipeline.store import db as store_db
-from tests.conftest import REPO
-from tests.test_deploy_registry import _free_port
+from tests.conftest import REPO, free_port, wait_for
 from pipeline.types import LoggedEpisode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
@@ -71,22 +70,12 @@ def registered(tmp_path, reverse_base, kafka_bootstrap):
     engine.dispose()
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def test_serve_follows_three_promotions_under_concurrent_requests(registered, reverse_base, tmp_path,
                                                                   kafka_bootstrap):
     r = registered
     registry = r["registry"]
     registry.promote("1", actor="test", reason="start", force=True)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": r["url"],
            "RTRL_MLFLOW__TRACKING_URI": r["tracking"], "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
            "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap, "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
@@ -104,7 +93,7 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
             return None
 
     try:
-        assert wait_until(health, 120, "rtrl serve to start")["version"] == "1"
+        assert wait_for(health, 120, "rtrl serve to start")["version"] == "1"
         results, failures, stop = [], [], threading.Event()
 
         def client(k: int) -> None:
@@ -124,14 +113,14 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         for t in threads:
             t.start()
         for target in ("2", "1", "2"):  # promote, roll back, promote
-            wait_until(lambda: len(results) >= 10, 60, "requests on the current version")
+            wait_for(lambda: len(results) >= 10, 60, "requests on the current version")
             done = len(results)
             if target == "1":
                 registry.rollback(actor="test", reason="back")
             else:
                 registry.promote(target, actor="test", reason="next", force=True)
-            wait_until(lambda: health()["version"] == target, 60, f"the server to serve v{target}")
-            wait_until(lambda: len(results) >= done + 10, 60, "requests on the new version")
+            wait_for(lambda: health()["version"] == target, 60, f"the server to serve v{target}")
+            wait_for(lambda: len(results) >= done + 10, 60, "requests on the new version")
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -213,9 +202,9 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
     follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update).start()
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
-        wait_until(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
+        wait_for(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
         r["registry"].promote("2", actor="test", reason="second", force=True)
-        wait_until(lambda: len(FakeVllm.calls) >= 3, 30, "vLLM to load v2 and unload v1")
+        wait_for(lambda: len(FakeVllm.calls) >= 3, 30, "vLLM to load v2 and unload v1")
     finally:
         follower.close()
         httpd.shutdown()

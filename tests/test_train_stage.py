@@ -133,13 +133,10 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
                                                           kafka_bootstrap):
     from mlflow.tracking import MlflowClient
 
-    from tests.test_ingest_kafka import ingest_until_idle, produce
+    from tests.test_ingest_kafka import ingest_until_idle, produce_events
 
     events = task.as_events(samples, "k", utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
-    for kind in ("interaction", "feedback"):
-        batch = [e for e in events if e["type"] == kind]
-        produce(kafka_bootstrap, topics[kind if kind == "feedback" else "interactions"], [encode(e) for e in batch],
-                keys=[e["request_id"].encode() for e in batch])
+    produce_events(kafka_bootstrap, topics, events)
     assert ingest_until_idle(cfg, engine).events == len(events)
     env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__BATCH_TOKENS": "512",
            "RTRL_TRAIN__MAX_SEQ_LEN": "64", "RTRL_TRAIN__LORA_R": "4"}
