@@ -10,8 +10,10 @@ A candidate replaces the champion only if every check passes:
     bound:<m>    every bounded metric (canaries, length, latency, ...) within its absolute
                  limits and its allowed change from the champion, in the named direction
 
-First deployment (no champion): `first_deployment = "absolute"` applies every check that needs
-no champion (smoke, ess, absolute bounds, every regression item passing) and records the
+First deployment (no champion): `first_deployment = "base"` (the default) passes the base
+model's report as the champion -- it is what serves until the first promotion, so a first
+candidate must beat it like any other; "absolute" applies only the checks that need no
+champion (smoke, ess, absolute bounds, every regression item passing) and records the
 comparative ones as not applicable; "refuse" fails the gate so that a human promotes by hand.
 Nothing here touches a model, a store or a registry: the same inputs give the same decision.
 """
@@ -104,17 +106,19 @@ def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | No
 
 
 def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Comparison | None,
-           cfg: GateConfig) -> Decision:
-    first = champion is None
+           cfg: GateConfig, first: bool = False) -> Decision:
+    """`champion` None: the first deployment without a baseline; `first` with a champion report:
+    the first deployment compared with the base model (first_deployment = "base")."""
+    first = first or champion is None
     checks = [
         Check("smoke", candidate.smoke_ok, "candidate loads and generates" if candidate.smoke_ok
               else f"candidate failed to load or generate: {candidate.smoke_error}"),
         Check("ess", candidate.ess >= cfg.min_ess,
               f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})", candidate.ess, cfg.min_ess),
     ]
-    if first:
-        checks.append(Check("first_deployment", cfg.first_deployment == "absolute",
-                            "no champion: gated on absolute limits" if cfg.first_deployment == "absolute"
+    if champion is None:
+        checks.append(Check("first_deployment", cfg.first_deployment != "refuse",
+                            "no champion: gated on absolute limits" if cfg.first_deployment != "refuse"
                             else "no champion and gate.first_deployment = 'refuse': promote by hand"))
         checks.append(Check("improvement", True, "no champion to improve on", applicable=False))
         checks.append(Check("kl", True, "no champion to diverge from", applicable=False))
@@ -122,6 +126,8 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
         checks.append(Check("regression", not failing, f"regression items failing: {', '.join(failing)}" if failing
                             else f"all {len(candidate.regression)} regression items pass"))
     else:
+        if first:
+            checks.append(Check("first_deployment", True, "no champion: compared with the base model"))
         if comparison is None:
             checks.append(Check("improvement", False, "no comparison with the champion was measured"))
         else:

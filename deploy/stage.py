@@ -82,9 +82,10 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
         load_error = f"{type(exc).__name__}: {exc}"
     evaluation = evaluate(runner, "candidate", f"v{champion.version}" if champion else None, episodes, suite, gate,
                           abstention_patterns, gate.generate_prompts, gate.max_new_tokens, load_error=load_error)
-    if champion is None:
-        # first deployment: the base model is the baseline the evaluation compared with, but
-        # the gate applies its first-deployment rule (absolute limits only, or refuse)
+    if champion is None and gate.first_deployment == "base":
+        # first deployment: the base model, which served until now, is the champion to beat
+        decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate, first=True)
+    elif champion is None:  # "absolute" limits only, or "refuse"
         decision = decide(evaluation.candidate, None, None, gate)
     else:
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)

@@ -183,8 +183,10 @@ class GateConfig(_Section):
     eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
     generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
     max_new_tokens: int = Field(default=64, ge=1)
-    first_deployment: Literal["absolute", "refuse"] = Field(
-        default="absolute", description="with no champion: gate on absolute bounds only, or refuse (promote by hand)")
+    first_deployment: Literal["base", "absolute", "refuse"] = Field(
+        default="base", description="with no champion: the base model (what serves until the first promotion) "
+                                    "stands in for the champion in every check; or absolute bounds only; or refuse "
+                                    "(promote by hand)")
 
     @model_validator(mode="before")
     @classmethod

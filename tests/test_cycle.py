@@ -36,7 +36,7 @@ def deps(cfg, engine, reverse_base, tmp_path):
         **cfg.model_dump(), "state_dir": tmp_path / "state",
         "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,
                   "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 30.0},
-        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40,
+        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40, "max_kl": 5.0,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}}},
         "cycle": {"min_new_episodes": 20},
     })

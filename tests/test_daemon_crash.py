@@ -70,6 +70,7 @@ holdout_percent = 30.0
 [gate]
 max_new_tokens = 3
 min_ess = 5
+max_kl = 5.0
 generate_prompts = 40
 [gate.bounds.smoke_latency_ms]
 max_rel_increase = 50.0

@@ -45,6 +45,7 @@ SPEC = load_spec()
 NOW = BASE_TS.replace(tzinfo=None) + timedelta(days=2)
 ABSTAIN = (r"^\s*\?+\s*$",)  # the deployment's canary: a bare "???" is an abstention
 GATE = GateConfig(eval_episodes=400, generate_prompts=40, max_new_tokens=3, min_ess=5,
+                  max_kl=5.0,  # one update of a tiny model moves it far from its base (the first gate's baseline)
                   bounds={"smoke_latency_ms": Bound(max_rel_increase=50.0)})  # tiny models: latency is noise
 TRAIN = dict(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=64, lora_r=8, lora_alpha=16,
              holdout_percent=30.0, staleness_s=None)
@@ -218,7 +219,7 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
            "RTRL_TRAIN__EPOCHS": "8", "RTRL_TRAIN__BATCH_TOKENS": "1024", "RTRL_TRAIN__MAX_SEQ_LEN": "64",
            "RTRL_TRAIN__LORA_R": "8", "RTRL_TRAIN__LORA_ALPHA": "16", "RTRL_TRAIN__HOLDOUT_PERCENT": "30",
            "RTRL_MLFLOW__TRACKING_URI": mlflow_server, "RTRL_MLFLOW__REGISTERED_MODEL": f"cli-{uuid.uuid4().hex[:6]}",
-           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "RTRL_GATE__MAX_NEW_TOKENS": "3", "RTRL_GATE__MIN_ESS": "5",
+           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "RTRL_GATE__MAX_NEW_TOKENS": "3", "RTRL_GATE__MIN_ESS": "5", "RTRL_GATE__MAX_KL": "5",
            "RTRL_GATE__GENERATE_PROMPTS": "40", "USER": "ops-alice"}
     runner = CliRunner()
 

@@ -106,6 +106,19 @@ def test_first_deployment_uses_absolute_limits_or_refuses():
     assert not refused.passed and any("promote by hand" in r for r in refused.reasons)
 
 
+def test_first_deployment_against_the_base_model_must_beat_it():
+    cfg = GateConfig()
+    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0, "mean_length": 40.0,
+               "smoke_latency_ms": 12.0}
+    cand = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics=metrics)
+    base = EvalReport("base", Estimate(0.35, 0.3, 0.4), ess=400, metrics=dict(metrics))
+    worse = decide(cand, base, Comparison(Estimate(-0.05, -0.1, 0.0), kl=0.1), cfg, first=True)
+    assert worse.first_deployment and not worse.passed
+    assert any(r.startswith("reward improvement -0.0500") for r in worse.reasons)
+    better = decide(cand, base, Comparison(Estimate(0.05, 0.01, 0.1), kl=0.1), cfg, first=True)
+    assert better.first_deployment and better.passed, better.reasons
+
+
 def test_off_policy_estimate_is_the_plain_mean_on_policy_and_moves_with_the_target():
     rng = np.random.default_rng(0)
     n = 4000
