@@ -1,11 +1,13 @@
 """Reward computation for 100k and 1M synthetic episodes with ~3 feedback events each.
 
 The store is filled directly (not through Kafka: this measures the reward stage), then
-`run_rewards` runs in a child process under the default (rule-only) spec. Prints episodes/s,
-the time ratio 1M / 100k (linear would be 10) and peak RSS.
+`run_rewards` runs in a child process under the default (rule-only) spec, once per number of
+workers (the stored rewards are deleted before each). Prints episodes/s, the time ratio
+1M / 100k (linear would be 10) and peak RSS (of the parent of the workers, and of the largest
+worker).
 
-    .venv/bin/python benchmarks/reward.py                 # SQLite
-    .venv/bin/python benchmarks/reward.py --sizes 100000  # a quick run
+    .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers
+    .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2  # a quick run
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.store import db as store_db  # noqa: E402
+from pipeline.store import db as store_db, tables  # noqa: E402
 from pipeline.store.events import Rows, write_rows  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
@@ -75,18 +77,22 @@ def fill(url: str, n: int, seed: int = 0) -> None:
     engine.dispose()
 
 
-def phase(url: str, q) -> None:
+def phase(url: str, workers: int, q) -> None:
     engine = store_db.make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(tables.rewards.delete())
     spec = load_spec()
     t = time.perf_counter()
-    report = run_rewards(engine, spec, now=T0 + timedelta(days=365))
+    report = run_rewards(engine, spec, now=T0 + timedelta(days=365), workers=workers)
     elapsed = time.perf_counter() - t
-    q.put((report.computed, elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    q.put((report.computed, elapsed, rss / 1024))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
@@ -96,18 +102,23 @@ def main() -> None:
         t = time.perf_counter()
         fill(url, n)
         print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        proc = ctx.Process(target=phase, args=(url, q))
-        proc.start()
-        computed, elapsed, rss = q.get()
-        proc.join()
-        assert computed == n, f"computed {computed} of {n}"
-        times[n] = elapsed
-        print(f"{n:>9,} episodes: {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  peak RSS {rss:.0f} MB")
-    if len(times) == 2:
-        (a, ta), (b, tb) = sorted(times.items())
-        print(f"time {b:,} / time {a:,} = {tb / ta:.1f}  (linear: {b / a:.0f}; target <= 11)")
+        for workers in args.workers:
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            proc = ctx.Process(target=phase, args=(url, workers, q))
+            proc.start()
+            computed, elapsed, rss = q.get()
+            proc.join()
+            assert computed == n, f"computed {computed} of {n}"
+            times[n, workers] = elapsed
+            print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
+                  f"peak RSS {rss:.0f} MB", flush=True)
+    for workers in args.workers:
+        sizes = sorted(n for n, w in times if w == workers)
+        if len(sizes) == 2:
+            a, b = sizes
+            print(f"{workers} worker(s): time {b:,} / time {a:,} = {times[b, workers] / times[a, workers]:.1f}  "
+                  f"(linear: {b / a:.0f}; target <= 11)")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,18 @@ from sqlalchemy import Engine
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import iter_episode_chunks
 from pipeline.textchecks import is_abstention
-from reward.compute import RewardResult, compute_reward, is_ripe
+from reward.compute import RewardResult, Scorer, is_ripe
 from reward.signals import Episode
 from reward.spec import RewardSpec
-from reward.stage import build_episode
+from reward.stage import PAYLOAD_KINDS, build_episode
 
 _RESERVOIR = 50_000
 
 
 def iter_episodes(engine: Engine, spec_version: str = "") -> Iterator[Episode]:
-    for chunk in iter_episode_chunks(engine, spec_version):
+    for chunk in iter_episode_chunks(engine, spec_version, payload_kinds=PAYLOAD_KINDS):
         for row in chunk.interactions:
-            yield build_episode(row, chunk.feedback.get(row.request_id, []))
+            yield build_episode(row, chunk.feedback.get(row[1], ()), with_prompt=False)
 
 
 @dataclass
@@ -106,9 +106,10 @@ def diff_specs(engine: Engine, old: RewardSpec, new: RewardSpec, now: datetime |
     """How rewards of ripe episodes (ripe under the new spec) would change from `old` to `new`."""
     now = now or utcnow()
     out = SpecDiff(old.version, new.version)
+    score_old, score_new = Scorer(old), Scorer(new)
     for ep in iter_episodes(engine):
         if is_ripe(ep, new, now):
-            out.add(ep, compute_reward(ep, old), compute_reward(ep, new), top)
+            out.add(ep, score_old(ep), score_new(ep), top)
     return out
 
 

@@ -9,10 +9,11 @@ reward subtracts; each is a pure function of the episode and its spec section.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
 from reward.signals import Episode
-from reward.spec import AbstentionGuard, Guards, LengthGuard, RepetitionGuard, ToolFormatGuard
+from reward.spec import AbstentionGuard, LengthGuard, RepetitionGuard, ToolFormatGuard
 
 
 def length(ep: Episode, g: LengthGuard) -> float:
@@ -36,9 +37,10 @@ def tool_format(ep: Episode, g: ToolFormatGuard) -> float:
     return g.penalty * sum(malformed_tool_call(c) for c in ep.tool_calls)
 
 
-GUARDS: dict[str, Callable[[Episode, Guards], float]] = {
-    "length": lambda ep, g: length(ep, g.length),
-    "abstention": lambda ep, g: abstention(ep, g.abstention),
-    "repetition": lambda ep, g: repetition(ep, g.repetition),
-    "tool_format": lambda ep, g: tool_format(ep, g.tool_format),
+# name -> guard; each is called with the spec's section of the same name (spec.guards.<name>)
+GUARDS: dict[str, Callable[[Episode, Any], float]] = {
+    "length": length,
+    "abstention": abstention,
+    "repetition": repetition,
+    "tool_format": tool_format,
 }

@@ -11,14 +11,14 @@ producer invents can be weighted by name in a spec.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
+
+from rapidfuzz.distance import Levenshtein
 
 
-@dataclass(frozen=True)
-class Feedback:
+class Feedback(NamedTuple):
     event_id: str
     kind: str
     value: float  # booleans as 1.0 / 0.0
@@ -26,16 +26,16 @@ class Feedback:
     payload: object = None
 
 
-@dataclass(frozen=True)
-class Episode:
-    """An interaction with the feedback joined to it (by request_id), ready to be scored."""
+class Episode(NamedTuple):
+    """An interaction with the feedback joined to it (by request_id), ready to be scored.
+    (Named tuples, not dataclasses: the reward stage builds a million of them per run.)"""
 
     request_id: str
     ts: datetime
     policy_version: str
     text: str  # the assistant's output (all assistant turns of a trajectory, joined)
     tool_calls: tuple = ()  # every tool call the assistant made, as sent
-    feedback: tuple[Feedback, ...] = field(default_factory=tuple)
+    feedback: tuple[Feedback, ...] = ()
     expects_attempt: bool = True
     prompt_text: str = ""  # the request, rendered as text (for a judge)
 
@@ -78,14 +78,14 @@ def edit_text(payload: object) -> str | None:
 
 @signal("edited")
 def edited(fb: Feedback, ep: Episode) -> float:
-    """The user kept an edited version. `{"payload": {"text": ...}}` -> 2 * similarity - 1:
-    +1 when the edit is the completion unchanged, -1 when nothing of it survived. Without the
-    edited text, the event's value (a similarity in [0, 1]) is used the same way."""
+    """The user kept an edited version. `{"payload": {"text": ...}}` -> 2 * similarity - 1, where
+    similarity = 1 - Levenshtein distance / length of the longer text: +1 when the edit is the
+    completion unchanged, -1 when nothing of it survived ("abc" edited to "abd" -> +1/3).
+    Without the edited text, the event's value (a similarity in [0, 1]) is used the same way."""
     text = edit_text(fb.payload)
     if text is None:
         return _clip(2 * fb.value - 1)
-    similarity = difflib.SequenceMatcher(None, ep.text, text, autojunk=False).ratio()
-    return 2 * similarity - 1
+    return 2 * Levenshtein.normalized_similarity(ep.text, text) - 1
 
 
 @signal("persisted")

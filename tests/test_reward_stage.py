@@ -4,15 +4,17 @@ orphaned, duplicate and contradictory feedback, ripeness, idempotence, the comma
 from __future__ import annotations
 
 import itertools
+import random
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import select
 
 from ingest.batch import decode_records
 from pipeline.cli import cli
-from pipeline.store import db as store_db
+from pipeline.store import db as store_db, tables
 from pipeline.store.events import write_rows
 from pipeline.store.rewards import stored_reward
 from reward.analysis import audit, diff_specs
@@ -188,3 +190,33 @@ def test_two_interactions_for_one_request_make_one_episode(engine):
     report = run_rewards(engine, SPEC, now=LATER)
     assert (report.computed, report.duplicate_interactions) == (1, 1)
     assert reward_of(engine, "ev-r-40") == pytest.approx(0.5)  # the first interaction, not the empty one
+
+
+def test_workers_split_a_run_and_write_what_one_process_writes(engine):
+    """`workers=2` over small chunks: every episode is scored once, by one of the worker
+    processes, to the same value and components one process gives (force rewrites them)."""
+    rng = random.Random(7)
+    events = []
+    for i in range(300, 420):
+        events.append(interaction(i, prefix="w"))
+        for j in range(rng.randrange(4)):
+            kind = rng.choice(["accepted", "rejected", "edited", "persisted", "tool_error", "csat"])
+            events.append(fb(i, prefix="w", kind=kind, value=rng.choice([True, False, 0.5]),
+                             event_id=f"w-f-{i}-{j}", payload={"text": "x = 1"}))
+    events.append(interaction(300, prefix="w", event_id="w-i-300-again"))  # a duplicate interaction
+    store(engine, *events)
+
+    def rewards():
+        with engine.connect() as conn:
+            return {r.request_id: (r.value, r.components, r.last_feedback_id) for r in conn.execute(
+                select(tables.rewards).where(tables.rewards.c.spec_version == SPEC.version))}
+
+    parallel = run_rewards(engine, SPEC, now=LATER, workers=2, chunk=16)
+    by_workers = rewards()
+    assert (parallel.episodes, parallel.computed, parallel.duplicate_interactions) == (120, 120, 1)
+    assert parallel.ignored_kinds.get("csat", 0) > 0
+    single = run_rewards(engine, SPEC, now=LATER, force=True)
+    assert (single.episodes, single.updated, single.duplicate_interactions) == (120, 120, 1)
+    assert single.value_sum == pytest.approx(parallel.value_sum)
+    assert rewards() == by_workers
+    assert run_rewards(engine, SPEC, now=LATER, workers=2, chunk=16).unchanged == 120

@@ -30,6 +30,13 @@ def reward_spec(ctx: Context, path: str | None) -> RewardSpec:
         raise click.ClickException(str(exc)) from None
 
 
+WORKERS_OPTION = click.option(
+    "--workers", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Processes to score with; 0 picks one per 25,000 stored episodes, up to the CPU count "
+         "(at most 4). A spec with a judge always runs in one.",
+)
+
+
 @contextmanager
 def _progress():
     """A progress line (episodes scanned, rewards written) on a terminal; silent otherwise."""
@@ -57,13 +64,14 @@ def reward() -> None:
 
 @reward.command()
 @SPEC_OPTION
+@WORKERS_OPTION
 @pass_ctx
-def run(ctx: Context, spec_path: str | None) -> None:
+def run(ctx: Context, spec_path: str | None, workers: int) -> None:
     """Compute rewards for ripe episodes; update those with late feedback. Incremental and
     idempotent: running it twice changes nothing."""
     spec = reward_spec(ctx, spec_path)
     with _progress() as on_progress:
-        report = run_rewards(ctx.engine(), spec, on_progress=on_progress)
+        report = run_rewards(ctx.engine(), spec, on_progress=on_progress, workers=workers)
     click.echo(report.summary())
     if report.ignored_kinds:
         kinds = ", ".join(f"{k} ({n})" for k, n in sorted(report.ignored_kinds.items()))
@@ -140,14 +148,15 @@ def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> No
 @reward.command()
 @click.option("--spec", "spec_path", type=click.Path(dir_okay=False),
               help="Reward spec TOML to apply (default: the active one).")
+@WORKERS_OPTION
 @pass_ctx
-def recompute(ctx: Context, spec_path: str | None) -> None:
+def recompute(ctx: Context, spec_path: str | None, workers: int) -> None:
     """Re-apply a spec to all stored history: every ripe episode is scored again and stored
     under the spec's version (other versions' rewards are kept). To adopt it, point
     `reward.spec` in the config at the file."""
     spec = reward_spec(ctx, spec_path)
     with _progress() as on_progress:
-        report = run_rewards(ctx.engine(), spec, on_progress=on_progress, force=True)
+        report = run_rewards(ctx.engine(), spec, on_progress=on_progress, force=True, workers=workers)
     click.echo(report.summary())
 
 

@@ -1,8 +1,8 @@
 """Queries of the reward stage: episodes (interactions + their feedback) streamed in id order,
 the rewards already stored, upserts, and orphaned feedback.
 
-Set-based and streamed: each chunk of interactions costs three queries (interactions, their
-feedback, their stored rewards), whatever the size of the store.
+Set-based and streamed: each chunk of interactions costs four short queries (interactions,
+their feedback, their stored rewards, duplicates), whatever the size of the store.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, select
-from sqlalchemy.dialects import postgresql, sqlite
+import orjson
+from sqlalchemy import Engine, and_, case, func, null, select, true
 
-from pipeline.store.events import insert_ignore, iter_id_chunks, utcnow
+from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
 
 
@@ -27,36 +27,84 @@ class EpisodeChunk:
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
 
 
+def interaction_id_span(engine: Engine) -> int:
+    """How many interaction ids the store spans (max - min + 1; 0 when empty): the size of a
+    full reward run, from the primary key alone."""
+    with engine.connect() as conn:
+        first, last = conn.execute(select(func.min(interactions.c.id), func.max(interactions.c.id))).one()
+    return 0 if first is None else last - first + 1
+
+
 def iter_episode_chunks(
-    engine: Engine, spec_version: str, chunk: int = 2000, request_ids: Sequence[str] | None = None
+    engine: Engine,
+    spec_version: str,
+    chunk: int = 5000,
+    request_ids: Sequence[str] | None = None,
+    payload_kinds: Sequence[str] | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> Iterator[EpisodeChunk]:
-    """All interactions (or those of `request_ids`) with their feedback, in id order."""
-    stmt = select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
-                  interactions.c.policy_version, interactions.c.body)
-    if request_ids is not None:
-        stmt = stmt.where(interactions.c.request_id.in_(list(request_ids)))
-    for rows in iter_id_chunks(engine, stmt, interactions.c.id, chunk):
-        ids = list({r.request_id for r in rows})
+    """All interactions (or those of `request_ids`) with their feedback, in id order.
+
+    A chunk is a fixed-width range of interaction ids; `part=(k, n)` yields only the chunks
+    whose index is k modulo n, so n workers can split one run with no coordination. Each
+    chunk's feedback, stored rewards and duplicates are selected by `request_id IN (the
+    range's request ids)` as a subquery, which both dialects answer from the request_id
+    indexes with no parameter list to expand. Feedback bodies are read only for
+    `payload_kinds` (None: all); the others come back as None. Interactions that arrive
+    during the run are left to the next one.
+    """
+    where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
+    with engine.connect() as conn:
+        first_id, last_id = conn.execute(
+            select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
+    if first_id is None:
+        return
+    k, n = part
+    body = feedback.c.body if payload_kinds is None else case(
+        (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
+    for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
+        rng = and_(where, interactions.c.id > lo, interactions.c.id <= lo + chunk)
+        in_range = select(interactions.c.request_id).where(rng).scalar_subquery()
         with engine.connect() as conn:
-            # a request is one episode: its first interaction (a producer that sent two is buggy)
-            first = dict(conn.execute(
-                select(interactions.c.request_id, func.min(interactions.c.id))
-                .where(interactions.c.request_id.in_(ids)).group_by(interactions.c.request_id)
-            ).all())
+            rows = conn.execute(
+                select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
+                       interactions.c.policy_version, interactions.c.body)
+                .where(rng).order_by(interactions.c.id)
+            ).all()
+            if not rows:
+                continue
             fb_rows = conn.execute(
                 select(feedback.c.id, feedback.c.request_id, feedback.c.event_id, feedback.c.kind,
-                       feedback.c.value, feedback.c.ts, feedback.c.body)
-                .where(feedback.c.request_id.in_(ids))
+                       feedback.c.value, feedback.c.ts, body.label("body"))
+                .where(feedback.c.request_id.in_(in_range))
             ).all()
             stored = dict(conn.execute(
                 select(rewards.c.request_id, rewards.c.last_feedback_id)
-                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(ids)))
+                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(in_range)))
+            ).all())
+            # a request is one episode: its first interaction (a producer that sent two is buggy)
+            first = dict(conn.execute(
+                select(interactions.c.request_id, func.min(interactions.c.id))
+                .where(interactions.c.request_id.in_(in_range))
+                .group_by(interactions.c.request_id).having(func.count() > 1)
             ).all())
         by_request: dict[str, list[Any]] = {}
         for f in fb_rows:
-            by_request.setdefault(f.request_id, []).append(f)
-        episodes = [r for r in rows if first[r.request_id] == r.id]
+            by_request.setdefault(f[1], []).append(f)
+        episodes = [r for r in rows if first.get(r[1], r[0]) == r[0]]
         yield EpisodeChunk(episodes, by_request, stored, duplicates=len(rows) - len(episodes))
+
+
+_COLUMNS = ("request_id", "spec_version", "policy_version", "value", "components", "feedback_count",
+            "last_feedback_id", "computed_at")
+# Sent to the driver as is, because it runs for every reward of a run: SQLAlchemy's
+# per-row parameter processing cost more than the insert itself. The statement is the same
+# in SQLite and PostgreSQL but for the placeholders; values are made driver-ready here.
+_UPSERT = (
+    "INSERT INTO rewards (" + ", ".join(_COLUMNS) + ") VALUES ({values}) "
+    "ON CONFLICT (request_id, spec_version) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[2:])
+)
 
 
 def upsert_rewards(engine: Engine, rows: list[dict[str, Any]]) -> None:
@@ -64,17 +112,19 @@ def upsert_rewards(engine: Engine, rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     now = utcnow()
-    for row in rows:
-        row.setdefault("computed_at", now)
     with engine.begin() as conn:
-        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
-        stmt = dialect.insert(rewards)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["request_id", "spec_version"],
-            set_={c: stmt.excluded[c] for c in
-                  ("policy_version", "value", "components", "feedback_count", "last_feedback_id", "computed_at")},
-        )
-        conn.execute(stmt, rows)
+        if conn.dialect.name == "sqlite":
+            # the text format SQLAlchemy's DateTime writes and reads back on SQLite
+            now = now.strftime("%Y-%m-%d %H:%M:%S.%f")
+            sql = _UPSERT.format(values=", ".join("?" * len(_COLUMNS)))
+        else:
+            sql = _UPSERT.format(values=", ".join(["%s"] * len(_COLUMNS)))
+        conn.exec_driver_sql(sql, [
+            (r["request_id"], r["spec_version"], r["policy_version"], float(r["value"]),
+             orjson.dumps(r["components"]).decode(), r["feedback_count"], r["last_feedback_id"],
+             r.get("computed_at", now))
+            for r in rows
+        ])
 
 
 def stored_reward(engine: Engine, request_id: str, spec_version: str) -> Any | None:

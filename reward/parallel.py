@@ -1,0 +1,76 @@
+"""One reward run split over worker processes (`rtrl reward run --workers N`).
+
+Scoring is Python, one episode at a time, so one process uses one core. The interaction id
+space is cut into fixed-width chunks (iter_episode_chunks); the run is cut into `4 x workers`
+parts, part k taking every chunk whose index is k modulo the number of parts, so the parts
+are evenly spread over old and new history. Each worker opens its own engine on the same
+store, scores its parts and upserts their rewards itself; the store serialises the writes
+(SQLite's WAL lets the other workers read meanwhile). Parts are disjoint, so no reward is
+written twice, and each chunk commits on its own: a run that dies leaves whole chunks done and
+the next run (incremental) does the rest.
+
+Workers are spawned, not forked: the daemon runs threads (Kafka, the scheduler) that a fork
+would copy mid-flight.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from datetime import datetime
+
+from sqlalchemy import Engine
+
+from pipeline.store import db as store_db
+from pipeline.store.rewards import interaction_id_span
+from reward.spec import RewardSpec
+from reward.stage import RewardRunReport, score_part
+
+EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) is not worth it
+_ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts
+
+
+def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[int, int], chunk: int
+           ) -> RewardRunReport:
+    engine = _ENGINES.get(url)
+    if engine is None:
+        engine = _ENGINES[url] = store_db.make_engine(url)
+    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk=chunk)
+
+
+def auto_workers(engine: Engine) -> int:
+    """One worker per EPISODES_PER_WORKER stored interactions, up to the CPUs (at most 4);
+    1 for an in-memory SQLite store, which other processes cannot open."""
+    if _in_memory(engine):
+        return 1
+    span = interaction_id_span(engine)
+    return max(1, min(os.cpu_count() or 1, 4, span // EPISODES_PER_WORKER))
+
+
+def _in_memory(engine: Engine) -> bool:
+    return engine.url.get_backend_name() == "sqlite" and engine.url.database in (None, "", ":memory:")
+
+
+def score_in_parallel(
+    engine: Engine,
+    spec: RewardSpec,
+    now: datetime,
+    force: bool,
+    workers: int,
+    report: RewardRunReport,
+    on_progress: Callable[[RewardRunReport], None] | None = None,
+    chunk: int = 5000,
+) -> None:
+    """Score every part in a pool of `workers` processes, counting each into `report`."""
+    url = engine.url.render_as_string(hide_password=False)
+    if _in_memory(engine):
+        raise ValueError("an in-memory SQLite store cannot be shared with worker processes; use workers=1")
+    parts = 4 * workers
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk) for k in range(parts)]
+        for future in as_completed(futures):
+            report.add(future.result())
+            if on_progress:
+                on_progress(report)
