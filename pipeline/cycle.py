@@ -33,7 +33,7 @@ from deploy.stage import gate_run
 from deploy.suite import EMPTY, Suite
 from pipeline.config import Config
 from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
-from pipeline.store.training import finish_run, get_run
+from pipeline.store.training import finish_run, get_run, latest_finished_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
 from train.run import NothingToTrain, Parent, run_training, select
@@ -159,9 +159,16 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
             finish_run(deps.engine, run_id, "failed", error=f"abandoned: cycle {cycle_id} was interrupted")
     cfg, runs_dir = deps.config.train, deps.config.state_dir / "runs"
     selection = select(deps.engine, cfg, deps.spec.version, parent)
-    selected = selection.counts["selected"]
-    if selected < deps.config.cycle.min_new_episodes:
-        enter("skipped", reason=f"{selected} new rewarded episodes, fewer than cycle.min_new_episodes "
+    new, since = selection.counts["selected"], ""
+    # a candidate already trained from this champion was not promoted (or was rolled back): its
+    # episodes are selected again, which is right, but training again needs enough episodes it
+    # never saw; otherwise every cycle would register a near-copy of a rejected candidate
+    last = latest_finished_run(deps.engine, deps.spec.version, watermark_from=selection.watermark_from)
+    if last is not None:
+        new = sum(1 for r in selection.rows if r.reward_id > last.watermark_to)
+        since = f" since run {last.run_id[:12]} (the last candidate trained from this champion)"
+    if new < deps.config.cycle.min_new_episodes:
+        enter("skipped", reason=f"{new} new rewarded episodes{since}, fewer than cycle.min_new_episodes "
                                 f"({deps.config.cycle.min_new_episodes})")
         return None
     run_id = uuid.uuid4().hex

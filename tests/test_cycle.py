@@ -102,3 +102,23 @@ def test_a_cycle_interrupted_in_training_or_evaluation_completes_exactly_once(
     assert sorted(status for _, status in runs) == ["failed", "finished"]  # the killed one, the one that counts
     assert dict(runs)[done.run_id] == "finished"
     assert [v.version for v in deps.registry.list()] == [done.candidate_version] == ["1"]
+
+
+def test_a_rejected_candidate_is_trained_again_only_with_new_episodes(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "r", seed=9)
+    deps.config.gate.max_kl = 1e-9  # no candidate passes
+    first = run_cycle(deps)
+    assert first.state == "rejected" and "KL" in first.reason, first.reason
+    # its episodes are still new to the champion (the base), but not to a candidate: no retraining
+    again = run_cycle(deps)
+    assert again.state == "skipped" and again.run_id is None, again.reason
+    assert f"0 new rewarded episodes since run {first.run_id[:12]}" in again.reason
+    assert len(deps.registry.list()) == 1
+
+    feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "s", seed=10)
+    third = run_cycle(deps)
+    assert third.state == "rejected" and third.run_id != first.run_id, third.reason
+    old, new = get_run(engine, first.run_id), get_run(engine, third.run_id)
+    assert new.watermark_from == old.watermark_from == 0  # both from the base: old episodes and new ones
+    assert new.watermark_to > old.watermark_to and new.episodes > old.episodes

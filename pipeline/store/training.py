@@ -119,9 +119,17 @@ def get_run(engine: Engine, run_id: str) -> Any | None:
         return conn.execute(select(training_runs).where(training_runs.c.run_id == run_id)).first()
 
 
-def latest_finished_run(engine: Engine) -> Any | None:
+def latest_finished_run(engine: Engine, spec_version: str | None = None,
+                        watermark_from: int | None = None) -> Any | None:
+    """The newest finished run, optionally of one spec and trained from one watermark (that is,
+    continued from the same champion)."""
+    where = [training_runs.c.status == "finished"]
+    if spec_version is not None:
+        where.append(training_runs.c.spec_version == spec_version)
+    if watermark_from is not None:
+        where.append(training_runs.c.watermark_from == watermark_from)
     with engine.connect() as conn:
-        return conn.execute(select(training_runs).where(training_runs.c.status == "finished")
+        return conn.execute(select(training_runs).where(and_(*where))
                             .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
 
 
