@@ -84,7 +84,7 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
         # the smoke check: a few requests one at a time, as serving would (their latency), then
         # the rest in batches (greedy: the same outputs, much faster)
         smoke = runner.generate(name, everything[:3], max_new_tokens=max_new_tokens)
-        gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=32)
+        gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=64)
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
     held, suite_out = gens[:len(prompts)], gens[len(prompts):]

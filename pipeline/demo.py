@@ -2,8 +2,9 @@
 
     1. a local Kafka broker, a SQLite store and an MLflow store under the state folder
     2. a tiny base model, warmed up to copy more often than it reverses (mediocre, not hopeless)
-    3. `rtrl serve` (in process) answering with the champion, following the registry
-    4. the daemon (in process): ingest, and a cycle every `--every`
+    3. `rtrl serve` in its own process, as next to a real daemon: it answers with the
+       champion and follows the registry (its log: <run>/serve.log)
+    4. the daemon (in this process): ingest, and a cycle every `--every`
     5. the simulated fleet (pipeline/sim.py) sending tasks and reacting with delays
     6. after N cycles that reached the gate: a report -- online accept rate and mean reward
        per policy version (PNG), the gate decisions -- in <state>/demo/report and in MLflow
@@ -17,8 +18,11 @@ that learns it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
 from sqlalchemy import Engine, func, select
 
 from pipeline.config import Config
@@ -158,22 +163,87 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """`rtrl serve` on a free port with this run's topics and registry; returns the process and
+    its URL once /health answers."""
+    port = _free_port()
+    env = {**os.environ, "RTRL_STATE_DIR": str(run_dir), "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
+           "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
+           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
+           "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
+           "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model}
+    env.pop("RTRL_CONFIG", None)
+    with (run_dir / "serve.log").open("ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "serve",
+                                 "--port", str(port), "--base-model", str(base)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while served_version(url) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"rtrl serve did not come up on {url}: see {run_dir / 'serve.log'}")
+        time.sleep(0.2)
+    return proc, url
+
+
+def served_version(url: str) -> str | None:
+    """The version the server answers with ("base" before the first promotion); None if it is down."""
+    try:
+        response = requests.get(f"{url}/health", timeout=2)
+        response.raise_for_status()
+        return str(response.json().get("version"))
+    except (requests.RequestException, ValueError):
+        return None
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _run_fleet(config: Config, engine: Engine, url: str, cycles: int, rate: float, seed: int, every: str,
+               timeout_s: float, t0: float, say) -> None:
+    """The simulated users, with a progress line every 5 s, until `cycles` cycles reached the gate."""
+    from deploy.events import EventSender
+    from pipeline.sim import Fleet
+
+    feedback_sender = EventSender(config.bootstrap, config.kafka.feedback_topic, key="request_id")
+    fleet = Fleet(url, feedback_sender, rate=rate, seed=seed)
+    fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
+    fleet_thread.start()
+    say(f"serving on {url} (rtrl serve); the fleet sends {rate:g} tasks/s; a cycle every {every}")
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < timeout_s:
+            ran = [c for c in recent_cycles(engine, 100) if c.state in ("done", "rejected")]
+            rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
+                              for v, n in sorted(fleet.stats.by_version.items()))
+            say(f"[{time.monotonic() - t0:5.0f}s] cycles {len(ran)}/{cycles}  champion {served_version(url)}  "
+                f"accept rate by version: {rates or '-'}")
+            if len(ran) >= cycles:
+                break
+            time.sleep(5)
+    finally:
+        fleet.stop.set()
+        fleet_thread.join(timeout=60)
+        feedback_sender.close()
+
+
 def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 8.0,
              every: str = "45s", timeout_s: float = 900.0, say=print) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
-    import uvicorn
-
-    from deploy.events import EventSender
-    from deploy.follow import Follower
-    from deploy.serve import PolicyServer, create_app
+    from deploy.registry import CHAMPION
     from deploy.tracking import MlflowTracker
     from pipeline import kafka_local
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
-    from pipeline.sim import Fleet
     from pipeline.store import db as store_db
     from reward.spec import load_spec
-    from train.inference import PolicySet
 
     t0 = time.monotonic()
     run_dir = state_dir / ("demo-naive" if naive else "demo")
@@ -189,47 +259,18 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     spec = load_spec(config.reward.spec)
     deps = default_deps(config, engine, spec)
 
-    # serving: the champion, following the registry
-    producer = EventSender(config.bootstrap, config.kafka.interactions_topic, key="request_id")
-    server = PolicyServer(PolicySet.load(base, device="cpu"), config.mlflow.registered_model, emit=producer)
-    adapters = run_dir / "adapters"  # a fresh run has no champion yet: the base serves until the first promotion
-    follower = Follower(config.bootstrap, config.kafka.model_updates_topic, config.mlflow.registered_model,
-                        lambda ev: server.use(ev["version"], deps.registry.download(ev["adapter_uri"],
-                                                                                   adapters / f"v{ev['version']}")))
-    follower.start()
-    port = _free_port()
-    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=http.run, name="serve", daemon=True).start()
-    while not http.started:
-        time.sleep(0.05)
-
-    daemon = Daemon(config, deps, lease_ttl_s=30)
-    daemon.start(ingest=True, metrics_port=None)
-    feedback_sender = EventSender(config.bootstrap, config.kafka.feedback_topic, key="request_id")
-    fleet = Fleet(f"http://127.0.0.1:{port}", feedback_sender, rate=rate, seed=seed)
-    fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
-    fleet_thread.start()
-    say(f"serving on http://127.0.0.1:{port}; the fleet sends {rate:g} tasks/s; a cycle every {every}")
-
-    started = time.monotonic()
+    deps.registry.alias(CHAMPION)  # creates the MLflow store's tables before the server reads them
+    # serving: the champion, following the registry (the base until the first promotion)
+    server, url = start_server(config, base, run_dir)
     try:
-        while time.monotonic() - started < timeout_s:
-            ran = [c for c in recent_cycles(engine, 100) if c.state in ("done", "rejected")]
-            rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
-                              for v, n in sorted(fleet.stats.by_version.items()))
-            say(f"[{time.monotonic() - t0:5.0f}s] cycles {len(ran)}/{cycles}  champion {server.version}  "
-                f"accept rate by version: {rates or '-'}")
-            if len(ran) >= cycles:
-                break
-            time.sleep(5)
+        daemon = Daemon(config, deps, lease_ttl_s=30)
+        daemon.start(ingest=True, metrics_port=None)
+        try:
+            _run_fleet(config, engine, url, cycles, rate, seed, every, timeout_s, t0, say)
+        finally:
+            daemon.shutdown()
     finally:
-        fleet.stop.set()
-        fleet_thread.join(timeout=60)
-        daemon.shutdown()
-        follower.close()
-        http.should_exit = True
-        feedback_sender.close()
-        producer.close()
+        stop_server(server)
 
     report = DemoReport(seconds=time.monotonic() - t0)
     report.versions = per_version(engine, spec.version)

@@ -39,3 +39,16 @@ def setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     # kafka-python's event-loop timing warnings say nothing an operator can act on
     logging.getLogger("kafka.net.selector").setLevel(max(logging.ERROR, root.level))
+
+
+def quiet_progress_bars() -> None:
+    """No tqdm bars from transformers ("Loading weights") or MLflow ("Downloading artifacts") in
+    a service's output: a daemon loads models every cycle, and its stderr is structured logs."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if "transformers" in sys.modules:  # already imported: its switch was read at import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()

@@ -30,7 +30,9 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
     """
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
+    from pipeline.logs import quiet_progress_bars
 
+    quiet_progress_bars()
     engine = ctx.engine()  # refuses a store whose schema is behind
     config = ctx.config
     d = Daemon(config, default_deps(config, engine, reward_spec(ctx, spec_path)), lease_ttl_s=lease_ttl)

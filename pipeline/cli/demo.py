@@ -21,7 +21,9 @@ def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, 
     (accept rate and reward per policy version, gate decisions) to <state>/demo/report
     (<state>/demo-naive/report with --naive-reward)."""
     from pipeline.demo import run_demo
+    from pipeline.logs import quiet_progress_bars
 
+    quiet_progress_bars()
     report = run_demo(ctx.config.state_dir, cycles=cycles, naive=naive_reward, seed=seed, rate=rate, every=every,
                       timeout_s=timeout_s, say=lambda line: click.echo(line, err=True))
     for v in report.versions:

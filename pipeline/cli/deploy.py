@@ -178,7 +178,9 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
 
     from deploy.follow import Follower
     from deploy.registry import Registry, RegistryError
+    from pipeline.logs import quiet_progress_bars
 
+    quiet_progress_bars()
     config = ctx.config
     name = config.mlflow.registered_model
     adapters = config.state_dir / "serve" / "adapters"
