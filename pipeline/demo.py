@@ -171,7 +171,10 @@ def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 1
            "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
            "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
-           "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model}
+           "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model,
+           # one core for serving: requests are single, tiny generations, and the daemon trains
+           # on the same (laptop) cores; two processes each claiming every core slow both
+           "OMP_NUM_THREADS": "1"}
     env.pop("RTRL_CONFIG", None)
     with (run_dir / "serve.log").open("ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "serve",
