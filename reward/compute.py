@@ -86,7 +86,8 @@ class Scorer:
             name, weight, combine, fn = sig
             events = by_kind[kind]
             # "last" reads only the newest event: an edit superseded by a later one costs nothing
-            components[name] = weight * (fn(events[-1], ep) if combine is None else combine([fn(fb, ep) for fb in events]))
+            value = fn(events[-1], ep) if combine is None else combine([fn(fb, ep) for fb in events])
+            components[name] = weight * value
         if self.judge_weight is not None and judge_score is not None:
             components["judge.score"] = self.judge_weight * (2 * judge_score - 1)
         for name, guard, params in self.guards:

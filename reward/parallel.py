@@ -37,7 +37,7 @@ def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[i
     engine = _ENGINES.get(url)
     if engine is None:
         engine = _ENGINES[url] = store_db.make_engine(url)
-    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk=chunk)
+    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk_size=chunk)
 
 
 def auto_workers(engine: Engine) -> int:

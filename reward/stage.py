@@ -147,7 +147,7 @@ def run_rewards(
     if workers > 1 and spec.judge is None:
         score_in_parallel(engine, spec, now, force, workers, report, on_progress, chunk)
     else:
-        score_part(engine, spec, now, force, report, on_progress, chunk=chunk)
+        score_part(engine, spec, now, force, report, on_progress, chunk_size=chunk)
     report.orphaned = orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s))
     return report
 
@@ -172,7 +172,7 @@ def score_part(
     report: RewardRunReport,
     on_progress: Callable[[RewardRunReport], None] | None = None,
     part: tuple[int, int] = (0, 1),
-    chunk: int = 5000,
+    chunk_size: int = 5000,
 ) -> RewardRunReport:
     """The chunks of `part` (k of n, see iter_episode_chunks), counted into `report`."""
     version = spec.version
@@ -180,9 +180,12 @@ def score_part(
     budget = spec.judge.budget if spec.judge else 0
     score = Scorer(spec)
     with gc_paused():
-        for chunk in iter_episode_chunks(engine, version, chunk, payload_kinds=PAYLOAD_KINDS, part=part):
+        for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
+                                         only_stale=not force):
             todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             report.duplicate_interactions += chunk.duplicates
+            report.episodes += chunk.current  # up to date: counted, never read
+            report.unchanged += chunk.current
             for row in chunk.interactions:
                 report.episodes += 1
                 fb_rows = chunk.feedback.get(row[1], ())

@@ -16,7 +16,7 @@ from ingest.batch import decode_records
 from pipeline.cli import cli
 from pipeline.store import db as store_db, tables
 from pipeline.store.events import write_rows
-from pipeline.store.rewards import stored_reward
+from pipeline.store.rewards import iter_episode_chunks, stored_reward
 from reward.analysis import audit, diff_specs
 from reward.spec import DEFAULT_SPEC, load_spec
 from reward.stage import run_rewards
@@ -220,3 +220,21 @@ def test_workers_split_a_run_and_write_what_one_process_writes(engine):
     assert single.value_sum == pytest.approx(parallel.value_sum)
     assert rewards() == by_workers
     assert run_rewards(engine, SPEC, now=LATER, workers=2, chunk=16).unchanged == 120
+
+
+def test_an_incremental_run_reads_only_episodes_whose_reward_is_stale(engine):
+    store(engine, interaction(500), fb(500, kind="accepted"), interaction(501), fb(501, kind="accepted"),
+          interaction(502), interaction(502, event_id="ev-i-502-again"))
+    run_rewards(engine, SPEC, now=LATER)
+
+    def stale():
+        chunks = list(iter_episode_chunks(engine, SPEC.version, only_stale=True))
+        return [r[1] for c in chunks for r in c.interactions], sum(c.current for c in chunks)
+
+    # 502 has no feedback: ripe by the window, rewarded, current; its second interaction is not an episode
+    assert stale() == ([], 3)
+    store(engine, fb(501, kind="persisted", value=False, event_id="ev-f-501-late"))
+    assert stale() == (["ev-r-501"], 2)
+    report = run_rewards(engine, SPEC, now=LATER)
+    assert (report.episodes, report.updated, report.unchanged, report.duplicate_interactions) == (3, 1, 2, 1)
+    assert stale() == ([], 3)

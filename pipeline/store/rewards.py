@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, and_, case, func, null, select, true
+from sqlalchemy import Engine, and_, case, exists, func, literal, null, select, true
 
 from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
@@ -25,6 +25,7 @@ class EpisodeChunk:
     feedback: dict[str, list[Any]]  # request_id -> rows: id, event_id, kind, value, ts, body
     stored: dict[str, int]  # request_id -> last_feedback_id of its stored reward (this spec)
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
+    current: int = 0  # with only_stale: episodes left out because their reward is up to date
 
 
 def interaction_id_span(engine: Engine) -> int:
@@ -42,16 +43,20 @@ def iter_episode_chunks(
     request_ids: Sequence[str] | None = None,
     payload_kinds: Sequence[str] | None = None,
     part: tuple[int, int] = (0, 1),
+    only_stale: bool = False,
 ) -> Iterator[EpisodeChunk]:
-    """All interactions (or those of `request_ids`) with their feedback, in id order.
+    """Episodes -- the first interaction of each request_id (or of those in `request_ids`) --
+    with their feedback, in id order.
 
     A chunk is a fixed-width range of interaction ids; `part=(k, n)` yields only the chunks
     whose index is k modulo n, so n workers can split one run with no coordination. Each
-    chunk's feedback, stored rewards and duplicates are selected by `request_id IN (the
-    range's request ids)` as a subquery, which both dialects answer from the request_id
-    indexes with no parameter list to expand. Feedback bodies are read only for
-    `payload_kinds` (None: all); the others come back as None. Interactions that arrive
-    during the run are left to the next one.
+    chunk's feedback and stored rewards are selected by `request_id IN (the chunk's request
+    ids)` as a subquery, which both dialects answer from the request_id indexes with no
+    parameter list to expand. Feedback bodies are read only for `payload_kinds` (None: all);
+    the others come back as None. With `only_stale`, episodes whose reward under
+    `spec_version` already counts their newest feedback are left in the store (counted, not
+    read): an incremental run reads only what changed. Interactions that arrive during the run
+    are left to the next one.
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
     with engine.connect() as conn:
@@ -62,37 +67,42 @@ def iter_episode_chunks(
     k, n = part
     body = feedback.c.body if payload_kinds is None else case(
         (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
+    earlier = interactions.alias("earlier")
+    # a request is one episode: its first interaction (a producer that sent two is buggy)
+    first = ~exists().where(and_(earlier.c.request_id == interactions.c.request_id, earlier.c.id < interactions.c.id))
+    newer_feedback = exists().where(and_(feedback.c.request_id == rewards.c.request_id,
+                                         feedback.c.id > rewards.c.last_feedback_id))
+    current = exists().where(and_(rewards.c.request_id == interactions.c.request_id,
+                                  rewards.c.spec_version == spec_version, ~newer_feedback))
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         rng = and_(where, interactions.c.id > lo, interactions.c.id <= lo + chunk)
-        in_range = select(interactions.c.request_id).where(rng).scalar_subquery()
+        wanted = and_(rng, first, ~current) if only_stale else and_(rng, first)
+        in_chunk = select(interactions.c.request_id).where(wanted).scalar_subquery()
         with engine.connect() as conn:
+            total, duplicates, up_to_date = conn.execute(select(
+                func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0),
+                func.coalesce(func.sum(case((and_(first, current), 1), else_=0)), 0) if only_stale else literal(0),
+            ).where(rng)).one()
+            if not total:
+                continue
             rows = conn.execute(
                 select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
                        interactions.c.policy_version, interactions.c.body)
-                .where(rng).order_by(interactions.c.id)
+                .where(wanted).order_by(interactions.c.id)
             ).all()
-            if not rows:
-                continue
             fb_rows = conn.execute(
                 select(feedback.c.id, feedback.c.request_id, feedback.c.event_id, feedback.c.kind,
                        feedback.c.value, feedback.c.ts, body.label("body"))
-                .where(feedback.c.request_id.in_(in_range))
-            ).all()
+                .where(feedback.c.request_id.in_(in_chunk))
+            ).all() if rows else []
             stored = dict(conn.execute(
                 select(rewards.c.request_id, rewards.c.last_feedback_id)
-                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(in_range)))
-            ).all())
-            # a request is one episode: its first interaction (a producer that sent two is buggy)
-            first = dict(conn.execute(
-                select(interactions.c.request_id, func.min(interactions.c.id))
-                .where(interactions.c.request_id.in_(in_range))
-                .group_by(interactions.c.request_id).having(func.count() > 1)
-            ).all())
+                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(in_chunk)))
+            ).all()) if rows else {}
         by_request: dict[str, list[Any]] = {}
         for f in fb_rows:
             by_request.setdefault(f[1], []).append(f)
-        episodes = [r for r in rows if first.get(r[1], r[0]) == r[0]]
-        yield EpisodeChunk(episodes, by_request, stored, duplicates=len(rows) - len(episodes))
+        yield EpisodeChunk(rows, by_request, stored, duplicates=duplicates, current=up_to_date)
 
 
 _COLUMNS = ("request_id", "spec_version", "policy_version", "value", "components", "feedback_count",
