@@ -34,8 +34,8 @@ def setup_logging(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # kafka-python and alembic are chatty at INFO; their warnings still show
-    for noisy in ("kafka", "alembic.runtime.migration"):
+    # kafka-python, alembic and MLflow's store setup are chatty at INFO; their warnings still show
+    for noisy in ("kafka", "alembic.runtime.migration", "mlflow.store.db.utils"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     # kafka-python's event-loop timing warnings say nothing an operator can act on
     logging.getLogger("kafka.net.selector").setLevel(max(logging.ERROR, root.level))
