@@ -2,9 +2,9 @@
 
 The store is filled directly (not through Kafka: this measures the reward stage), then
 `run_rewards` runs in a child process under the default (rule-only) spec, once per number of
-workers (the stored rewards are deleted before each). Prints episodes/s, the time ratio
-1M / 100k (linear would be 10) and peak RSS (of the parent of the workers, and of the largest
-worker).
+workers (the stored rewards are deleted before each), then once more with nothing new (what
+the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
+be 10) and peak RSS (of the parent of the workers, and of the largest worker).
 
     .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers
     .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2  # a quick run
@@ -86,7 +86,10 @@ def phase(url: str, workers: int, q) -> None:
     report = run_rewards(engine, spec, now=T0 + timedelta(days=365), workers=workers)
     elapsed = time.perf_counter() - t
     rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    q.put((report.computed, elapsed, rss / 1024))
+    t = time.perf_counter()  # the daemon's case: an incremental run with nothing new
+    again = run_rewards(engine, spec, now=T0 + timedelta(days=365), workers=workers)
+    assert again.unchanged == report.computed, again.summary()
+    q.put((report.computed, elapsed, rss / 1024, time.perf_counter() - t))
 
 
 def main() -> None:
@@ -107,12 +110,12 @@ def main() -> None:
             q = ctx.Queue()
             proc = ctx.Process(target=phase, args=(url, workers, q))
             proc.start()
-            computed, elapsed, rss = q.get()
+            computed, elapsed, rss, noop = q.get()
             proc.join()
             assert computed == n, f"computed {computed} of {n}"
             times[n, workers] = elapsed
             print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
-                  f"peak RSS {rss:.0f} MB", flush=True)
+                  f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
     for workers in args.workers:
         sizes = sorted(n for n, w in times if w == workers)
         if len(sizes) == 2:

@@ -63,7 +63,11 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
     from deploy.suite import load_suite
     from deploy.tracking import MlflowTracker
     from train.inference import PolicySet
+    from train.models import import_model_code
 
+    if config.train.base_model is not None:
+        # at start, not in the middle of the first cycle (seconds of imports); a bad path fails here
+        import_model_code(config.train.base_model)
     publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
     registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher)
     return CycleDeps(

@@ -43,6 +43,16 @@ def test_schedules_and_a_bad_schedule_is_refused():
         load_config(environ={"RTRL_CYCLE__EVERY": "every tuesday"})
 
 
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_daemon_with_a_missing_base_model_is_refused_at_start(cfg_env, engine, tmp_path):
+    env = {**os.environ, **cfg_env, "RTRL_TRAIN__BASE_MODEL": str(tmp_path / "no-model"),
+           "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(free_port())],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"train.base_model: cannot load the model at {tmp_path / 'no-model'}" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: both stores, above
 def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, tmp_path):
     env = {**cfg_env, "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import string
 from dataclasses import dataclass
@@ -60,6 +61,22 @@ def pick_dtype(device: str):
     if device == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def import_model_code(path: str | Path) -> None:
+    """Import the code that loading and training the model at `path` runs: its architecture's
+    module (with transformers' generation and weight-loading machinery) and peft. transformers
+    imports these lazily, on the first load in a process -- seconds, which a daemon's first cycle
+    would otherwise pay. A missing or broken directory is a ModelError naming the path."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    path = Path(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports modeling_<architecture>
+    except Exception as exc:  # noqa: BLE001 - missing files, bad json, unknown architecture
+        raise ModelError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from None
+    importlib.import_module("peft")
 
 
 def load_policy(path: str | Path, device: str | None = None, dtype=None) -> Policy:

@@ -31,11 +31,16 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
     from pipeline.logs import quiet_progress_bars
+    from train.models import ModelError
 
     quiet_progress_bars()
     engine = ctx.engine()  # refuses a store whose schema is behind
     config = ctx.config
-    d = Daemon(config, default_deps(config, engine, reward_spec(ctx, spec_path)), lease_ttl_s=lease_ttl)
+    try:
+        deps = default_deps(config, engine, reward_spec(ctx, spec_path))
+    except ModelError as exc:
+        raise click.ClickException(f"train.base_model: {exc}") from None
+    d = Daemon(config, deps, lease_ttl_s=lease_ttl)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
