@@ -90,6 +90,7 @@ def build_episode(row: Any, feedback_rows: list[Any], with_prompt: bool = True) 
 @dataclass
 class RewardRunReport:
     spec_version: str
+    recomputed: bool = False  # a forced run: `updated` are rewards scored again, not late feedback
     episodes: int = 0
     computed: int = 0  # new rewards
     updated: int = 0  # rewards changed by late feedback
@@ -114,7 +115,8 @@ class RewardRunReport:
         n = self.computed + self.updated
         mean = f", mean {self.value_sum / n:+.3f}" if n else ""
         return (f"spec {self.spec_version}: {self.episodes} episodes; {self.computed} rewards computed, "
-                f"{self.updated} updated by late feedback{mean}; {self.unchanged} up to date; "
+                f"{self.updated} {'scored again' if self.recomputed else 'updated by late feedback'}{mean}; "
+                f"{self.unchanged} up to date; "
                 f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
                 + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else "")
                 + (f"; {self.changed_after_training} changed after a training run used them"
@@ -139,7 +141,7 @@ def run_rewards(
     reward/parallel.py); a spec with a judge runs in one, since its budget and model are
     per run."""
     now = now or utcnow()
-    report = RewardRunReport(spec_version=spec.version)
+    report = RewardRunReport(spec_version=spec.version, recomputed=force)
     from reward.parallel import auto_workers, score_in_parallel  # it imports this module
 
     if workers == 0 and spec.judge is None:

@@ -158,7 +158,7 @@ def test_diff_recompute_and_audit(engine, db_url, tmp_path):
     assert stored_reward(engine, "ev-r-10", load_spec(naive).version).value == pytest.approx(0.3)
     assert reward_of(engine, "ev-r-10") == pytest.approx(-0.3)
     again = CliRunner().invoke(cli, ["reward", "recompute", "--spec", str(naive)], env=env)
-    assert "0 rewards computed, 3 updated" in again.output, again.output
+    assert "0 rewards computed, 3 scored again" in again.output, again.output
     canaries = audit(engine, SPEC)
     assert canaries["1"].rates() == {"abstention_rate": 0.5, "mean_length": pytest.approx(len(interaction(11)["completion"]) / 2),
                                      "tool_error_rate": 0.0, "accept_rate": 0.5, "followup_rate": 0.5}
