@@ -77,7 +77,14 @@ class Decision:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | None) -> list[Check]:
+# Metrics a first deployment is not compared on: the base model serves with no adapter, so a
+# candidate's latency against it is the cost of serving any LoRA adapter, not a regression of this
+# one. From the second deployment on, champion and candidate both carry one and are compared.
+ADAPTER_COST_METRICS = ("smoke_latency_ms",)
+
+
+def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | None,
+                  no_baseline: str = "no champion to compare with") -> list[Check]:
     key = f"bound:{name}"
     if cand is None:
         return [Check(key, False, f"{name} was not measured for the candidate")]
@@ -94,7 +101,7 @@ def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | No
         if limit is None:
             continue
         if champ is None:
-            out.append(Check(key, True, f"{name} {attr}: no champion to compare with", applicable=False))
+            out.append(Check(key, True, f"{name} {attr}: {no_baseline}", applicable=False))
             continue
         if attr.startswith("max_rel") and champ == 0:
             out.append(Check(key, True, f"{name} {attr}: the champion's value is 0", applicable=False))
@@ -142,6 +149,10 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
         checks.append(Check("regression", not newly, f"regression items newly failing: {', '.join(newly)}" if newly
                             else "no regression item newly failing"))
     for name, bound in sorted(cfg.bounds.items()):
+        if first and name in ADAPTER_COST_METRICS:
+            checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), None,
+                                        "the base model serves without an adapter (compared from the next deployment)"))
+            continue
         champ = champion.metrics.get(name) if champion else None
         checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), champ))
     return Decision(passed=all(c.passed for c in checks), checks=checks, first_deployment=first)

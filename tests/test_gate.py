@@ -117,6 +117,14 @@ def test_first_deployment_against_the_base_model_must_beat_it():
     assert any(r.startswith("reward improvement -0.0500") for r in worse.reasons)
     better = decide(cand, base, Comparison(Estimate(0.05, 0.01, 0.1), kl=0.1), cfg, first=True)
     assert better.first_deployment and better.passed, better.reasons
+    # the base runs with no adapter: LoRA's own serving cost is not held against a first candidate
+    slow = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "smoke_latency_ms": 60.0})
+    first = decide(slow, base, Comparison(Estimate(0.05, 0.01, 0.1), kl=0.1), cfg, first=True)
+    assert first.passed, first.reasons
+    assert any(c.name == "bound:smoke_latency_ms" and not c.applicable for c in first.checks)
+    # ... but against a champion that carries an adapter too, the same slowdown fails
+    later = decide(slow, base, Comparison(Estimate(0.05, 0.01, 0.1), kl=0.1), cfg)
+    assert not later.passed and any("smoke_latency_ms rel increase 4" in r for r in later.reasons), later.reasons
 
 
 def test_off_policy_estimate_is_the_plain_mean_on_policy_and_moves_with_the_target():
