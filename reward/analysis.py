@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import iter_episode_chunks
 from pipeline.textchecks import is_abstention
-from reward.compute import RewardResult, Scorer, is_ripe
+from reward.compute import RewardResult, Scorer
 from reward.signals import Episode
 from reward.spec import RewardSpec
 from reward.stage import PAYLOAD_KINDS, build_episode
@@ -108,7 +108,7 @@ def diff_specs(engine: Engine, old: RewardSpec, new: RewardSpec, now: datetime |
     out = SpecDiff(old.version, new.version)
     score_old, score_new = Scorer(old), Scorer(new)
     for ep in iter_episodes(engine):
-        if is_ripe(ep, new, now):
+        if score_new.is_ripe(ep, now):
             out.add(ep, score_old(ep), score_new(ep), top)
     return out
 

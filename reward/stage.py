@@ -192,10 +192,7 @@ def score_part(
                 report.episodes += 1
                 fb_rows = chunk.feedback.get(row[1], ())
                 newest = max([f[0] for f in fb_rows], default=0)
-                stored = chunk.stored.get(row[1])
-                if stored is not None and stored >= newest and not force:
-                    report.unchanged += 1
-                    continue
+                stored = chunk.stored.get(row[1])  # the chunk holds only stale rewards (or all, forced)
                 ep = build_episode(row, fb_rows, with_prompt=judge is not None)
                 if not score.is_ripe(ep, now):
                     report.unripe += 1

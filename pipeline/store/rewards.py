@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, and_, case, exists, func, literal, null, select, true
+from sqlalchemy import Engine, and_, case, exists, func, null, select, true
 
 from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
@@ -79,10 +79,8 @@ def iter_episode_chunks(
         wanted = and_(rng, first, ~current) if only_stale else and_(rng, first)
         in_chunk = select(interactions.c.request_id).where(wanted).scalar_subquery()
         with engine.connect() as conn:
-            total, duplicates, up_to_date = conn.execute(select(
-                func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0),
-                func.coalesce(func.sum(case((and_(first, current), 1), else_=0)), 0) if only_stale else literal(0),
-            ).where(rng)).one()
+            total, duplicates = conn.execute(select(
+                func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0)).where(rng)).one()
             if not total:
                 continue
             rows = conn.execute(
@@ -102,6 +100,9 @@ def iter_episode_chunks(
         by_request: dict[str, list[Any]] = {}
         for f in fb_rows:
             by_request.setdefault(f[1], []).append(f)
+        # the first interactions not read are the up-to-date ones (a count for the report: a write
+        # between the two queries can shift it by that write, never change a reward)
+        up_to_date = total - duplicates - len(rows) if only_stale else 0
         yield EpisodeChunk(rows, by_request, stored, duplicates=duplicates, current=up_to_date)
 
 
