@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
@@ -61,8 +61,9 @@ class MlflowTracker:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        for i in range(0, len(items), BATCH):  # one store round trip per hundred, not one per tag
+            self.client.log_batch(self.run_id, tags=items[i:i + BATCH])
 
     def end(self, status: str) -> None:
         self.flush()

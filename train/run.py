@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from sqlalchemy import Engine
 from pipeline.config import TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
+from pipeline.timing import Stopwatch
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, save_adapter
 from train.loop import LoopResult, train_policy
@@ -144,12 +144,16 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
         raise ModelError("train.base_model is not set: point it at a local model directory "
                          "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
     torch.manual_seed(cfg.seed)
-    policy = load_policy(cfg.base_model)
-    episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
+    watch = Stopwatch()  # where the run's seconds went, kept in its summary
+    with watch("load"):
+        policy = load_policy(cfg.base_model)
+    with watch("tokenize"):
+        episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
     if not episodes:
         raise _nothing(report, "every selected episode was skipped")
     report.watermark_to = selection.watermark_to  # skipped episodes are read too: never selected again
-    model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
+    with watch("load"):
+        model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
 
     run_id = report.run_id = run_id or uuid.uuid4().hex
     run_dir = report.run_dir = runs_dir / run_id
@@ -159,33 +163,36 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
               parent_run_id=parent.run_id if parent else None, watermark_from=selection.watermark_from,
               watermark_to=selection.watermark_to, episodes=len(episodes))
     try:
-        tracker.set_tags({"rtrl.run_id": run_id, "rtrl.spec_version": spec_version})
-        tracker.log_params({
-            **{f"train.{k}": v for k, v in cfg.model_dump(mode="json").items()},
-            **(params or {}),
-            "spec_version": spec_version, "base_model": str(policy.path), "base_revision": policy.revision,
-            "parent_adapter": str(parent.adapter) if parent else None,
-            "parent_run_id": parent.run_id if parent else None,
-            "watermark_from": selection.watermark_from, "watermark_to": selection.watermark_to,
-            "episodes": len(episodes), "device": policy.device,
-            **{f"selection.{k}": v for k, v in selection.counts.items()},
-        })
+        with watch("tracking"):
+            tracker.set_tags({"rtrl.run_id": run_id, "rtrl.spec_version": spec_version})
+            tracker.log_params({
+                **{f"train.{k}": v for k, v in cfg.model_dump(mode="json").items()},
+                **(params or {}),
+                "spec_version": spec_version, "base_model": str(policy.path), "base_revision": policy.revision,
+                "parent_adapter": str(parent.adapter) if parent else None,
+                "parent_run_id": parent.run_id if parent else None,
+                "watermark_from": selection.watermark_from, "watermark_to": selection.watermark_to,
+                "episodes": len(episodes), "device": policy.device,
+                **{f"selection.{k}": v for k, v in selection.counts.items()},
+            })
         rewards = [float(r.reward) for r in rows]
-        t_loop = time.perf_counter()
-        report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
-                                   checkpoint_dir=run_dir / "checkpoints", on_step=on_step)
-        loop_wall_s = time.perf_counter() - t_loop  # the steps, plus recomputed behaviour and checkpoints
-        report.adapter = save_adapter(model, run_dir / "adapter")
-        manifest = {"run_id": run_id, "watermark": selection.watermark_to, "spec_version": spec_version,
-                    "loss": cfg.loss, "base_model": str(policy.path), "base_revision": policy.revision,
-                    "parent_run_id": parent.run_id if parent else None, "episodes": len(episodes)}
-        (report.adapter / RUN_MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _write_episode_manifest(run_dir / "episodes" / "episodes.jsonl", rows, episodes, report.loop.advantages)
-        tracker.log_artifacts(report.adapter, "adapter")
-        tracker.log_artifacts(run_dir / "episodes", "episodes")
-        record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward)) for r in rows])
+        with watch("loop"):  # the steps, plus recomputed behaviour and checkpoints
+            report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
+                                       checkpoint_dir=run_dir / "checkpoints", on_step=on_step)
+        with watch("save"):
+            report.adapter = save_adapter(model, run_dir / "adapter")
+            manifest = {"run_id": run_id, "watermark": selection.watermark_to, "spec_version": spec_version,
+                        "loss": cfg.loss, "base_model": str(policy.path), "base_revision": policy.revision,
+                        "parent_run_id": parent.run_id if parent else None, "episodes": len(episodes)}
+            (report.adapter / RUN_MANIFEST).write_text(json.dumps(manifest, indent=2))
+            _write_episode_manifest(run_dir / "episodes" / "episodes.jsonl", rows, episodes, report.loop.advantages)
+        with watch("tracking"):
+            tracker.log_artifacts(report.adapter, "adapter")
+            tracker.log_artifacts(run_dir / "episodes", "episodes")
+        with watch("lineage"):
+            record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward)) for r in rows])
         summary = {"steps": report.loop.steps, "tokens": report.loop.tokens, "seconds": round(report.loop.seconds, 3),
-                   "loop_wall_s": round(loop_wall_s, 3),
+                   "loop_wall_s": watch.parts["loop"], "split_s": watch.parts,
                    "final": report.loop.history[-1] if report.loop.history else {},
                    "selection": selection.counts, "skipped": report.data.skipped,
                    "behavior": report.data.behavior, "too_long": report.too_long}
