@@ -4,7 +4,8 @@
                         policy's reward is estimated off-policy from the logged behaviour
                         log-probs (deploy/offpolicy.py), the improvement by a paired bootstrap
     KL                  KL(champion || candidate) per completion token on those episodes
-    generation          greedy outputs on the held-out prompts and the regression suite:
+    generation          greedy outputs on a hash-chosen sample of the held-out prompts and on the
+                        regression suite (a policy's answers are reused from earlier cycles):
                         canaries (abstention, length, repetition, tool-call format errors,
                         pipeline/textchecks.py) and the suite's checkers
     smoke               the candidate loads and generates; median latency per request
@@ -15,6 +16,7 @@ layer passes it in): deploy never loads weights itself.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from deploy.offpolicy import compare
 from deploy.suite import Suite
 from pipeline.config import GateConfig
 from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
+from pipeline.timing import Stopwatch
 from pipeline.types import LoggedEpisode
 
 
@@ -32,13 +35,17 @@ NOT_MEASURED = Estimate(float("nan"), float("nan"), float("nan"))  # fails every
 
 
 class Runner(Protocol):
+    names: set[str]  # the adapters loaded
+
     def add(self, name: str, adapter: Any) -> None: ...
+
+    def remove(self, name: str) -> None: ...
 
     def compare(self, p: str | None, q: str | None,
                 episodes: list[Any]) -> tuple[list[float | None], list[float | None], float]: ...
 
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64,
-                 batch_size: int = 1) -> list[Any]: ...
+                 batch_size: int = 1, reuse: bool = False) -> list[Any]: ...
 
 
 @dataclass
@@ -74,6 +81,13 @@ def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str
     }
 
 
+def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpisode]:
+    """`n` held-out episodes chosen by a hash of their request id: a uniform sample of the
+    window, and one that mostly stays the same as the window slides from cycle to cycle, so a
+    policy's greedy answers to it are mostly reused (Runner.generate(reuse=True))."""
+    return sorted(episodes, key=lambda e: hashlib.blake2b(e.request_id.encode(), digest_size=8).digest())[:n]
+
+
 def _generate_report(runner: Runner, name: str | None, label: str, prompts: list[Any], suite: Suite,
                      patterns: tuple[str, ...], max_new_tokens: int,
                      load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
@@ -84,7 +98,8 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
         # the smoke check: a few requests one at a time, as serving would (their latency), then
         # the rest in batches (greedy: the same outputs, much faster)
         smoke = runner.generate(name, everything[:3], max_new_tokens=max_new_tokens)
-        gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=64)
+        gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=64,
+                                       reuse=True)
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
     held, suite_out = gens[:len(prompts)], gens[len(prompts):]
@@ -96,20 +111,26 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
 
 def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[LoggedEpisode], suite: Suite,
              cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
-             max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None) -> Evaluation:
+             max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None,
+             champion_label: str | None = None, watch: Stopwatch | None = None) -> Evaluation:
     """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
-    `load_error`: the candidate's adapter did not load (the smoke check fails with it)."""
-    prompts = [e.prompt for e in episodes[:generate_prompts]]
-    cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
-                                             max_new_tokens, load_error)
-    champ_report, champ_out = _generate_report(runner, champion, champion or "base", prompts, suite,
-                                               abstention_patterns, max_new_tokens)
+    `load_error`: the candidate's adapter did not load (the smoke check fails with it);
+    `champion_label`: the champion's name in the report (default: its adapter name, or "base");
+    `watch`: gets the seconds spent generating and computing log-probs."""
+    watch = watch or Stopwatch()
+    prompts = [e.prompt for e in generation_sample(episodes, generate_prompts)]
+    with watch("generate"):
+        cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
+                                                 max_new_tokens, load_error)
+        champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", prompts,
+                                                   suite, abstention_patterns, max_new_tokens)
     excluded = {"no_behavior_logprobs": 0, "misaligned": 0}
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
     kl = float("nan")
     if cand_report.smoke_ok:
-        champ_lp, cand_lp, kl = runner.compare(champion, candidate, usable)
+        with watch("log_probs"):
+            champ_lp, cand_lp, kl = runner.compare(champion, candidate, usable)
         keep = [i for i, (a, b) in enumerate(zip(cand_lp, champ_lp)) if a is not None and b is not None]
         excluded["misaligned"] = len(usable) - len(keep)
         usable = [usable[i] for i in keep]
@@ -118,9 +139,10 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         return Evaluation(cand_report, champ_report, Comparison(NOT_MEASURED, float("nan")), 0, excluded,
                           {"candidate": cand_out, "champion": champ_out})
     behavior = [sum(e.behavior_logprobs) for e in usable]
-    cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],
-                                        cap=cfg.sequence_ratio_cap, resamples=cfg.bootstrap,
-                                        confidence=cfg.confidence, seed=seed)
+    with watch("estimate"):
+        cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],
+                                            cap=cfg.sequence_ratio_cap, resamples=cfg.bootstrap,
+                                            confidence=cfg.confidence, seed=seed)
     cand_report.reward, cand_report.ess = cand_est.estimate, cand_est.ess
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
     # the reward is a metric too: [gate.bounds.reward] can set value and change limits on it

@@ -17,9 +17,12 @@ moved (it is the last alias written), so serving never sees half a promotion.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,10 @@ CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
 log = logging.getLogger("rtrl.deploy")
 
 
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
 class RegistryError(RuntimeError):
     """The registry refused or could not be reached; the message says what to do."""
 
@@ -58,10 +65,12 @@ class Version:
 
 class Registry:
     def __init__(self, tracking_uri: str, model_name: str, engine: Engine | None,
-                 publish: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """`engine` (the store, for decisions and the audit trail) may be None for read-only use."""
+                 publish: Callable[[dict[str, Any]], None] | None = None, cache_dir: Path | None = None) -> None:
+        """`engine` (the store, for decisions and the audit trail) may be None for read-only use;
+        `cache_dir` keeps downloaded adapters (see `adapter`)."""
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.uri, self.name, self.engine, self.publish = tracking_uri, model_name, engine, publish
+        self.cache_dir = cache_dir
 
     # --- reading -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -114,6 +123,25 @@ class Registry:
         path = self._call(f"downloading {uri}", lambda: download_artifacts(
             artifact_uri=uri, dst_path=str(dst), tracking_uri=self.uri))
         return Path(path)
+
+    def adapter(self, version: Version, tmp: Path) -> Path:
+        """The version's adapter directory. A version's source never changes, so with a cache
+        folder each one is downloaded once (the daemon needs the champion twice a cycle: as the
+        parent to train from and as the policy to beat); without one, into `tmp`."""
+        if self.cache_dir is None:
+            return self.download(version, tmp)
+        key = hashlib.sha256(f"{self.uri}\n{version.source}".encode()).hexdigest()[:16]
+        final = self.cache_dir / f"{_safe(self.name)}-v{version.version}-{key}"
+        if not final.is_dir():
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix=".download-") as part:
+                got = self.download(version, Path(part))
+                try:
+                    os.replace(got, final)  # atomic: a crash never leaves half an adapter under the final name
+                except OSError:
+                    if not final.is_dir():  # not another process finishing the same download first
+                        raise
+        return final
 
     # --- writing -------------------------------------------------------------------------
     def register(self, tracking_run_id: str, tags: dict[str, Any]) -> Version:

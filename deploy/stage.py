@@ -27,6 +27,7 @@ from deploy.suite import EMPTY, Suite
 from pipeline.config import GateConfig, TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import get_run, select_eval_episodes
+from pipeline.timing import Stopwatch
 from pipeline.types import LoggedEpisode
 
 
@@ -37,6 +38,12 @@ class GateResult:
     decision: Decision
     evaluation: Evaluation
     promoted: bool
+    seconds: dict[str, float]  # registry, load, select, generate, log_probs, estimate
+
+
+def adapter_name(version: Version | None) -> str | None:
+    """The runner's name for a registry version's adapter (None: the base model)."""
+    return None if version is None else f"v{version.version}-{(version.run_id or 'local')[:12]}"
 
 
 def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[LoggedEpisode]:
@@ -57,31 +64,42 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
              production_canaries: dict[str, dict[str, float]] | None = None) -> GateResult:
     """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
     (per policy version, from the reward stage's audit) are kept with the decision."""
-    registry.repair()
+    watch = Stopwatch()  # where the seconds went: kept with the decision
+    with watch("registry"):
+        registry.repair()
     run = get_run(engine, run_id)
     if run is None or run.status != "finished":
         raise RegistryError(f"training run {run_id} is {'unknown' if run is None else run.status}: "
                             "gate a finished run (`rtrl train show` lists the latest)")
     if not run.tracking_run_id:
         raise RegistryError(f"training run {run_id} has no MLflow run to register the adapter from")
-    version = registry.register(run.tracking_run_id, {
-        "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
-        "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
-        "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",
-        **({"rtrl.cycle": cycle_id} if cycle_id else {}),
-    })
-    champion = registry.alias(CHAMPION)
-    if champion is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            runner.add(f"v{champion.version}", registry.download(champion, Path(tmp)))
-    episodes = eval_episodes(engine, spec_version, train, gate)
-    load_error = None
-    try:
-        runner.add("candidate", Path(run.adapter_path))
-    except Exception as exc:  # noqa: BLE001 - an adapter that does not load fails the smoke check
-        load_error = f"{type(exc).__name__}: {exc}"
-    evaluation = evaluate(runner, "candidate", f"v{champion.version}" if champion else None, episodes, suite, gate,
-                          abstention_patterns, gate.generate_prompts, gate.max_new_tokens, load_error=load_error)
+    with watch("registry"):
+        version = registry.register(run.tracking_run_id, {
+            "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
+            "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
+            "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",
+            **({"rtrl.cycle": cycle_id} if cycle_id else {}),
+        })
+        champion = registry.alias(CHAMPION)
+    # adapters are named by version (and run): a runner that stays loaded between cycles (the
+    # daemon's) keeps the champion, and a candidate that passes is already loaded next cycle
+    champion_name, candidate_name = adapter_name(champion), adapter_name(version)
+    for stale in set(runner.names) - {champion_name, candidate_name}:
+        runner.remove(stale)
+    with watch("load"):
+        if champion is not None and champion_name not in runner.names:
+            with tempfile.TemporaryDirectory() as tmp:
+                runner.add(champion_name, registry.adapter(champion, Path(tmp)))
+        load_error = None
+        try:
+            runner.add(candidate_name, Path(run.adapter_path))
+        except Exception as exc:  # noqa: BLE001 - an adapter that does not load fails the smoke check
+            load_error = f"{type(exc).__name__}: {exc}"
+    with watch("select"):
+        episodes = eval_episodes(engine, spec_version, train, gate)
+    evaluation = evaluate(runner, candidate_name, champion_name, episodes, suite, gate, abstention_patterns,
+                          gate.generate_prompts, gate.max_new_tokens, load_error=load_error,
+                          champion_label=f"v{champion.version}" if champion else "base", watch=watch)
     if champion is None and gate.first_deployment == "base":
         # first deployment: the base model, which served until now, is the champion to beat
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate, first=True)
@@ -90,10 +108,13 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     else:
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
     report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version,
-                              "production_canaries": production_canaries or {}}
-    registry.record_decision(version.version, champion.version if champion else None, run_id, decision.to_dict(),
-                             report)
+                              "production_canaries": production_canaries or {}, "seconds": watch.parts}
+    with watch("registry"):  # (the decision's own write is not in its report's seconds)
+        registry.record_decision(version.version, champion.version if champion else None, run_id,
+                                 decision.to_dict(), report)
+    if not decision.passed and load_error is None:
+        runner.remove(candidate_name)  # it will not serve: do not keep it loaded
     promoted = False
     if promote and decision.passed:
         promoted = registry.promote(version.version, actor="automatic", reason="gate passed")
-    return GateResult(version, champion, decision, evaluation, promoted)
+    return GateResult(version, champion, decision, evaluation, promoted, watch.parts)

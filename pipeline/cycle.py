@@ -51,7 +51,7 @@ class CycleDeps:
     spec: RewardSpec
     registry: Registry
     make_tracker: Callable[[str], Tracker]  # cycle id -> a tracker for its training run
-    make_runner: Callable[[Path], Any]  # base model -> a deploy.evaluate.Runner
+    make_runner: Callable[[Path], Any]  # base model -> a deploy.evaluate.Runner (may be kept between cycles)
     suite: Suite = EMPTY
     owner: str | None = None  # the daemon running the cycle (recorded on the row)
 
@@ -69,12 +69,24 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
         # at start, not in the middle of the first cycle (seconds of imports); a bad path fails here
         import_model_code(config.train.base_model)
     publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
-    registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher)
+    registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher,
+                        cache_dir=config.state_dir / "cache" / "adapters")
+    resident: dict[Path, PolicySet] = {}
+
+    def make_runner(base: Path) -> PolicySet:
+        # one set of evaluation weights for the daemon's life: the base model is not loaded again
+        # every cycle, and the champion's adapter stays loaded while it is the champion
+        base = Path(base).resolve()
+        if base not in resident:
+            resident.clear()
+            resident[base] = PolicySet.load(base)
+        return resident[base]
+
     return CycleDeps(
         engine, config, spec, registry,
         make_tracker=lambda cycle_id: MlflowTracker(config.tracking_uri, config.mlflow.experiment,
                                                     config.artifact_root, run_name=cycle_id),
-        make_runner=lambda base: PolicySet.load(base),
+        make_runner=make_runner,
         suite=load_suite(config.gate.suite) if config.gate.suite else EMPTY,
     )
 
@@ -110,7 +122,7 @@ def run_cycle(deps: CycleDeps) -> Any:
             state = "training"
         champion = deps.registry.alias(CHAMPION)
         with tempfile.TemporaryDirectory() as tmp:
-            parent = Parent.from_adapter(deps.registry.download(champion, Path(tmp))) if champion else None
+            parent = Parent.from_adapter(deps.registry.adapter(champion, Path(tmp))) if champion else None
             if state == "training":
                 run_id = timed("train", lambda: _train(deps, cycle_id, run_id, parent, enter))
                 if run_id is None:

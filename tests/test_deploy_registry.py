@@ -25,7 +25,7 @@ from kafka import KafkaConsumer
 from deploy import registry as registry_mod
 from deploy.events import ModelUpdatePublisher
 from deploy.registry import CHAMPION, PREVIOUS, Registry, RegistryError
-from deploy.stage import gate_run
+from deploy.stage import adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker
 from pipeline.config import Bound, GateConfig, TrainConfig
@@ -114,7 +114,7 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     ensure_topics(kafka_bootstrap, [topic], partitions=1)
     name = f"policy-{uuid.uuid4().hex[:6]}"
     publisher = ModelUpdatePublisher(kafka_bootstrap, topic)
-    registry = Registry(tracking, name, engine, publisher)
+    registry = Registry(tracking, name, engine, publisher, cache_dir=tmp_path / "adapter-cache")
     suite_file = tmp_path / "suite.toml"
     suite_file.write_text('name = "format"\n' + "".join(
         f'[[items]]\nid = "{s}"\nprompt = "{s}>"\ncheck = "regex"\npattern = "^[a-f]{{3}}$"\n' for s in ("abc", "fed")))
@@ -126,8 +126,9 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
         cfg = TrainConfig(base_model=reverse_base, **{**TRAIN, **over})
         return run_training(engine, cfg, SPEC.version, tmp_path / "runs", tracker, parent, now=NOW)
 
+    runner = PolicySet.load(reverse_base, device="cpu")  # one for every gate, as the daemon keeps it
+
     def gate(run, promote=True):
-        runner = PolicySet.load(reverse_base, device="cpu")
         return gate_run(engine, registry, runner, run.run_id, SPEC.version,
                         TrainConfig(base_model=reverse_base, **TRAIN), GATE, suite, ABSTAIN, promote=promote)
 
@@ -139,6 +140,7 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     assert first.promoted and registry.alias(CHAMPION).version == first.version.version == "1"
     assert first.evaluation.comparison.improvement.low > 0  # vs the base model, on the held-out slice
     assert registry.get("1").tags["gate.passed"] == "true"
+    assert runner.names == {adapter_name(first.version)}  # the new champion stays loaded
 
     # v2: trained (from v1) on traffic where abstaining paid -- the canaries reject it
     store(engine, gaming_events(reverse_episodes(base, "g", seed=4), "g"))
@@ -152,6 +154,15 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     assert not second.decision.passed and "bound:abstention_rate" in failing, second.decision.reasons
     assert second.evaluation.candidate.metrics["abstention_rate"] > 0.3 and not second.promoted
     assert registry.alias(CHAMPION).version == "1"
+    # the rejected candidate is unloaded; the champion was never loaded again (nor downloaded)
+    assert runner.names == {adapter_name(first.version)} and not (tmp_path / "adapter-cache").exists()
+    downloads = []
+    monkeypatch.setattr(registry, "download", lambda v, dst, real=registry.download: downloads.append(v) or real(v, dst))
+    cached = registry.adapter(registry.get("1"), tmp_path)  # a version's adapter is downloaded once
+    assert registry.adapter(registry.get("1"), tmp_path) == cached and len(downloads) == 1
+    assert (cached / "adapter_config.json").is_file() and Parent.from_adapter(cached).run_id == first.version.tags[
+        "rtrl.run_id"]
+    monkeypatch.undo()
     with pytest.raises(RegistryError, match="failed its gate"):
         registry.promote("2", actor="alice", reason="")
     with pytest.raises(RegistryError, match="--reason"):

@@ -2,6 +2,7 @@
 
     pack     shuffle (a function of seed and epoch only, so a resumed run sees the same order),
              then fill each micro-batch while  rows x longest row <= batch_tokens
+             (pack_by_length: in length order instead, for inference)
     collate  right-padded tensors; targets are shifted by one, so every per-token tensor the
              losses see has T = L - 1 columns:
 
@@ -38,7 +39,16 @@ class MicroBatch:
 def pack(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """Episode indices per micro-batch for one epoch."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=generator).tolist()
+    return _fill(torch.randperm(len(lengths), generator=generator).tolist(), lengths, batch_tokens)
+
+
+def pack_by_length(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Inference batches (no gradient, so no need to shuffle): episodes in length order, so
+    each batch pads only up to lengths close to its own."""
+    return _fill(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, batch_tokens)
+
+
+def _fill(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0

@@ -5,6 +5,7 @@
     policies.sequence_logprobs("7", episodes)  [N] log pi(completion | prompt), at the serving temperature
     policies.compare("6", "7", episodes)       both policies' [N] log-probs and the mean KL(p_6 || p_7)
                                                per completion token, from one forward pass of each
+                                               (remembered: an episode seen before is not run again)
     policies.generate("7", prompts, ...)       text, token ids, per-token log-probs (after temperature)
 
 The name None is the base model with every adapter off. Adapters share the base weights: a
@@ -15,14 +16,16 @@ module state); a server serialises them.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 
 from pipeline.types import LoggedEpisode
-from train.batches import collate, pack
+from train.batches import collate, pack_by_length
 from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import load_adapter
 from train.loop import token_logprobs
@@ -39,10 +42,19 @@ class Generation:
 
 
 class PolicySet:
+    # what compare() may keep of the policies' distributions: 0.8 MB for the demo's 400 held-out
+    # episodes; at a large vocabulary and long completions it holds fewer and recomputes the rest
+    MEMO_BYTES = 256 << 20
+
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.model: Any = policy.model  # becomes a PeftModel with the first adapter
         self.names: set[str] = set()
+        # (policy, request id, temperature, tokens) -> what compare() computed; greedy outputs
+        # (policy, prompt, max_new_tokens) -> Generation, for generate(..., reuse=True)
+        self._memo: OrderedDict[tuple, Any] = OrderedDict()
+        self._memo_bytes = 0
+        self._greedy: dict[tuple, Generation] = {}
 
     @classmethod
     def load(cls, base: str | Path, device: str | None = None) -> "PolicySet":
@@ -68,8 +80,13 @@ class PolicySet:
 
     def remove(self, name: str) -> None:
         if name in self.names and len(self.names) > 1:
-            self.model.delete_adapter(name)
             self.names.discard(name)
+            self.model.set_adapter(next(iter(self.names)))  # peft warns when the active adapter goes
+            self.model.delete_adapter(name)
+            for key in [k for k in self._memo if k[0] == name]:
+                _, old = self._memo.pop(key)
+                self._memo_bytes -= old.numel() * old.element_size()
+            self._greedy = {k: v for k, v in self._greedy.items() if k[0] != name}
 
     def _use(self, name: str | None):
         """A context with `name` active (None: adapters off)."""
@@ -99,7 +116,7 @@ class PolicySet:
         results: list[Any] = [None] * len(episodes)
         pad = self.tokenizer.pad_token_id
         with self._use(name):
-            for index in pack([len(e.input_ids) for e in episodes], 8192, seed=0, epoch=0):
+            for index in pack_by_length([len(e.input_ids) for e in episodes], 8192):
                 batch = collate(episodes, index, pad, self.policy.device)
                 temp = torch.tensor([episodes[i].temperature for i in index], device=self.policy.device)
                 for row, value in zip(index, fn(batch, temp)):
@@ -119,47 +136,78 @@ class PolicySet:
     def compare(self, p: str | None, q: str | None,
                 episodes: list[LoggedEpisode]) -> tuple[list[float | None], list[float | None], float]:
         """`sequence_logprobs` of `p` and of `q`, and the mean over completion tokens of KL(p || q)
-        between their next-token distributions, from one forward pass of each (what the gate needs)."""
+        between their next-token distributions (what the gate needs). Each policy's distributions
+        on an episode are remembered (see MEMO_BYTES): the champion, gated against one candidate
+        after another on a held-out window that slides a little each cycle, is run only on the
+        episodes it has not seen."""
         if p == q:
             raise ValueError(f"compare needs two different policies, got {p!r} twice")
         toks = self._tokenize(episodes)
         kept = [t for t in toks if t is not None]
-        seq = {p: [0.0] * len(kept), q: [0.0] * len(kept)}
-        total, tokens = 0.0, 0.0
-        for index in pack([len(e.input_ids) for e in kept], 8192, seed=0, epoch=0):
-            batch = collate(kept, index, self.tokenizer.pad_token_id, self.policy.device)
-            temp = torch.tensor([kept[i].temperature for i in index], device=self.policy.device)[:, None, None]
-            targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T, 1]
-            logp = {}
-            for name in (p, q):
-                with self._use(name):
-                    logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-                logp[name] = torch.log_softmax(logits[:, :-1].float() / temp, -1)  # [B, T, V]
-                sums = (logp[name].gather(-1, targets).squeeze(-1) * batch.mask).sum(-1)  # [B]
-                for row, value in zip(index, sums.tolist()):
-                    seq[name][row] = value
-            kl = (logp[p].exp() * (logp[p] - logp[q])).sum(-1)  # [B, T]
-            total += float((kl * batch.mask).sum())
-            tokens += float(batch.mask.sum())
+        found = {name: self._completion_logprobs(name, kept) for name in (p, q)}  # name -> [(seq, [n, V])]
+        total, tokens = 0.0, 0
+        for (_, logp_p), (_, logp_q) in zip(found[p], found[q]):
+            total += float((logp_p.exp() * (logp_p - logp_q)).sum())  # summed over its n tokens
+            tokens += logp_p.size(0)
         out = {}
         for name in (p, q):
-            it = iter(seq[name])
+            it = iter(seq for seq, _ in found[name])
             out[name] = [next(it) if t is not None else None for t in toks]
-        return out[p], out[q], total / max(tokens, 1.0)
+        return out[p], out[q], total / max(tokens, 1)
+
+    def _completion_logprobs(self, name: str | None, episodes: list[TokenizedEpisode]) -> list[tuple[float, Any]]:
+        """Per episode: the completion's log-prob under `name`, and its log-distributions at the
+        completion's positions ([n, V], at the episode's temperature); remembered per policy."""
+        keys = [(name, e.request_id, e.temperature, hash(tuple(e.input_ids))) for e in episodes]
+        out: list[Any] = [self._memo.get(k) for k in keys]
+        missing = [i for i, v in enumerate(out) if v is None]
+        pad = self.tokenizer.pad_token_id
+        with self._use(name):
+            for index in pack_by_length([len(episodes[i].input_ids) for i in missing], 8192):
+                rows = [missing[j] for j in index]
+                batch = collate(episodes, rows, pad, self.policy.device)
+                temp = torch.tensor([episodes[i].temperature for i in rows], device=self.policy.device)
+                logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
+                logp = torch.log_softmax(logits[:, :-1].float() / temp[:, None, None], -1)  # [B, T, V]
+                seqs = (logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.mask).sum(-1)  # [B]
+                for b, (i, seq) in enumerate(zip(rows, seqs.tolist())):
+                    out[i] = (seq, logp[b][batch.mask[b].bool()].cpu())  # [n, V]
+                    self._remember(keys[i], out[i])
+        return out
+
+    def _remember(self, key: tuple, value: tuple[float, Any]) -> None:
+        self._memo[key] = value
+        self._memo_bytes += value[1].numel() * value[1].element_size()
+        while self._memo_bytes > self.MEMO_BYTES and len(self._memo) > 1:
+            _, (_, old) = self._memo.popitem(last=False)  # the oldest first
+            self._memo_bytes -= old.numel() * old.element_size()
 
     @torch.no_grad()
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1) -> list[Generation]:
+                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1,
+                 reuse: bool = False) -> list[Generation]:
         """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1).
         `batch_size` > 1 generates left-padded batches (evaluation); latency is then the batch's
-        time per prompt. Serving uses 1: exact per-request latency, no padding effects."""
-        out: list[Generation] = []
+        time per prompt. Serving uses 1: exact per-request latency, no padding effects.
+        `reuse` (greedy only): a prompt this policy already answered at this length is not
+        generated again (the same output; its latency is the first time's)."""
+        keys = [(name, orjson.dumps(p, option=orjson.OPT_SORT_KEYS), max_new_tokens) for p in prompts]
+        done = [self._greedy.get(k) if reuse and temperature == 0 else None for k in keys]
+        todo = [i for i, g in enumerate(done) if g is None]
+        fresh: list[Generation] = []
         with self._use(name):
-            for i in range(0, len(prompts), batch_size):
+            for i in range(0, len(todo), batch_size):
                 if seed is not None:
                     torch.manual_seed(seed)
-                out += self._generate_batch(prompts[i:i + batch_size], max_new_tokens, temperature, top_p)
-        return out
+                fresh += self._generate_batch([prompts[j] for j in todo[i:i + batch_size]], max_new_tokens,
+                                              temperature, top_p)
+        for i, g in zip(todo, fresh):
+            done[i] = g
+            if reuse and temperature == 0:
+                self._greedy[keys[i]] = g
+        while len(self._greedy) > 50_000:  # a bound: the oldest go first
+            del self._greedy[next(iter(self._greedy))]
+        return done
 
     def _generate_batch(self, prompts: list[Any], max_new_tokens: int, temperature: float,
                         top_p: float) -> list[Generation]:

@@ -1,0 +1,65 @@
+"""PolicySet's memory of what it computed: reused results equal fresh ones, and leave with their adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.types import LoggedEpisode
+from train.inference import PolicySet
+from train.lora import attach_adapter, save_adapter
+from train.models import init_tiny, load_policy
+
+
+def _adapter(base, out, seed: int):
+    model = attach_adapter(load_policy(base, device="cpu").model, TrainConfig(base_model=base, lora_r=4))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero (the adapter is then the base): move it
+                p.normal_(0, 0.5)
+    return save_adapter(model, out)
+
+
+def _episodes(prefix: str, n: int) -> list[LoggedEpisode]:
+    words = ["abc", "hello", "xyz", "qwerty", "lmnop", "ba"]
+    return [LoggedEpisode(f"{prefix}{i}", f"{words[i % 6]}{prefix[0]}{i}>", words[(i + 1) % 6],
+                          temperature=0.7 + 0.1 * (i % 3)) for i in range(n)]
+
+
+def test_remembered_distributions_and_greedy_answers_equal_fresh_ones(tmp_path):
+    base = init_tiny(tmp_path / "base", seed=1)
+    adapters = {"a": _adapter(base, tmp_path / "a", 1), "b": _adapter(base, tmp_path / "b", 2)}
+    resident = PolicySet.load(base, device="cpu")
+    for name, path in adapters.items():
+        resident.add(name, path)
+    old, new = _episodes("old-", 30), _episodes("new-", 20)
+    resident.compare("a", "b", old)  # the champion "a" has seen the old window
+    window = old[10:] + new  # the window slid: 20 remembered, 20 new
+    kept = resident.compare("a", "b", window)
+    fresh_set = PolicySet.load(base, device="cpu")
+    for name, path in adapters.items():
+        fresh_set.add(name, path)
+    fresh = fresh_set.compare("a", "b", window)
+    for got, want in zip(kept[:2], fresh[:2]):
+        assert all(abs(x - y) < 1e-4 for x, y in zip(got, want))
+    assert kept[2] > 1e-3 and abs(kept[2] - fresh[2]) < 1e-5 * max(1.0, fresh[2])
+    # the base model too (None), and the other way round (b's distributions were kept as the candidate's)
+    for p, q in ((None, "a"), ("b", "a")):
+        assert abs(resident.compare(p, q, window)[2] - fresh_set.compare(p, q, window)[2]) < 1e-5
+
+    calls = []
+    real = resident._generate_batch
+    resident._generate_batch = lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a)
+    prompts = [e.prompt for e in window]
+    first = resident.generate("a", prompts[:25], max_new_tokens=5, batch_size=8, reuse=True)
+    again = resident.generate("a", prompts, max_new_tokens=5, batch_size=8, reuse=True)
+    assert sum(calls) == 40  # 25, then only the 15 it had not answered
+    assert [g.text for g in again[:25]] == [g.text for g in first]
+    assert [g.text for g in again] == [g.text for g in fresh_set.generate("a", prompts, max_new_tokens=5, batch_size=8)]
+    resident.generate("a", prompts, max_new_tokens=5)  # without reuse (serving, smoke): generated again
+    assert sum(calls) == 80
+
+    # an adapter that leaves takes what was remembered of it
+    resident.remove("a")
+    assert all(key[0] != "a" for key in resident._memo) and all(key[0] != "a" for key in resident._greedy)
