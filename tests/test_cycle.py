@@ -11,10 +11,12 @@ from sqlalchemy import select
 
 import train.run
 from deploy.registry import CHAMPION, Registry
+from deploy.stage import adapter_name
 from deploy.tracking import MlflowTracker
 from pipeline import cycle as cycle_mod
 from pipeline.config import Config
 from pipeline.cycle import CycleDeps, run_cycle
+from pipeline.store.cycles import decision_for_run
 from pipeline.store.events import utcnow
 from pipeline.store.tables import training_runs
 from pipeline.store.training import get_run
@@ -41,10 +43,17 @@ def deps(cfg, engine, reverse_base, tmp_path):
         "cycle": {"min_new_episodes": 20},
     })
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    registry = Registry(tracking, "cycle-policy", engine)
+    registry = Registry(tracking, "cycle-policy", engine, cache_dir=tmp_path / "adapters")
+    resident = []  # one evaluation runner for every cycle, as the daemon keeps (default_deps)
+
+    def make_runner(base):
+        if not resident:
+            resident.append(PolicySet.load(base, device="cpu"))
+        return resident[0]
+
     return CycleDeps(engine, config, load_spec(), registry,
                      make_tracker=lambda cycle_id: MlflowTracker(tracking, "rtrl", tmp_path / "artifacts", cycle_id),
-                     make_runner=lambda base: PolicySet.load(base, device="cpu"))
+                     make_runner=make_runner)
 
 
 def feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: int) -> int:
@@ -71,6 +80,14 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
     assert run.parent_run_id == first.run_id and run.watermark_from == get_run(engine, first.run_id).watermark_to
     champion = deps.registry.alias(CHAMPION).version
     assert champion == (second.candidate_version if second.state == "done" else first.candidate_version)
+    # the runner kept between cycles holds the champion only (a rejected candidate is unloaded);
+    # the second cycle trained from the champion's adapter, downloaded once into the cache
+    assert deps.make_runner(reverse_base).names == {adapter_name(deps.registry.alias(CHAMPION))}
+    assert [p.name.split("-")[-2] for p in deps.registry.cache_dir.iterdir()] == ["v1"]
+    # where each stage's seconds went is recorded: the training run's split, the gate's
+    assert {"load", "tokenize", "loop", "save"} <= set(run.summary["split_s"])
+    gate_seconds = decision_for_run(engine, second.run_id).report["seconds"]
+    assert {"registry", "load", "generate", "log_probs"} <= set(gate_seconds)
 
     # the champion's watermark: after a promotion nothing is new; after a rejection the same
     # episodes are still new (the champion never learned from them) -- either way, too few
