@@ -80,9 +80,11 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
     assert run.parent_run_id == first.run_id and run.watermark_from == get_run(engine, first.run_id).watermark_to
     champion = deps.registry.alias(CHAMPION).version
     assert champion == (second.candidate_version if second.state == "done" else first.candidate_version)
-    # the runner kept between cycles holds the champion only (a rejected candidate is unloaded);
-    # the second cycle trained from the champion's adapter, downloaded once into the cache
-    assert deps.make_runner(reverse_base).names == {adapter_name(deps.registry.alias(CHAMPION))}
+    # the runner kept between cycles holds the champion (and, when it was just replaced, the one
+    # before it, until the next gate); a rejected candidate is unloaded. The second cycle trained
+    # from the champion's adapter, downloaded once into the cache
+    held = {adapter_name(deps.registry.get(v)) for v in {champion, first.candidate_version}}
+    assert deps.make_runner(reverse_base).names == held
     assert [p.name.split("-")[-2] for p in deps.registry.cache_dir.iterdir()] == ["v1"]
     # where each stage's seconds went is recorded: the training run's split, the gate's
     assert {"load", "tokenize", "loop", "save"} <= set(run.summary["split_s"])
