@@ -164,6 +164,23 @@ def run_cycle(deps: CycleDeps) -> Any:
     return get_cycle(deps.engine, cycle_id)
 
 
+def cycle_split(engine: Engine, row: Any) -> dict[str, float]:
+    """A finished cycle's seconds by part: its stages, with the training run's split
+    (`train.load`, `train.loop` -- the training loop --, ...) and the gate's (`evaluate.generate`,
+    ...); `<stage>.other` is what the stage spent around its parts."""
+    run = get_run(engine, row.run_id) if row.run_id else None
+    decision = decision_for_run(engine, row.run_id) if row.run_id else None
+    inner = {"train": (run.summary or {}).get("split_s", {}) if run is not None else {},
+             "evaluate": decision.report.get("seconds", {}) if decision is not None else {}}
+    out: dict[str, float] = {}
+    for stage, seconds in (row.timings or {}).items():
+        parts = inner.get(stage, {})
+        for part, s in parts.items():
+            out[f"{stage}.{part}"] = s
+        out[f"{stage}.other" if parts else stage] = round(max(seconds - sum(parts.values()), 0.0), 4)
+    return out
+
+
 def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | None,
            enter: Callable[..., None]) -> str | None:
     """The cycle's finished training run id, training if needed; None when the cycle is skipped."""

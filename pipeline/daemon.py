@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.config import Config
-from pipeline.cycle import CycleDeps, run_cycle
+from pipeline.cycle import CycleDeps, cycle_split, run_cycle
 from pipeline.store.leases import acquire, release
 from pipeline.store.training import get_run
 
@@ -64,6 +64,10 @@ class Metrics:
         self.reward_mean = Gauge("rtrl_reward_mean", "Mean reward of the last training run's episodes", registry=r)
         self.gate = Counter("rtrl_gate_decisions", "Gate decisions", ["passed"], registry=r)
         self.lease_held = Gauge("rtrl_lease_held", "1 if this daemon holds the cycle lease", registry=r)
+        self.cycle_parts = Gauge("rtrl_cycle_part_seconds", "Seconds of the last cycle by part: a stage, or "
+                                 "stage.part (train.loop is the training loop)", ["part"], registry=r)
+        self.outside_loop = Gauge("rtrl_cycle_outside_loop_ratio",
+                                  "Share of the last trained cycle spent outside the training loop", registry=r)
 
     def on_ingest(self, stats: IngestStats) -> None:
         self.ingested.set(stats.events)
@@ -117,8 +121,16 @@ class Daemon:
         run = get_run(self.deps.engine, row.run_id) if row.run_id else None
         if run is not None and run.summary:
             self.metrics.reward_mean.set(run.summary.get("final", {}).get("reward_mean", 0.0))
+        split = cycle_split(self.deps.engine, row)
+        self.metrics.cycle_parts.clear()  # a part the last cycle did not have is not shown with an old value
+        for part, part_s in split.items():
+            self.metrics.cycle_parts.labels(part).set(part_s)
         self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "reason": row.reason,
                            "seconds": round(seconds, 2)}
+        if split.get("train.loop") and sum(split.values()):
+            outside = 1 - split["train.loop"] / sum(split.values())
+            self.metrics.outside_loop.set(outside)
+            self.last_cycle["outside_training_loop"] = round(outside, 3)
         log.info("cycle finished", extra=self.last_cycle)
 
     def _ingest(self) -> None:

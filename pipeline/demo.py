@@ -34,7 +34,7 @@ import requests
 from sqlalchemy import Engine, func, select
 
 from pipeline.config import Config
-from pipeline.store.cycles import decision_for_run, recent_cycles
+from pipeline.store.cycles import recent_cycles
 from pipeline.store.tables import feedback, gate_decisions, interactions, rewards
 from pipeline.store.training import get_run
 
@@ -111,18 +111,6 @@ def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
     order = sorted(served, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
     return [{"version": v, "served": served[v], "accept_rate": accepted.get(v, 0) / served[v],
              "reward_mean": float(reward[v]) if v in reward else None} for v in order]
-
-
-def cycle_split(timings: dict[str, float], train: dict[str, float], evaluate: dict[str, float]) -> dict[str, float]:
-    """A cycle's seconds by part: its stages, with the training run's and the gate's own splits
-    ("train.loop" is the training loop; "<stage>.other" what the stage spent around its parts)."""
-    out: dict[str, float] = {}
-    for stage, seconds in timings.items():
-        parts = {"train": train, "evaluate": evaluate}.get(stage, {})
-        for part, s in parts.items():
-            out[f"{stage}.{part}"] = s
-        out[f"{stage}.other" if parts else stage] = round(max(seconds - sum(parts.values()), 0.0), 4)
-    return out
 
 
 def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
@@ -266,7 +254,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     from deploy.registry import CHAMPION
     from deploy.tracking import MlflowTracker
     from pipeline import kafka_local
-    from pipeline.cycle import default_deps
+    from pipeline.cycle import cycle_split, default_deps
     from pipeline.daemon import Daemon
     from pipeline.store import db as store_db
     from reward.spec import load_spec
@@ -305,13 +293,11 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
         total = sum((c.timings or {}).values())
         summary = run.summary if run is not None and run.summary else {}
         loop_s = float(summary.get("loop_wall_s", summary.get("seconds", 0.0)))
-        decision = decision_for_run(engine, c.run_id) if c.run_id else None
         report.cycles.append({"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
                               "reason": c.reason, "timings": c.timings, "seconds": round(total, 2),
                               "training_loop_s": round(loop_s, 2),
                               "overhead_frac": round(1 - loop_s / total, 3) if total else None,
-                              "split": cycle_split(c.timings or {}, summary.get("split_s", {}),
-                                                   decision.report.get("seconds", {}) if decision else {})})
+                              "split": cycle_split(engine, c)})
     with engine.connect() as conn:
         for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
             report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,

@@ -15,7 +15,7 @@ from deploy.stage import adapter_name
 from deploy.tracking import MlflowTracker
 from pipeline import cycle as cycle_mod
 from pipeline.config import Config
-from pipeline.cycle import CycleDeps, run_cycle
+from pipeline.cycle import CycleDeps, cycle_split, run_cycle
 from pipeline.store.cycles import decision_for_run
 from pipeline.store.events import utcnow
 from pipeline.store.tables import training_runs
@@ -90,6 +90,9 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
     assert {"load", "tokenize", "loop", "save"} <= set(run.summary["split_s"])
     gate_seconds = decision_for_run(engine, second.run_id).report["seconds"]
     assert {"registry", "load", "generate", "log_probs"} <= set(gate_seconds)
+    split = cycle_split(engine, second)  # ... and the two put together with the stage timings
+    assert split["train.loop"] == run.summary["split_s"]["loop"] and split["evaluate.generate"] > 0
+    assert abs(sum(split.values()) - sum(second.timings.values())) < 0.01
 
     # the champion's watermark: after a promotion nothing is new; after a rejection the same
     # episodes are still new (the champion never learned from them) -- either way, too few
