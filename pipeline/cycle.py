@@ -164,11 +164,11 @@ def run_cycle(deps: CycleDeps) -> Any:
     return get_cycle(deps.engine, cycle_id)
 
 
-def cycle_split(engine: Engine, row: Any) -> dict[str, float]:
-    """A finished cycle's seconds by part: its stages, with the training run's split
+def cycle_split(engine: Engine, row: Any, run: Any | None) -> dict[str, float]:
+    """A finished cycle's seconds by part: its stages, with its training run's split
     (`train.load`, `train.loop` -- the training loop --, ...) and the gate's (`evaluate.generate`,
-    ...); `<stage>.other` is what the stage spent around its parts."""
-    run = get_run(engine, row.run_id) if row.run_id else None
+    ...); `<stage>.other` is what the stage spent around its parts. `run`: the cycle's training
+    run row (None if it has none)."""
     decision = decision_for_run(engine, row.run_id) if row.run_id else None
     inner = {"train": (run.summary or {}).get("split_s", {}) if run is not None else {},
              "evaluate": decision.report.get("seconds", {}) if decision is not None else {}}

@@ -121,14 +121,15 @@ class Daemon:
         run = get_run(self.deps.engine, row.run_id) if row.run_id else None
         if run is not None and run.summary:
             self.metrics.reward_mean.set(run.summary.get("final", {}).get("reward_mean", 0.0))
-        split = cycle_split(self.deps.engine, row)
+        split = cycle_split(self.deps.engine, row, run)
         self.metrics.cycle_parts.clear()  # a part the last cycle did not have is not shown with an old value
         for part, part_s in split.items():
             self.metrics.cycle_parts.labels(part).set(part_s)
         self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "reason": row.reason,
                            "seconds": round(seconds, 2)}
-        if split.get("train.loop") and sum(split.values()):
-            outside = 1 - split["train.loop"] / sum(split.values())
+        total = sum(split.values())
+        if split.get("train.loop") and total:
+            outside = 1 - split["train.loop"] / total
             self.metrics.outside_loop.set(outside)
             self.last_cycle["outside_training_loop"] = round(outside, 3)
         log.info("cycle finished", extra=self.last_cycle)

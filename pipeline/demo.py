@@ -146,14 +146,14 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
         outside = "" if c["overhead_frac"] is None else f"{100 * c['overhead_frac']:.0f} %"
         lines.append(f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['seconds']} | "
                      f"{c['training_loop_s']} | {outside} | {c['reason'] or ''} |")
-    splits = [c["split"] for c in report.cycles if c.get("split") and c["state"] in ("done", "rejected")]
-    if splits:
-        cycle_s = sum(c["seconds"] for c in report.cycles if c.get("split") and c["state"] in ("done", "rejected"))
-        lines += ["", f"Where the {len(splits)} gated cycles' seconds went (all cycles together):", "",
+    gated = [c for c in report.cycles if c.get("split") and c["state"] in ("done", "rejected")]
+    if gated:
+        cycle_s = sum(c["seconds"] for c in gated)
+        lines += ["", f"Where the {len(gated)} gated cycles' seconds went (all cycles together):", "",
                   "| part | seconds | share |", "|---|---:|---:|"]
         totals: dict[str, float] = {}
-        for split in splits:
-            for part, s in split.items():
+        for c in gated:
+            for part, s in c["split"].items():
                 totals[part] = totals.get(part, 0.0) + s
         for part, s in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {part} | {s:.2f} | {100 * s / cycle_s:.1f} % |")
@@ -297,7 +297,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
                               "reason": c.reason, "timings": c.timings, "seconds": round(total, 2),
                               "training_loop_s": round(loop_s, 2),
                               "overhead_frac": round(1 - loop_s / total, 3) if total else None,
-                              "split": cycle_split(engine, c)})
+                              "split": cycle_split(engine, c, run)})
     with engine.connect() as conn:
         for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
             report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,

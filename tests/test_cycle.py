@@ -90,7 +90,7 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
     assert {"load", "tokenize", "loop", "save"} <= set(run.summary["split_s"])
     gate_seconds = decision_for_run(engine, second.run_id).report["seconds"]
     assert {"registry", "load", "generate", "log_probs"} <= set(gate_seconds)
-    split = cycle_split(engine, second)  # ... and the two put together with the stage timings
+    split = cycle_split(engine, second, run)  # ... and the two put together with the stage timings
     assert split["train.loop"] == run.summary["split_s"]["loop"] and split["evaluate.generate"] > 0
     assert abs(sum(split.values()) - sum(second.timings.values())) < 0.01
 

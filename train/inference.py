@@ -84,8 +84,7 @@ class PolicySet:
             self.model.set_adapter(next(iter(self.names)))  # peft warns when the active adapter goes
             self.model.delete_adapter(name)
             for key in [k for k in self._memo if k[0] == name]:
-                _, old = self._memo.pop(key)
-                self._memo_bytes -= old.numel() * old.element_size()
+                self._forget(key)
             self._greedy = {k: v for k, v in self._greedy.items() if k[0] != name}
 
     def _use(self, name: str | None):
@@ -177,10 +176,12 @@ class PolicySet:
 
     def _remember(self, key: tuple, value: tuple[float, Any]) -> None:
         self._memo[key] = value
-        self._memo_bytes += value[1].numel() * value[1].element_size()
+        self._memo_bytes += value[1].nbytes
         while self._memo_bytes > self.MEMO_BYTES and len(self._memo) > 1:
-            _, (_, old) = self._memo.popitem(last=False)  # the oldest first
-            self._memo_bytes -= old.numel() * old.element_size()
+            self._forget(next(iter(self._memo)))  # the oldest first
+
+    def _forget(self, key: tuple) -> None:
+        self._memo_bytes -= self._memo.pop(key)[1].nbytes
 
     @torch.no_grad()
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
