@@ -29,7 +29,7 @@ class EventSender:
         if self.producer is None:
             ms = int(self.timeout_s * 1000)
             self.producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", retries=5,
-                                          request_timeout_ms=ms, max_block_ms=ms)
+                                          request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
         self.producer.send(self.topic, key=str(event[self.key]).encode(),
                            value=json.dumps(event).encode()).get(timeout=2 * self.timeout_s)
 

@@ -50,6 +50,13 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
+def _unreachable(exc: MlflowException) -> bool:
+    """MLflow's REST client reports a server it cannot reach as an MlflowException whose message
+    wraps the connection error (after its retries)."""
+    return "failed with exception" in exc.message and any(
+        s in exc.message for s in ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out"))
+
+
 class RegistryError(RuntimeError):
     """The registry refused or could not be reached; the message says what to do."""
 
@@ -77,10 +84,15 @@ class Registry:
         try:
             return fn()
         except MlflowException as exc:
-            raise RegistryError(f"registry {self.uri}: {what} failed: {exc.message}") from None
+            if not _unreachable(exc):
+                raise RegistryError(f"registry {self.uri}: {what} failed: {exc.message}") from None
+            raise self._unreachable(what, exc) from None
         except Exception as exc:  # noqa: BLE001 - connection errors come from requests/urllib3
-            raise RegistryError(f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
-                                "Check mlflow.tracking_uri and that the server is up; nothing was moved") from None
+            raise self._unreachable(what, exc) from None
+
+    def _unreachable(self, what: str, exc: Exception) -> RegistryError:
+        return RegistryError(f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
+                             "Check mlflow.tracking_uri and that the server is up; nothing was moved")
 
     def _version(self, mv: Any) -> Version:
         return Version(str(mv.version), mv.run_id, mv.source, dict(mv.tags or {}), list(mv.aliases or []))
@@ -96,11 +108,13 @@ class Registry:
         try:
             return self._version(self.client.get_model_version_by_alias(self.name, alias))
         except MlflowException as exc:
+            if _unreachable(exc):
+                raise self._unreachable(f"reading alias {alias}", exc) from None
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
                 return None
             raise RegistryError(f"registry {self.uri}: reading alias {alias} failed: {exc.message}") from None
         except Exception as exc:  # noqa: BLE001
-            raise RegistryError(f"registry {self.uri} unreachable: {type(exc).__name__}: {exc}") from None
+            raise self._unreachable(f"reading alias {alias}", exc) from None
 
     def list(self) -> list[Version]:
         found = self._call("listing versions", lambda: self.client.search_model_versions(f"name='{self.name}'"))

@@ -11,8 +11,8 @@ cycle from the state it reached, and every stage's work is idempotent when re-en
     training    a finished training run recorded on the cycle is reused; one that died is
                 marked failed and trained again
     evaluating  a gate decision stored for the cycle's run is reused
-    promoting   promote() of the current champion is a no-op; registry.repair() completes a
-                move a crash interrupted
+    promoting   promote() of the current champion is a no-op; registry.repair(), first thing in
+                every cycle, completes a move a crash interrupted
 """
 
 from __future__ import annotations
@@ -116,6 +116,9 @@ def run_cycle(deps: CycleDeps) -> Any:
 
     try:
         state, run_id = row.state, row.run_id
+        # an alias move a crash interrupted (its audit row completed), a model-update event the
+        # broker was not there for (sent): whatever this cycle then does, serving learns the champion
+        timed("repair", deps.registry.repair)
         if state in ("pending", "rewarding"):
             enter("rewarding")
             timed("reward", lambda: run_rewards(deps.engine, deps.spec))
@@ -147,11 +150,8 @@ def run_cycle(deps: CycleDeps) -> Any:
             state = "promoting"
         if state == "promoting":
             version = get_cycle(deps.engine, cycle_id).candidate_version
-
-            def promote() -> None:
-                deps.registry.repair()  # a move a crash interrupted: its audit row completed, its event sent
-                deps.registry.promote(version, actor="automatic", reason=f"cycle {cycle_id}: gate passed")
-            timed("promote", promote)
+            timed("promote", lambda: deps.registry.promote(version, actor="automatic",
+                                                           reason=f"cycle {cycle_id}: gate passed"))
             enter("done", promoted=1)
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": cycle_id})
@@ -195,8 +195,10 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
     new, since = selection.counts["selected"], ""
     # a candidate already trained from this champion was not promoted (or was rolled back): its
     # episodes are selected again, which is right, but training again needs enough episodes it
-    # never saw; otherwise every cycle would register a near-copy of a rejected candidate
-    last = latest_finished_run(deps.engine, deps.spec.version, watermark_from=selection.watermark_from)
+    # never saw; otherwise every cycle would register a near-copy of a rejected candidate. One
+    # from a cycle that failed (before the gate decided, or before its promotion) does not count:
+    # that cycle is retried with the same episodes
+    last = latest_finished_run(deps.engine, deps.spec.version, watermark_from=selection.watermark_from, decided=True)
     if last is not None:
         new = sum(1 for r in selection.rows if r.reward_id > last.watermark_to)
         since = f" since run {last.run_id[:12]} (the last candidate trained from this champion)"

@@ -32,8 +32,8 @@ from train.models import load_policy
 pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
 
-@pytest.fixture
-def deps(cfg, engine, reverse_base, tmp_path):
+def cycle_deps(cfg, engine, reverse_base, tmp_path, tracking: str | None = None, publish=None) -> CycleDeps:
+    """The cycle's parts on the tiny reverse model; the local MLflow store unless `tracking`."""
     config = Config.model_validate({
         **cfg.model_dump(), "state_dir": tmp_path / "state",
         "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,
@@ -42,8 +42,8 @@ def deps(cfg, engine, reverse_base, tmp_path):
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}}},
         "cycle": {"min_new_episodes": 20},
     })
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    registry = Registry(tracking, "cycle-policy", engine, cache_dir=tmp_path / "adapters")
+    tracking = tracking or f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registry = Registry(tracking, "cycle-policy", engine, publish, cache_dir=tmp_path / "adapters")
     resident = []  # one evaluation runner for every cycle, as the daemon keeps (default_deps)
 
     def make_runner(base):
@@ -54,6 +54,11 @@ def deps(cfg, engine, reverse_base, tmp_path):
     return CycleDeps(engine, config, load_spec(), registry,
                      make_tracker=lambda cycle_id: MlflowTracker(tracking, "rtrl", tmp_path / "artifacts", cycle_id),
                      make_runner=make_runner)
+
+
+@pytest.fixture
+def deps(cfg, engine, reverse_base, tmp_path):
+    return cycle_deps(cfg, engine, reverse_base, tmp_path)
 
 
 def feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: int) -> int:

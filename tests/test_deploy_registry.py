@@ -12,14 +12,11 @@ between the registry call and the audit write is repaired; bad input is a clear 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 from datetime import timedelta
 
 import pytest
-import requests
 from kafka import KafkaConsumer
 
 from deploy import registry as registry_mod
@@ -33,7 +30,7 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.store.deploys import moves
 from reward.spec import load_spec
 from reward.stage import run_rewards
-from tests import reverse_task as task
+from tests import mlflow_server as mlflow_server_proc, reverse_task as task
 from tests.conftest import free_port
 from tests.factories import BASE_TS, feedback, interaction
 from tests.test_train_stage import store
@@ -54,26 +51,10 @@ TRAIN = dict(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=64, lo
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (tracking + registry + artifact proxy) on 127.0.0.1."""
-    root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], stdout=open(root / "log.txt", "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert proc.poll() is None, (root / "log.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    proc = mlflow_server_proc.start(tmp_path_factory.mktemp("mlflow-server"), port)
+    yield f"http://127.0.0.1:{port}"
+    mlflow_server_proc.stop(proc)
 
 
 def reverse_episodes(policy, prefix: str, seed: int) -> list[dict]:

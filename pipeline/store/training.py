@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, select, update
+from sqlalchemy import Engine, and_, exists, func, select, update
 
 from pipeline.store.events import insert_ignore, utcnow
-from pipeline.store.tables import interactions, rewards, training_episodes, training_runs
+from pipeline.store.tables import cycles, interactions, rewards, training_episodes, training_runs
 
 
 @dataclass
@@ -120,10 +120,13 @@ def get_run(engine: Engine, run_id: str) -> Any | None:
 
 
 def latest_finished_run(engine: Engine, spec_version: str | None = None,
-                        watermark_from: int | None = None) -> Any | None:
+                        watermark_from: int | None = None, decided: bool = False) -> Any | None:
     """The newest finished run, optionally of one spec and trained from one watermark (that is,
-    continued from the same champion)."""
+    continued from the same champion). With `decided`, not a run whose cycle failed: the gate
+    never judged it (say the registry was away), so it says nothing about its episodes."""
     where = [training_runs.c.status == "finished"]
+    if decided:
+        where.append(~exists().where(and_(cycles.c.run_id == training_runs.c.run_id, cycles.c.state == "failed")))
     if spec_version is not None:
         where.append(training_runs.c.spec_version == spec_version)
     if watermark_from is not None:
