@@ -93,6 +93,7 @@ class DemoReport:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     cycles: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    champion: str = "base"  # serving at the end
     files: list[Path] = field(default_factory=list)
 
 
@@ -110,7 +111,31 @@ def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
                                    .group_by(rewards.c.policy_version)).all())
     order = sorted(served, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
     return [{"version": v, "served": served[v], "accept_rate": accepted.get(v, 0) / served[v],
+             "accept_ci95": wilson(accepted.get(v, 0), served[v]),
              "reward_mean": float(reward[v]) if v in reward else None} for v in order]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a rate k/n (95 % by default): honest at small n and near 0 or 1,
+    where the normal approximation is not (Wilson 1927)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def headline(versions: list[dict[str, Any]], champion: str) -> str:
+    """One line: the base's accept rate, the last champion's, the gain in percentage points."""
+    by = {v["version"]: v for v in versions}
+    if "base" not in by or champion not in by or champion == "base":
+        return f"No version was promoted over the base (serving at the end: {champion})."
+    base, last = by["base"], by[champion]
+    lo, hi = last["accept_ci95"]
+    return (f"Online accept rate: base {100 * base['accept_rate']:.1f} % of {base['served']} requests -> champion "
+            f"v{champion} {100 * last['accept_rate']:.1f} % of {last['served']} (95 % CI {100 * lo:.1f}-"
+            f"{100 * hi:.1f} %): {100 * (last['accept_rate'] - base['accept_rate']):+.1f} pp.")
 
 
 def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
@@ -136,10 +161,13 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     plt.close(fig)
     lines = ["# rtrl demo report" + (" (--naive-reward)" if naive else ""), "",
              f"{len(report.cycles)} cycles in {report.seconds:.0f} s.", "",
-             "| version | served | accept rate | mean reward |", "|---|---:|---:|---:|"]
+             headline(report.versions, report.champion), "",
+             "| version | served | accept rate | 95 % CI | mean reward |", "|---|---:|---:|---:|---:|"]
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f"{v['reward_mean']:+.3f}"
-        lines.append(f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | {reward} |")
+        lo, hi = v["accept_ci95"]
+        lines.append(f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | "
+                     f"{100 * lo:.0f}-{100 * hi:.0f} % | {reward} |")
     lines += ["", "| cycle | state | candidate | seconds | training loop | outside the loop | reason |",
               "|---|---|---|---:|---:|---:|---|"]
     for c in report.cycles:
@@ -163,7 +191,7 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "report.json"
-    data.write_text(json.dumps({"versions": report.versions, "cycles": report.cycles,
+    data.write_text(json.dumps({"champion": report.champion, "versions": report.versions, "cycles": report.cycles,
                                 "decisions": report.decisions, "seconds": report.seconds}, indent=2, default=str))
     return [png, md, data]
 
@@ -220,9 +248,13 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _run_fleet(config: Config, engine: Engine, url: str, cycles: int, rate: float, seed: int, every: str,
-               timeout_s: float, t0: float, say) -> None:
-    """The simulated users, with a progress line every 5 s, until `cycles` cycles reached the gate."""
+def _run_fleet(config: Config, engine: Engine, url: str, daemon, cycles: int, measure: int, rate: float, seed: int,
+               every: str, timeout_s: float, t0: float, say) -> str:
+    """The simulated users, with a progress line every 5 s, until `cycles` cycles reached the gate;
+    then, with no further cycle, until the last champion has served `measure` requests (an accept
+    rate of a version promoted by the last cycle would otherwise rest on the few requests served
+    while the report was being written); then until the store holds every request and every
+    reaction the users sent, so that the report counts them all. Returns the last champion."""
     from deploy.events import EventSender
     from pipeline.sim import Fleet
 
@@ -231,25 +263,63 @@ def _run_fleet(config: Config, engine: Engine, url: str, cycles: int, rate: floa
     fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
     fleet_thread.start()
     say(f"serving on {url} (rtrl serve); the fleet sends {rate:g} tasks/s; a cycle every {every}")
-    started = time.monotonic()
+    deadline = time.monotonic() + timeout_s
+
+    def progress(what: str) -> None:
+        rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
+                          for v, n in sorted(fleet.stats.by_version.items()))
+        say(f"[{time.monotonic() - t0:5.0f}s] {what}  champion {served_version(url)}  "
+            f"accept rate by version: {rates or '-'}")
+
+    final = "base"
     try:
-        while time.monotonic() - started < timeout_s:
+        while time.monotonic() < deadline:
             ran = [c for c in recent_cycles(engine, 100) if c.state in ("done", "rejected")]
-            rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
-                              for v, n in sorted(fleet.stats.by_version.items()))
-            say(f"[{time.monotonic() - t0:5.0f}s] cycles {len(ran)}/{cycles}  champion {served_version(url)}  "
-                f"accept rate by version: {rates or '-'}")
+            progress(f"cycles {len(ran)}/{cycles}")
             if len(ran) >= cycles:
                 break
             time.sleep(5)
+        daemon.pause_cycles()
+        final = _champion_served(daemon, url, deadline)
+        while time.monotonic() < deadline and fleet.stats.by_version.get(final, [0])[0] < measure:
+            progress(f"measuring {final}: {fleet.stats.by_version.get(final, [0])[0]}/{measure} requests")
+            time.sleep(5)
     finally:
         fleet.stop.set()
-        fleet_thread.join(timeout=60)
+        fleet_thread.join(timeout=60)  # the users' pending reactions are sent before it ends
         feedback_sender.close()
+    _wait_stored(engine, fleet.stats.requests, fleet.stats.feedback, time.monotonic() + 60, say)
+    return final
+
+
+def _champion_served(daemon, url: str, deadline: float) -> str:
+    """The registry's champion ("base" before any), once the server answers with it."""
+    from deploy.registry import CHAMPION
+
+    champion = daemon.deps.registry.alias(CHAMPION)
+    want = str(champion.version) if champion is not None else "base"
+    while served_version(url) != want and time.monotonic() < deadline:
+        time.sleep(0.5)  # serving follows the model-update event
+    return want
+
+
+def _wait_stored(engine: Engine, requests_sent: int, feedback_sent: int, deadline: float, say) -> None:
+    """Poll until ingest has stored what the fleet got answers to and what it sent."""
+    while True:
+        with engine.connect() as conn:
+            stored = (conn.scalar(select(func.count()).select_from(interactions)),
+                      conn.scalar(select(func.count()).select_from(feedback)))
+        if stored[0] >= requests_sent and stored[1] >= feedback_sent:
+            return
+        if time.monotonic() > deadline:
+            say(f"warning: the store holds {stored[0]} of {requests_sent} interactions and {stored[1]} of "
+                f"{feedback_sent} feedback events the fleet produced; the report counts what is stored")
+            return
+        time.sleep(0.5)
 
 
 def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 8.0,
-             every: str = "45s", timeout_s: float = 900.0, say=print) -> DemoReport:
+             every: str = "45s", timeout_s: float = 900.0, measure: int = 200, say=print) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
     from deploy.registry import CHAMPION
     from deploy.tracking import MlflowTracker
@@ -280,13 +350,14 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
         daemon = Daemon(config, deps, lease_ttl_s=30)
         daemon.start(ingest=True, metrics_port=None)
         try:
-            _run_fleet(config, engine, url, cycles, rate, seed, every, timeout_s, t0, say)
+            champion = _run_fleet(config, engine, url, daemon, cycles, measure, rate, seed, every, timeout_s, t0,
+                                  say)
         finally:
             daemon.shutdown()
     finally:
         stop_server(server)
 
-    report = DemoReport(seconds=time.monotonic() - t0)
+    report = DemoReport(seconds=time.monotonic() - t0, champion=champion)
     report.versions = per_version(engine, spec.version)
     for c in reversed(recent_cycles(engine, 100)):
         run = get_run(engine, c.run_id) if c.run_id else None

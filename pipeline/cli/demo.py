@@ -13,24 +13,29 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rate", default=8.0, show_default=True, help="Tasks per second the simulated users send.")
 @click.option("--every", default="45s", show_default=True, help="Cycle interval (compressed schedule).")
+@click.option("--measure", default=200, show_default=True,
+              help="After the last cycle, keep serving until the last champion has served this many requests.")
 @click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Give up after this many seconds.")
 @pass_ctx
-def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, every: str, timeout_s: float) -> None:
+def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, every: str, measure: int,
+         timeout_s: float) -> None:
     """Run the whole loop on embedded defaults: a local Kafka, SQLite, a local MLflow store, a
     tiny base model, the policy server, the daemon and a simulated fleet -- then write a report
     (accept rate and reward per policy version, gate decisions) to <state>/demo/report
-    (<state>/demo-naive/report with --naive-reward)."""
-    from pipeline.demo import run_demo
+    (<state>/demo-naive/report with --naive-reward). After the last cycle no further cycle runs
+    while the last champion is measured (--measure), so its accept rate rests on enough requests."""
+    from pipeline.demo import headline, run_demo
     from pipeline.logs import quiet_progress_bars
 
     quiet_progress_bars()
     report = run_demo(ctx.config.state_dir, cycles=cycles, naive=naive_reward, seed=seed, rate=rate, every=every,
-                      timeout_s=timeout_s, say=lambda line: click.echo(line, err=True))
+                      timeout_s=timeout_s, measure=measure, say=lambda line: click.echo(line, err=True))
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f", mean reward {v['reward_mean']:+.3f}"
         click.echo(f"policy {v['version']:>4}: accept rate {100 * v['accept_rate']:5.1f} % of {v['served']}{reward}")
     for d in report.decisions:
         click.echo(f"gate v{d['candidate']}: {'passed' if d['passed'] else 'rejected: ' + '; '.join(d['reasons'])}")
+    click.echo(headline(report.versions, report.champion))
     click.echo(f"report: {', '.join(str(f) for f in report.files)}")
 
 
