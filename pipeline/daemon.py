@@ -56,6 +56,8 @@ class Metrics:
         self.ingest_rate = Gauge("rtrl_ingest_rate", "Events per second since ingest started", registry=r)
         self.lag = Gauge("rtrl_consumer_lag", "Records behind the high watermark", ["topic", "partition"], registry=r)
         self.dead_letters = Gauge("rtrl_dead_letters", "Dead letters written by this daemon's ingest", registry=r)
+        self.ingest_errors = Counter("rtrl_ingest_errors", "Times ingest stopped with an error (the broker or the "
+                                     "store away) and was restarted", registry=r)
         self.cycle_seconds = Histogram("rtrl_cycle_duration_seconds", "Cycle wall time",
                                        buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600), registry=r)
         self.cycles = Counter("rtrl_cycles", "Cycles by outcome", ["outcome"], registry=r)
@@ -155,6 +157,7 @@ class Daemon:
             try:
                 run_ingest(self.config, self.deps.engine, self.stop, on_batch=self.metrics.on_ingest)
             except Exception as exc:  # noqa: BLE001 - the broker may be away: retry, never die
+                self.metrics.ingest_errors.inc()
                 log.error("ingest stopped with an error; restarting in 5 s", extra={"error": str(exc)})
                 self.stop.wait(5)
 

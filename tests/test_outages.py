@@ -1,6 +1,6 @@
-"""Outages in the middle of a cycle: the registry, the store or the broker going away fails the
+"""Outages: the registry, the store or the broker going away in the middle of a cycle fails the
 cycle cleanly -- recorded where the store can take it -- and never the daemon; the next run
-retries it.
+retries it. The daemon's ingest outlives the store going away too, and loses nothing.
 
     registry   a real `mlflow server`, killed as the gate starts: the cycle ends `failed` with
                the reason; restarted on the same stores, the next cycle trains again on the
@@ -11,6 +11,9 @@ retries it.
     broker     nothing listening at the broker address when the champion moves: the cycle is
                done, the model-update event waits in the audit trail; the next cycle, with the
                broker there, publishes it first thing (even one that then has nothing to do)
+    ingest     the store refusing connections while events keep arriving: ingest stops, is
+               restarted by the daemon until the store is back, and then stores every event
+               once (it re-reads from the offsets stored with the rows)
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from pipeline.daemon import Daemon
 from pipeline.kafka_local import ensure_topics
 from pipeline.store.cycles import recent_cycles
 from pipeline.store.deploys import moves
-from pipeline.store.tables import training_runs
+from pipeline.store.tables import feedback as feedback_table, interactions, training_runs
 from pipeline.store.training import get_run
 from tests import mlflow_server
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
+from tests.factories import feedback, interaction
 from tests.test_cycle import cycle_deps, feed
+from tests.test_ingest_kafka import count, produce_events
 
 
 def _cycles_by_outcome(daemon: Daemon, outcome: str) -> float:
@@ -86,31 +91,40 @@ def test_the_registry_going_away_fails_the_cycle_and_the_next_one_retries_it(
         mlflow_server.stop(server)
 
 
+class PostgresOutage:
+    """The store's PostgreSQL database refusing new connections, its open ones cut; then back."""
+
+    def __init__(self, engine) -> None:
+        self.admin = create_engine(os.environ["RTRL_TEST_POSTGRES"], isolation_level="AUTOCOMMIT")
+        self.database = engine.url.database
+
+    def away(self) -> None:
+        with self.admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{self.database}" ALLOW_CONNECTIONS false'))
+            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                         {"d": self.database})
+
+    def back(self) -> None:
+        with self.admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{self.database}" ALLOW_CONNECTIONS true'))
+        self.admin.dispose()
+
+
 @pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
 def test_the_store_going_away_leaves_the_cycle_to_resume_once_it_is_back(
         cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch):
     deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
     daemon = Daemon(deps.config, deps, lease_ttl_s=30)
     assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "p", seed=12) > 0
-    admin = create_engine(os.environ["RTRL_TEST_POSTGRES"], isolation_level="AUTOCOMMIT")
-    database = engine.url.database
-
-    def store_away() -> None:  # new connections refused, the open ones cut
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false'))
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
-                         {"d": database})
-
+    outage = PostgresOutage(engine)
     try:
         with monkeypatch.context() as m:
-            _gate_after(m, store_away)
+            _gate_after(m, outage.away)
             daemon.cycle()  # returns: the daemon outlives the store
         assert daemon.health()["last_cycle"]["state"] == "unrecorded"
         assert _cycles_by_outcome(daemon, "unrecorded") == 1
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true'))
-        admin.dispose()
+        outage.back()
     interrupted = recent_cycles(engine, 1)[0]
     assert interrupted.state == "evaluating", interrupted.reason  # the last state it could record
 
@@ -150,3 +164,36 @@ def test_the_broker_away_at_promotion_leaves_the_event_for_the_next_cycle(
         seen += [json.loads(r.value) for r in consumer]
     consumer.close()
     assert [(e["version"], e["alias"]) for e in seen] == [("1", CHAMPION)]
+
+
+@pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
+def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
+        cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path):
+    deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
+    deps.config.cycle.every = "1h"  # ingest only: no cycle in this test
+    daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+
+    def events(start: int, n: int) -> list[dict]:
+        return [e for i in range(start, start + n) for e in (interaction(i, prefix="o"), feedback(i, prefix="o"))]
+
+    daemon.start(ingest=True, metrics_port=None)
+    outage = PostgresOutage(engine)
+    try:
+        produce_events(kafka_bootstrap, topics, events(0, 50))
+        wait_for(lambda: count(engine, interactions) == 50 and count(engine, feedback_table) == 50, 60,
+                 "the first 50 requests stored")
+        outage.away()
+        try:
+            produce_events(kafka_bootstrap, topics, events(50, 100))  # arriving while the store is away
+            errors = lambda: daemon.metrics.registry.get_sample_value("rtrl_ingest_errors_total")  # noqa: E731
+            wait_for(lambda: errors() >= 1, 60, "ingest to fail on the store and be restarted")
+        finally:
+            outage.back()
+        wait_for(lambda: count(engine, interactions) >= 150 and count(engine, feedback_table) >= 150, 90,
+                 "every event stored once the store is back")
+        with engine.connect() as conn:
+            stored = conn.execute(select(interactions.c.event_id)).scalars().all()
+        assert sorted(stored) == sorted(f"o-i-{i}" for i in range(150))  # none lost, none twice
+        assert count(engine, feedback_table) == 150
+    finally:
+        daemon.shutdown()
