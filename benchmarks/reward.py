@@ -6,8 +6,11 @@ workers (the stored rewards are deleted before each), then once more with nothin
 the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
 be 10) and peak RSS (of the parent of the workers, and of the largest worker).
 
-    .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers
-    .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2  # a quick run
+    .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers, 3 runs each
+    .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2 --repeat 1  # a quick run
+
+This machine's speed varies by tens of percent from minute to minute (shared cores): each
+configuration runs `--repeat` times, interleaved, and the median is reported with the range.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import multiprocessing as mp
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -92,10 +96,21 @@ def phase(url: str, workers: int, q) -> None:
     q.put((report.computed, elapsed, rss / 1024, time.perf_counter() - t))
 
 
+def run_phase(url: str, workers: int) -> tuple[int, float, float, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=phase, args=(url, workers, q))
+    proc.start()
+    out = q.get()
+    proc.join()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (median reported)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
@@ -105,17 +120,18 @@ def main() -> None:
         t = time.perf_counter()
         fill(url, n)
         print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
-        for workers in args.workers:
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            proc = ctx.Process(target=phase, args=(url, workers, q))
-            proc.start()
-            computed, elapsed, rss, noop = q.get()
-            proc.join()
-            assert computed == n, f"computed {computed} of {n}"
-            times[n, workers] = elapsed
-            print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
-                  f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
+        runs: dict[int, list[float]] = {w: [] for w in args.workers}
+        for _ in range(args.repeat):  # interleaved: a slow minute hits every configuration alike
+            for workers in args.workers:
+                computed, elapsed, rss, noop = run_phase(url, workers)
+                assert computed == n, f"computed {computed} of {n}"
+                runs[workers].append(elapsed)
+                print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
+                      f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
+        for workers, elapsed in runs.items():
+            times[n, workers] = med = statistics.median(elapsed)
+            print(f"{n:>9,} episodes, {workers} worker(s): median {med:.1f}s = {n / med:,.0f} episodes/s "
+                  f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})", flush=True)
     for workers in args.workers:
         sizes = sorted(n for n, w in times if w == workers)
         if len(sizes) == 2:

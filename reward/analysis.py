@@ -20,7 +20,7 @@ from datetime import datetime
 from sqlalchemy import Engine
 
 from pipeline.store.events import utcnow
-from pipeline.store.rewards import iter_episode_chunks
+from pipeline.store.rewards import feedback_rows, iter_episode_chunks
 from pipeline.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
 from reward.signals import Episode
@@ -33,7 +33,7 @@ _RESERVOIR = 50_000
 def iter_episodes(engine: Engine, spec_version: str = "") -> Iterator[Episode]:
     for chunk in iter_episode_chunks(engine, spec_version, payload_kinds=PAYLOAD_KINDS):
         for row in chunk.interactions:
-            yield build_episode(row, chunk.feedback.get(row[1], ()), with_prompt=False)
+            yield build_episode(row, feedback_rows(row), with_prompt=False)
 
 
 @dataclass

@@ -11,7 +11,8 @@ interaction comes; `orphaned` counts those older than the spec's orphan TTL, to 
 Late feedback on an episode that a training run already used updates the reward too, but the
 run's lineage (training_episodes) keeps the value it trained on, and the change is counted.
 
-Throughput (benchmarks/reward.py): rows are read positionally, a Scorer holds the spec's
+Throughput (benchmarks/reward.py): an episode comes back as one row, its feedback aggregated
+into a JSON array by the database; rows are read positionally, a Scorer holds the spec's
 lookups, rewards are upserted through the driver, and the cyclic garbage collector is paused
 while chunks are scored (a chunk allocates ~100k short-lived objects and no cycles; the
 collector's passes over them were a third of the run).
@@ -31,6 +32,7 @@ from sqlalchemy import Engine
 
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import (
+    feedback_rows,
     iter_episode_chunks,
     judge_scores_for,
     orphaned_feedback,
@@ -69,19 +71,20 @@ def prompt_text(prompt: Any) -> str:
     return "\n".join(lines)
 
 
-def build_episode(row: Any, feedback_rows: list[Any], with_prompt: bool = True) -> Episode:
-    """An episode from an interaction row (id, request_id, ts, policy_version, body) and its
-    feedback rows (id, request_id, event_id, kind, value, ts, body): positional, because this
-    runs once per episode and a row's attribute lookup costs more than the rest of it. The
-    prompt is rendered only `with_prompt` (a judge reads it; rules never do)."""
-    _, request_id, ts, policy_version, body = row
+def build_episode(row: Any, feedback: list[list[Any]], with_prompt: bool = True) -> Episode:
+    """An episode from a chunk's row (id, request_id, ts, policy_version, body, ...; see
+    iter_episode_chunks) and its feedback_rows(): positional, because this runs once per
+    episode and a row's attribute lookup costs more than the rest of it. The prompt is rendered
+    only `with_prompt` (a judge reads it; rules never do)."""
+    _, request_id, ts, policy_version, body = row[:5]
     body = orjson.loads(body)
     text, calls = completion_parts(body.get("completion"))
     metadata = body.get("metadata")
     expects = bool(metadata.get("expects_attempt", True)) if isinstance(metadata, dict) else True
     fbs = tuple(
-        Feedback(event_id, kind, value, fts, orjson.loads(fbody).get("payload") if kind in PAYLOAD_KINDS else None)
-        for _, _, event_id, kind, value, fts, fbody in feedback_rows
+        Feedback(event_id, kind, float(value), datetime.fromisoformat(fts),
+                 orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None)
+        for _, event_id, kind, value, fts, fbody in feedback
     )
     prompt = prompt_text(body.get("prompt", "")) if with_prompt else ""
     return Episode(request_id, ts, policy_version, text, calls, fbs, expects, prompt)
@@ -190,14 +193,13 @@ def score_part(
             report.unchanged += chunk.current
             for row in chunk.interactions:
                 report.episodes += 1
-                fb_rows = chunk.feedback.get(row[1], ())
-                newest = max([f[0] for f in fb_rows], default=0)
-                stored = chunk.stored.get(row[1])  # the chunk holds only stale rewards (or all, forced)
-                ep = build_episode(row, fb_rows, with_prompt=judge is not None)
+                feedback = feedback_rows(row)
+                newest = max([f[0] for f in feedback], default=0)
+                ep = build_episode(row, feedback, with_prompt=judge is not None)
                 if not score.is_ripe(ep, now):
                     report.unripe += 1
                     continue
-                todo.append((ep, newest, stored is None))
+                todo.append((ep, newest, row[6] is None))  # row[6]: the stored reward's last feedback id
             scores: dict[str, float] = {}
             if judge is not None:
                 scores, budget = _judge(engine, judge, [ep for ep, _, _ in todo], budget)
@@ -250,7 +252,7 @@ def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | N
     """(episode, result, ripe) for one request, computed now under `spec`; None if unknown."""
     for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id]):
         row = chunk.interactions[0]
-        ep = build_episode(row, chunk.feedback.get(request_id, []))
+        ep = build_episode(row, feedback_rows(row))
         score = None
         if spec.judge is not None:
             scores, _ = _judge(engine, Judge(spec.judge), [ep], budget=1)

@@ -1,8 +1,8 @@
 """Queries of the reward stage: episodes (interactions + their feedback) streamed in id order,
 the rewards already stored, upserts, and orphaned feedback.
 
-Set-based and streamed: each chunk of interactions costs four short queries (interactions,
-their feedback, their stored rewards, duplicates), whatever the size of the store.
+Set-based and streamed: each chunk of interactions costs two queries (its episodes, each with its
+feedback and its stored reward; a count of its duplicates), whatever the size of the store.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pipeline.store.tables import feedback, interactions, judge_scores, rewards,
 
 @dataclass
 class EpisodeChunk:
-    interactions: list[Any]  # rows: id, request_id, ts, policy_version, body
-    feedback: dict[str, list[Any]]  # request_id -> rows: id, event_id, kind, value, ts, body
-    stored: dict[str, int]  # request_id -> last_feedback_id of its stored reward (this spec)
+    # rows: id, request_id, ts, policy_version, body, feedback (read it with feedback_rows), stored
+    # (the last_feedback_id of the episode's reward under the spec; None: no reward yet)
+    interactions: list[Any]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
     current: int = 0  # with only_stale: episodes left out because their reward is up to date
 
@@ -36,6 +36,27 @@ def interaction_id_span(engine: Engine) -> int:
     return 0 if first is None else last - first + 1
 
 
+def feedback_rows(row: Any) -> list[list[Any]]:
+    """An episode row's feedback: [id, event_id, kind, value, ts (ISO text), body or None] each.
+    SQLite hands the JSON array over as text, PostgreSQL's driver parses it (and gives None for
+    no feedback)."""
+    found = row[5]
+    return orjson.loads(found) if isinstance(found, str) else (found or [])
+
+
+def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None):
+    """A correlated subquery: the interaction's feedback as one JSON array of arrays. SQLite and
+    PostgreSQL build it in C, where 3 rows per episode through the driver and SQLAlchemy's row
+    processing were a third of a reward run."""
+    agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
+                                                                                        func.json_build_array)
+    body = feedback.c.body if payload_kinds is None else case(
+        (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
+    return (select(agg(array(feedback.c.id, feedback.c.event_id, feedback.c.kind, feedback.c.value, feedback.c.ts,
+                             body)))
+            .where(feedback.c.request_id == interactions.c.request_id).scalar_subquery())
+
+
 def iter_episode_chunks(
     engine: Engine,
     spec_version: str,
@@ -46,17 +67,16 @@ def iter_episode_chunks(
     only_stale: bool = False,
 ) -> Iterator[EpisodeChunk]:
     """Episodes -- the first interaction of each request_id (or of those in `request_ids`) --
-    with their feedback, in id order.
+    with their feedback and stored reward, in id order.
 
     A chunk is a fixed-width range of interaction ids; `part=(k, n)` yields only the chunks
     whose index is k modulo n, so n workers can split one run with no coordination. Each
-    chunk's feedback and stored rewards are selected by `request_id IN (the chunk's request
-    ids)` as a subquery, which both dialects answer from the request_id indexes with no
-    parameter list to expand. Feedback bodies are read only for `payload_kinds` (None: all);
-    the others come back as None. With `only_stale`, episodes whose reward under
-    `spec_version` already counts their newest feedback are left in the store (counted, not
-    read): an incremental run reads only what changed. Interactions that arrive during the run
-    are left to the next one.
+    episode's feedback comes back as one JSON array (see _feedback_json), found through the
+    request_id index. Feedback bodies are read only for `payload_kinds` (None: all); the
+    others come back as None. With `only_stale`, episodes whose reward under `spec_version`
+    already counts their newest feedback are left in the store (counted, not read): an
+    incremental run reads only what changed. Interactions that arrive during the run are left
+    to the next one.
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
     with engine.connect() as conn:
@@ -65,8 +85,6 @@ def iter_episode_chunks(
     if first_id is None:
         return
     k, n = part
-    body = feedback.c.body if payload_kinds is None else case(
-        (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
     earlier = interactions.alias("earlier")
     # a request is one episode: its first interaction (a producer that sent two is buggy)
     first = ~exists().where(and_(earlier.c.request_id == interactions.c.request_id, earlier.c.id < interactions.c.id))
@@ -74,36 +92,25 @@ def iter_episode_chunks(
                                          feedback.c.id > rewards.c.last_feedback_id))
     current = exists().where(and_(rewards.c.request_id == interactions.c.request_id,
                                   rewards.c.spec_version == spec_version, ~newer_feedback))
+    stored = (select(rewards.c.last_feedback_id)
+              .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
+              .scalar_subquery())
+    columns = (interactions.c.id, interactions.c.request_id, interactions.c.ts, interactions.c.policy_version,
+               interactions.c.body, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
+               stored.label("stored"))
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         rng = and_(where, interactions.c.id > lo, interactions.c.id <= lo + chunk)
         wanted = and_(rng, first, ~current) if only_stale else and_(rng, first)
-        in_chunk = select(interactions.c.request_id).where(wanted).scalar_subquery()
         with engine.connect() as conn:
             total, duplicates = conn.execute(select(
                 func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0)).where(rng)).one()
             if not total:
                 continue
-            rows = conn.execute(
-                select(interactions.c.id, interactions.c.request_id, interactions.c.ts,
-                       interactions.c.policy_version, interactions.c.body)
-                .where(wanted).order_by(interactions.c.id)
-            ).all()
-            fb_rows = conn.execute(
-                select(feedback.c.id, feedback.c.request_id, feedback.c.event_id, feedback.c.kind,
-                       feedback.c.value, feedback.c.ts, body.label("body"))
-                .where(feedback.c.request_id.in_(in_chunk))
-            ).all() if rows else []
-            stored = dict(conn.execute(
-                select(rewards.c.request_id, rewards.c.last_feedback_id)
-                .where(and_(rewards.c.spec_version == spec_version, rewards.c.request_id.in_(in_chunk)))
-            ).all()) if rows else {}
-        by_request: dict[str, list[Any]] = {}
-        for f in fb_rows:
-            by_request.setdefault(f[1], []).append(f)
+            rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
         # the first interactions not read are the up-to-date ones (a count for the report: a write
         # between the two queries can shift it by that write, never change a reward)
         up_to_date = total - duplicates - len(rows) if only_stale else 0
-        yield EpisodeChunk(rows, by_request, stored, duplicates=duplicates, current=up_to_date)
+        yield EpisodeChunk(rows, duplicates=duplicates, current=up_to_date)
 
 
 _COLUMNS = ("request_id", "spec_version", "policy_version", "value", "components", "feedback_count",
