@@ -90,6 +90,7 @@ class Daemon:
         self.cycle_running = threading.Lock()
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.last_cycle: dict[str, Any] = {}
+        self._ingest_thread: threading.Thread | None = None
 
     # --- jobs ----------------------------------------------------------------------------
     def heartbeat(self) -> None:
@@ -166,7 +167,8 @@ class Daemon:
         if metrics_port is not None:
             self._serve_metrics(host, metrics_port)
         if ingest:
-            threading.Thread(target=self._ingest, name="ingest", daemon=True).start()
+            self._ingest_thread = threading.Thread(target=self._ingest, name="ingest", daemon=True)
+            self._ingest_thread.start()
         self.heartbeat()
         self.scheduler.add_job(self.heartbeat, IntervalTrigger(seconds=max(self.ttl / 3, 1)), id="lease",
                                max_instances=1, coalesce=True)
@@ -179,9 +181,16 @@ class Daemon:
         """Run no further cycle (ingest and the lease go on): `rtrl demo` measures the last champion."""
         self.scheduler.pause_job("cycle")
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_s: float = 60.0) -> None:
+        """Stop scheduling; wait (up to `drain_s`) for ingest to store and commit what it has in
+        flight; release the lease unless a cycle is running."""
         self.stop.set()
         self.scheduler.shutdown(wait=False)
+        if self._ingest_thread is not None:
+            self._ingest_thread.join(timeout=drain_s)
+            if self._ingest_thread.is_alive():  # nothing is lost: the stored offsets say where to resume
+                log.warning("ingest did not drain in time; the next start re-reads from the stored offsets",
+                            extra={"drain_s": drain_s})
         if self.cycle_running.acquire(blocking=False):  # no cycle in progress: let another daemon go on
             release(self.deps.engine, LEASE, self.owner)
         log.info("daemon stopped", extra={"owner": self.owner})

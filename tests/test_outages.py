@@ -23,7 +23,7 @@ import os
 import time
 
 import pytest
-from kafka import KafkaConsumer
+from kafka import KafkaConsumer, TopicPartition
 from sqlalchemy import create_engine, select, text
 
 from deploy.events import ModelUpdatePublisher
@@ -33,6 +33,7 @@ from pipeline.daemon import Daemon
 from pipeline.kafka_local import ensure_topics
 from pipeline.store.cycles import recent_cycles
 from pipeline.store.deploys import moves
+from pipeline.store.events import stored_offsets
 from pipeline.store.tables import feedback as feedback_table, interactions, training_runs
 from pipeline.store.training import get_run
 from tests import mlflow_server
@@ -197,3 +198,11 @@ def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
         assert count(engine, feedback_table) == 150
     finally:
         daemon.shutdown()
+    # shutdown waited for ingest to drain: what it stored is committed to Kafka too
+    offsets = stored_offsets(engine, deps.config.ingest.group_id)
+    assert sum(offsets.values()) == 300
+    check = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=deps.config.ingest.group_id,
+                          enable_auto_commit=False)
+    committed = {tp: check.committed(TopicPartition(*tp)) for tp in offsets}
+    check.close()
+    assert committed == offsets
