@@ -50,7 +50,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _unreachable(exc: MlflowException) -> bool:
+def _connection_failed(exc: MlflowException) -> bool:
     """MLflow's REST client reports a server it cannot reach as an MlflowException whose message
     wraps the connection error (after its retries)."""
     return "failed with exception" in exc.message and any(
@@ -84,7 +84,7 @@ class Registry:
         try:
             return fn()
         except MlflowException as exc:
-            if not _unreachable(exc):
+            if not _connection_failed(exc):
                 raise RegistryError(f"registry {self.uri}: {what} failed: {exc.message}") from None
             raise self._unreachable(what, exc) from None
         except Exception as exc:  # noqa: BLE001 - connection errors come from requests/urllib3
@@ -108,7 +108,7 @@ class Registry:
         try:
             return self._version(self.client.get_model_version_by_alias(self.name, alias))
         except MlflowException as exc:
-            if _unreachable(exc):
+            if _connection_failed(exc):
                 raise self._unreachable(f"reading alias {alias}", exc) from None
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
                 return None

@@ -1,7 +1,6 @@
 """The deploy stage: register a trained adapter, evaluate it against the champion, gate it, and
 (when asked) promote it.
 
-    repair      finish any alias move a crash left half done
     register    new model version from the run's adapter artifact, alias `candidate`
     evaluate    candidate vs champion (or the base model on first deployment) on the held-out
                 slice, the regression suite, canaries, KL, smoke (deploy/evaluate.py)
@@ -63,10 +62,9 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
              promote: bool = False, cycle_id: str | None = None,
              production_canaries: dict[str, dict[str, float]] | None = None) -> GateResult:
     """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
-    (per policy version, from the reward stage's audit) are kept with the decision."""
+    (per policy version, from the reward stage's audit) are kept with the decision. Callers run
+    registry.repair() first (the cycle as it starts, the CLI as it opens the registry)."""
     watch = Stopwatch()  # where the seconds went: kept with the decision
-    with watch("registry"):
-        registry.repair()
     run = get_run(engine, run_id)
     if run is None or run.status != "finished":
         raise RegistryError(f"training run {run_id} is {'unknown' if run is None else run.status}: "

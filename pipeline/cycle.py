@@ -198,7 +198,8 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
     # never saw; otherwise every cycle would register a near-copy of a rejected candidate. One
     # from a cycle that failed (before the gate decided, or before its promotion) does not count:
     # that cycle is retried with the same episodes
-    last = latest_finished_run(deps.engine, deps.spec.version, watermark_from=selection.watermark_from, decided=True)
+    last = latest_finished_run(deps.engine, deps.spec.version, watermark_from=selection.watermark_from,
+                               skip_failed_cycles=True)
     if last is not None:
         new = sum(1 for r in selection.rows if r.reward_id > last.watermark_to)
         since = f" since run {last.run_id[:12]} (the last candidate trained from this champion)"

@@ -281,8 +281,8 @@ def _run_fleet(config: Config, engine: Engine, url: str, daemon, cycles: int, me
             time.sleep(5)
         daemon.pause_cycles()
         final = _champion_served(daemon, url, deadline)
-        while time.monotonic() < deadline and fleet.stats.by_version.get(final, [0])[0] < measure:
-            progress(f"measuring {final}: {fleet.stats.by_version.get(final, [0])[0]}/{measure} requests")
+        while time.monotonic() < deadline and (served := fleet.stats.by_version.get(final, [0])[0]) < measure:
+            progress(f"measuring {final}: {served}/{measure} requests")
             time.sleep(5)
     finally:
         fleet.stop.set()

@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
+
+from tests.conftest import wait_for
 
 
 def start(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.Popen:
@@ -21,16 +22,16 @@ def start(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.Popen:
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"], stdout=open(root / "log.txt", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except requests.ConnectionError:
-            pass
+
+    def healthy() -> bool:
         assert proc.poll() is None, (root / "log.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"mlflow server did not start in {timeout_s:.0f} s"
-        time.sleep(0.5)
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    wait_for(healthy, timeout_s, "the mlflow server to start", interval=0.5)
+    return proc
 
 
 def kill(proc: subprocess.Popen) -> None:

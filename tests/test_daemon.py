@@ -93,8 +93,8 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
                  "b's first cycle to finish")
         metrics = requests.get(f"http://127.0.0.1:{b_port}/metrics").text
         for name in ("rtrl_ingest_events", "rtrl_ingest_rate", "rtrl_dead_letters", "rtrl_consumer_lag",
-                     "rtrl_ingest_errors_total", "rtrl_cycle_duration_seconds", "rtrl_cycles_total", "rtrl_champion_version", "rtrl_reward_mean",
-                     "rtrl_gate_decisions", "rtrl_lease_held 1.0", 'rtrl_cycle_part_seconds{part="reward"}',
+                     "rtrl_ingest_errors_total", "rtrl_cycle_duration_seconds", "rtrl_cycles_total",
+                     "rtrl_champion_version", "rtrl_reward_mean", "rtrl_gate_decisions", "rtrl_lease_held 1.0", 'rtrl_cycle_part_seconds{part="reward"}',
                      "rtrl_cycle_outside_loop_ratio"):
             assert name in metrics, name
     finally:

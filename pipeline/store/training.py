@@ -120,12 +120,13 @@ def get_run(engine: Engine, run_id: str) -> Any | None:
 
 
 def latest_finished_run(engine: Engine, spec_version: str | None = None,
-                        watermark_from: int | None = None, decided: bool = False) -> Any | None:
+                        watermark_from: int | None = None, skip_failed_cycles: bool = False) -> Any | None:
     """The newest finished run, optionally of one spec and trained from one watermark (that is,
-    continued from the same champion). With `decided`, not a run whose cycle failed: the gate
-    never judged it (say the registry was away), so it says nothing about its episodes."""
+    continued from the same champion). With `skip_failed_cycles`, not a run whose cycle failed:
+    its candidate was never judged or never promoted (say the registry was away), so it says
+    nothing about its episodes."""
     where = [training_runs.c.status == "finished"]
-    if decided:
+    if skip_failed_cycles:
         where.append(~exists().where(and_(cycles.c.run_id == training_runs.c.run_id, cycles.c.state == "failed")))
     if spec_version is not None:
         where.append(training_runs.c.spec_version == spec_version)
