@@ -19,14 +19,22 @@ def _patterns(patterns: tuple[str, ...]) -> list[re.Pattern]:
 
 def is_abstention(text: str, patterns: tuple[str, ...]) -> bool:
     """Empty, or matching one of the patterns (e.g. a clarifying question instead of an attempt)."""
-    return not text.strip() or any(p.search(text) for p in _patterns(patterns))
+    if not text or text.isspace():
+        return True
+    for pattern in _patterns(patterns):
+        if pattern.search(text):
+            return True
+    return False
 
 
 def repeated_fraction(text: str, n: int) -> float:
     """Share of word n-grams that repeat an earlier one (0 = none, near 1 = a loop)."""
     words = text.split()
-    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-    return 0.0 if not grams else 1 - len(set(grams)) / len(grams)
+    count = len(words) - n + 1  # n-grams in the text
+    if count < 2:  # one n-gram or none: nothing to repeat
+        return 0.0
+    distinct = set(zip(*[words[i:] for i in range(n)]))  # zip stops at the shortest: `count` n-grams
+    return 1 - len(distinct) / count
 
 
 def malformed_tool_call(call: object) -> bool:

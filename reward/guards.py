@@ -34,6 +34,8 @@ def repetition(ep: Episode, g: RepetitionGuard) -> float:
 
 def tool_format(ep: Episode, g: ToolFormatGuard) -> float:
     """Each tool call without a name or with arguments that are not a JSON object."""
+    if not ep.tool_calls:
+        return 0.0
     return g.penalty * sum(malformed_tool_call(c) for c in ep.tool_calls)
 
 

@@ -32,6 +32,7 @@ from sqlalchemy import Engine
 
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import (
+    RewardRow,
     feedback_rows,
     iter_episode_chunks,
     judge_scores_for,
@@ -40,7 +41,7 @@ from pipeline.store.rewards import (
     trained_request_ids,
     upsert_rewards,
 )
-from reward.compute import RewardResult, Scorer, compute_reward, is_ripe
+from reward.compute import Scorer, compute_reward, is_ripe
 from reward.judge import Judge
 from reward.signals import Episode, Feedback
 from reward.spec import RewardSpec
@@ -77,15 +78,17 @@ def build_episode(row: Any, feedback: list[list[Any]], with_prompt: bool = True)
     episode and a row's attribute lookup costs more than the rest of it. The prompt is rendered
     only `with_prompt` (a judge reads it; rules never do)."""
     _, request_id, ts, policy_version, body = row[:5]
+    if isinstance(ts, str):  # SQLite's text (see iter_episode_chunks)
+        ts = datetime.fromisoformat(ts)
     body = orjson.loads(body)
     text, calls = completion_parts(body.get("completion"))
     metadata = body.get("metadata")
     expects = bool(metadata.get("expects_attempt", True)) if isinstance(metadata, dict) else True
-    fbs = tuple(
+    fbs = tuple([
         Feedback(event_id, kind, float(value), datetime.fromisoformat(fts),
                  orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None)
         for _, event_id, kind, value, fts, fbody in feedback
-    )
+    ])
     prompt = prompt_text(body.get("prompt", "")) if with_prompt else ""
     return Episode(request_id, ts, policy_version, text, calls, fbs, expects, prompt)
 
@@ -179,47 +182,51 @@ def score_part(
     part: tuple[int, int] = (0, 1),
     chunk_size: int = 5000,
 ) -> RewardRunReport:
-    """The chunks of `part` (k of n, see iter_episode_chunks), counted into `report`."""
+    """The chunks of `part` (k of n, see iter_episode_chunks), counted into `report`. The two
+    loops over a chunk's episodes are the stage's hot path: they count in locals, and the
+    report takes the counts once per chunk."""
     version = spec.version
     judge = Judge(spec.judge) if spec.judge else None
     budget = spec.judge.budget if spec.judge else 0
     score = Scorer(spec)
+    ripe = score.ripeness(now)
     with gc_paused():
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
                                          only_stale=not force):
-            todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             report.duplicate_interactions += chunk.duplicates
-            report.episodes += chunk.current  # up to date: counted, never read
+            report.episodes += chunk.current + len(chunk.interactions)  # up to date: counted, never read
             report.unchanged += chunk.current
+            todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             for row in chunk.interactions:
-                report.episodes += 1
                 feedback = feedback_rows(row)
-                newest = max([f[0] for f in feedback], default=0)
                 ep = build_episode(row, feedback, with_prompt=judge is not None)
-                if not score.is_ripe(ep, now):
-                    report.unripe += 1
-                    continue
-                todo.append((ep, newest, row[6] is None))  # row[6]: the stored reward's last feedback id
+                if ripe(ep):  # row[6]: the last feedback id of the stored reward (None: none yet)
+                    todo.append((ep, max([f[0] for f in feedback], default=0), row[6] is None))
+            report.unripe += len(chunk.interactions) - len(todo)
             scores: dict[str, float] = {}
             if judge is not None:
                 scores, budget = _judge(engine, judge, [ep for ep, _, _ in todo], budget)
             # late feedback on an episode a training run already used: the run keeps the value it
             # used (training_episodes); the reward moves on, and the change is counted
             trained = trained_request_ids(engine, [ep.request_id for ep, _, first in todo if not first], version)
-            out = []
+            out: list[RewardRow] = []
+            first_times, value_sum = 0, 0.0
             for ep, newest, first in todo:
                 if judge is not None and ep.request_id not in scores:
                     report.judge_deferred += 1  # over this run's judge budget: next run
                     continue
                 result = score(ep, scores.get(ep.request_id))
-                out.append(reward_row(ep, result, version, newest))
-                report.computed += first
-                report.updated += not first
-                report.changed_after_training += ep.request_id in trained
-                report.value_sum += result.value
+                out.append(RewardRow(ep.request_id, ep.policy_version, result.value, result.components,
+                                     len(ep.feedback), newest))
+                first_times += first
+                value_sum += result.value
                 for kind in result.ignored_kinds:
                     report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1
-            upsert_rewards(engine, out)
+            upsert_rewards(engine, version, out)
+            report.computed += first_times
+            report.updated += len(out) - first_times
+            report.changed_after_training += sum(r.request_id in trained for r in out) if trained else 0
+            report.value_sum += value_sum
             if on_progress:
                 on_progress(report)
     return report
@@ -234,18 +241,6 @@ def _judge(engine: Engine, judge: Judge, episodes: list[Episode], budget: int) -
         store_judge_scores(engine, judge.version, fresh)
         scores.update(fresh)
     return scores, budget - len(missing)
-
-
-def reward_row(ep: Episode, result: RewardResult, spec_version: str, last_feedback_id: int) -> dict[str, Any]:
-    return {
-        "request_id": ep.request_id,
-        "spec_version": spec_version,
-        "policy_version": ep.policy_version,
-        "value": result.value,
-        "components": result.components,
-        "feedback_count": len(ep.feedback),
-        "last_feedback_id": last_feedback_id,
-    }
 
 
 def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | None = None):
