@@ -1,6 +1,7 @@
 """One episode -> one reward, with every component kept.
 
     reward = clip( sum over kinds k in the spec of  weight_k * combine_k(signal_k(event) ...)
+                                                   (each x 0.5 ** (delay / half_life_k) if set)
                    + judge weight * (2 * judge score - 1)          (when the spec has a judge)
                    - sum over guards of penalty )
 
@@ -20,7 +21,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from reward.guards import GUARDS
-from reward.signals import COMBINE, SIGNALS, Episode, Feedback, numeric
+from reward.signals import COMBINE, SIGNALS, Episode, Feedback, SignalFn, decayed, numeric
 from reward.spec import RewardSpec
 
 
@@ -57,6 +58,11 @@ def _by_kind_in_time_order(feedback: tuple) -> Iterator[tuple[str, Iterator[Feed
                                                     json.dumps(fb.payload, sort_keys=True, default=str))), _KIND)
 
 
+def _signal_fn(kind: str, half_life_s: float | None) -> SignalFn:
+    fn = SIGNALS.get(kind, numeric)
+    return fn if half_life_s is None else decayed(fn, half_life_s)
+
+
 class Scorer:
     """`compute_reward` for one spec, with the spec's lookups done once: the reward stage scores
     up to a million episodes per run with one of these."""
@@ -65,7 +71,7 @@ class Scorer:
         self.spec = spec
         # kind -> (component name, weight, combine (None: the last event's value), per-event signal)
         self.signals = {kind: (f"signal.{kind}", sig.weight, None if sig.combine == "last" else COMBINE[sig.combine],
-                               SIGNALS.get(kind, numeric)) for kind, sig in spec.signals.items()}
+                               _signal_fn(kind, sig.half_life_s)) for kind, sig in spec.signals.items()}
         self.guards = [(f"guard.{name}", guard, getattr(spec.guards, name)) for name, guard in GUARDS.items()]
         self.judge_weight = spec.judge.weight if spec.judge is not None else None
         self.lo, self.hi = spec.clip.min, spec.clip.max

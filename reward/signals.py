@@ -123,6 +123,20 @@ def numeric(fb: Feedback, ep: Episode) -> float:
     return _clip(fb.value)
 
 
+def decayed(fn: SignalFn, half_life_s: float) -> SignalFn:
+    """`fn` with each event's value scaled by 0.5 ** (delay / half_life_s), the delay being the
+    time from the interaction to the event (0 if the event claims to be earlier). With
+    `half_life_s = 600`, a follow-up 10 minutes after the suggestion -> -1 * 0.5 = -0.5; one
+    within seconds -> about -1. Decay never changes a value's sign, only shrinks it."""
+
+    def signal(fb: Feedback, ep: Episode) -> float:
+        delay_s = max(0.0, (fb.ts - ep.ts).total_seconds())
+        return fn(fb, ep) * 0.5 ** (delay_s / half_life_s)
+
+    signal.__doc__ = fn.__doc__
+    return signal
+
+
 COMBINE: dict[str, Callable[[list[float]], float]] = {
     "last": lambda xs: xs[-1],
     "sum": sum,

@@ -5,6 +5,7 @@
     [join]       orphan_ttl_s = 86400
     [clip]       min = -1.0, max = 1.0
     [signals.<feedback kind>]   weight = 0.5, combine = "last"      # one table per kind
+                                half_life_s = 600                   # optional decay by delay
     [guards.length|abstention|repetition|tool_format]                # penalties on the output
     [judge]      model = "/models/judge", weight = 0.5, budget = 1000   # optional
 
@@ -37,10 +38,19 @@ class _Strict(BaseModel):
 
 
 class Signal(_Strict):
-    """How one feedback kind contributes: weight x combine(per-event values)."""
+    """How one feedback kind contributes: weight x combine(per-event values), each event's value
+    decayed by its delay after the interaction when `half_life_s` is set."""
 
     weight: float = Field(ge=0, le=10)  # the sign is the signal's; the weight says how much
     combine: Literal["last", "sum", "max", "min", "mean"] = "last"
+    # an event this long after the interaction counts half, twice as long a quarter: the later an
+    # outcome, the less it says about this completion (see reward.signals.decayed)
+    half_life_s: float | None = Field(default=None, gt=0, le=365 * 86400)
+
+
+# Fields added to a spec after its first release: they enter the version hash only when set, so
+# an upgrade of rtrl leaves the version of every existing spec -- and its stored rewards -- alone.
+_LATER_FIELDS = {"signals": ("half_life_s",)}
 
 
 class Ripeness(_Strict):
@@ -139,7 +149,13 @@ class RewardSpec(_Strict):
     @property
     def version(self) -> str:
         """`name@hash`: the hash of the canonical content, stable across formatting."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        content = self.model_dump(mode="json")
+        for section, fields in _LATER_FIELDS.items():
+            for entry in content[section].values():
+                for name in fields:
+                    if entry[name] is None:
+                        del entry[name]
+        canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return f"{self.name}@{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 
 

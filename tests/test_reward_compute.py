@@ -11,10 +11,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from reward.compute import compute_reward, is_ripe
-from reward.signals import Episode, Feedback
-from reward.spec import SpecError, load_spec, parse_spec
+from reward.signals import SIGNALS, Episode, Feedback, decayed, numeric
+from reward.spec import RewardSpec, SpecError, load_spec, parse_spec
 
 SPEC = load_spec()
+_dumped = SPEC.model_dump()
+# the default spec with every signal decaying (half-life 15 minutes): the properties hold for it too
+DECAYING = RewardSpec.model_validate({**_dumped, "name": "decaying", "signals": {
+    kind: {**sig, "half_life_s": 900} for kind, sig in _dumped["signals"].items()}})
 T0 = datetime(2026, 11, 1, 12, 0)
 KINDS = ["accepted", "rejected", "edited", "persisted", "followup", "thumbs", "tool_error", "test_result", "csat"]
 
@@ -58,12 +62,36 @@ POSITIVE = [fb("accepted", 1, 50, event_id="p1"), fb("persisted", 1, 60, event_i
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=texts, events=st.lists(feedback_events, max_size=6), extra=st.sampled_from(POSITIVE))
-def test_adding_a_positive_signal_never_lowers_the_reward(text, events, extra):
+@given(text=texts, events=st.lists(feedback_events, max_size=6), extra=st.sampled_from(POSITIVE),
+       spec=st.sampled_from([SPEC, DECAYING]))
+def test_adding_a_positive_signal_never_lowers_the_reward(text, events, extra, spec):
     events = [e for e in events if e.kind != extra.kind]  # a kind the episode has not seen yet
-    before = compute_reward(episode(text, events), SPEC).value
-    after = compute_reward(episode(text, events + [extra]), SPEC).value
+    before = compute_reward(episode(text, events), spec).value
+    after = compute_reward(episode(text, events + [extra]), spec).value
     assert after >= before
+
+
+@settings(max_examples=300, deadline=None)
+@given(event=feedback_events, half_life_s=st.floats(1, 86400), before_s=st.integers(0, 600))
+def test_decay_keeps_a_signals_sign_and_never_grows_it(event, half_life_s, before_s):
+    fn = SIGNALS.get(event.kind, numeric)
+    ep = episode(feedback=[event])._replace(ts=T0 - timedelta(seconds=before_s))
+    plain, decayed_value = fn(event, ep), decayed(fn, half_life_s)(event, ep)
+    assert abs(decayed_value) <= abs(plain)
+    assert decayed_value * plain >= 0  # same sign (or zero)
+
+
+def test_decay_halves_a_signal_at_each_half_life():
+    spec = parse_spec('name = "x"\n[signals.followup]\nweight = 0.3\nhalf_life_s = 600\n')
+    def followup_at(seconds):
+        return compute_reward(episode(feedback=[fb("followup", 1, seconds)]), spec).components["signal.followup"]
+    assert followup_at(0) == pytest.approx(-0.3)
+    assert followup_at(600) == pytest.approx(-0.15)
+    assert followup_at(1200) == pytest.approx(-0.075)
+    assert followup_at(-30) == pytest.approx(-0.3)  # an event stamped before the interaction: no decay
+    # a kind without a half-life is not decayed, however late
+    late = compute_reward(episode(feedback=[fb("accepted", 1, 7200)]), SPEC).components["signal.accepted"]
+    assert late == pytest.approx(0.5)
 
 
 @settings(max_examples=200, deadline=None)
@@ -130,6 +158,7 @@ def test_contradictory_feedback_accepted_then_reverted():
     ('name = "x"\n[signals.accepted]\nweight = 0.5\ncombine = "avg"', "signals.accepted.combine", "'last', 'sum', 'max', 'min' or 'mean'"),
     ('name = "x"\n[signals.accepted]\nweight = 0.5\n[clip]\nmin = 0.5', "clip.min", "less than or equal to 0"),
     ('name = "x"\n[signals.a]\nweight = 1\n[guards.abstention]\npatterns = ["(unclosed"]', "guards.abstention.patterns", "not a regular expression"),
+    ('name = "x"\n[signals.followup]\nweight = 0.3\nhalf_life_s = 0', "signals.followup.half_life_s", "greater than 0"),
 ])
 def test_malformed_spec_is_refused_with_file_field_and_allowed(tmp_path, body, field, allowed):
     path = tmp_path / "new.toml"
@@ -145,3 +174,13 @@ def test_spec_version_is_name_and_content_hash():
     b = parse_spec('# same content, other formatting\nname="x"\n\n[signals.accepted]\nweight=0.50\n')
     c = parse_spec('name = "x"\n[signals.accepted]\nweight = 0.6\n')
     assert a.version == b.version != c.version and a.version.startswith("x@")
+
+
+def test_a_half_life_makes_a_new_version_and_specs_without_one_keep_theirs():
+    plain = parse_spec('name = "x"\n[signals.accepted]\nweight = 0.5\n')
+    decaying = parse_spec('name = "x"\n[signals.accepted]\nweight = 0.5\nhalf_life_s = 600\n')
+    assert plain.version != decaying.version
+    # Every stored reward carries its spec's version. This is the default spec's version from
+    # before half-lives existed: a change to how versions are hashed must not re-version the
+    # rewards users already have (change it only with reward/default_spec.toml itself).
+    assert SPEC.version == "default@becf22453442"

@@ -68,6 +68,15 @@ def test_orphaned_feedback_waits_is_joined_later_and_reported_after_the_ttl(engi
     assert reward_of(engine, "ev-r-2") == pytest.approx(0.5)
 
 
+def test_a_half_life_decays_feedback_by_its_delay_after_the_interaction(engine):
+    # timestamps as stored (text in SQLite, timestamps in PostgreSQL) give the delay
+    spec = SPEC.model_validate({**SPEC.model_dump(), "name": "decaying", "signals": {
+        "followup": {"weight": 0.3, "half_life_s": 600}}})
+    store(engine, interaction(9), fb(9, kind="followup", ts="2026-11-01T00:10:09Z"))  # 600 s after it
+    run_rewards(engine, spec, now=LATER)
+    assert stored_reward(engine, "ev-r-9", spec.version).value == pytest.approx(-0.15)
+
+
 def test_duplicate_feedback_events_count_once(engine):
     store(engine, interaction(3), fb(3, kind="tool_error"), fb(3, kind="tool_error"), fb(3, kind="tool_error"))
     run_rewards(engine, SPEC, now=LATER)
