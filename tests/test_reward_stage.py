@@ -126,6 +126,7 @@ def test_reward_commands(engine, db_url, tmp_path):
     out = CliRunner().invoke(cli, ["reward", "explain", "ev-r-8"], env=env)
     assert out.exit_code == 0, out.output
     assert "guard.abstention" in out.output and "signal.thumbs" in out.output and "= reward" in out.output
+    assert "thumbs       1      0 s after" in out.output, out.output  # the delay after the interaction
     missing = CliRunner().invoke(cli, ["reward", "explain", "nope"], env=env)
     assert missing.exit_code != 0 and "no interaction with request_id 'nope'" in missing.output
     bad = tmp_path / "bad.toml"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
+from datetime import timedelta
 
 import click
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -95,7 +96,8 @@ def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool)
             "request_id": ep.request_id, "policy_version": ep.policy_version, "spec": spec.version,
             "ripe": ripe, "value": result.value, "components": result.components,
             "ignored_kinds": list(result.ignored_kinds),
-            "feedback": [{"kind": f.kind, "value": f.value, "ts": f.ts.isoformat()} for f in ep.feedback],
+            "feedback": [{"kind": f.kind, "value": f.value, "ts": f.ts.isoformat(),
+                          "delay_s": (f.ts - ep.ts).total_seconds()} for f in ep.feedback],
         }, indent=2))
         return
     text = ep.text if len(ep.text) <= 300 else ep.text[:300] + f"... ({len(ep.text)} chars)"
@@ -103,7 +105,8 @@ def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool)
     click.echo(f"output: {text!r}" + (f"  [{len(ep.tool_calls)} tool calls]" if ep.tool_calls else ""))
     click.echo("feedback:" + ("" if ep.feedback else " none"))
     for f in sorted(ep.feedback, key=lambda f: (f.ts, f.event_id)):
-        click.echo(f"  {f.ts.isoformat()}Z  {f.kind:<12} {f.value:g}")
+        # the delay after the interaction: what ripeness and a signal's half-life go by
+        click.echo(f"  {f.ts.isoformat()}Z  {f.kind:<12} {f.value:<6g} {_delay(f.ts - ep.ts)}")
     click.echo(f"reward under {spec.version}" + ("" if ripe else " (not ripe yet: may still change)") + ":")
     for name, value in result.components.items():
         click.echo(f"  {name:<22} {value:+.4f}")
@@ -111,6 +114,16 @@ def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool)
         click.echo(f"  (ignored kinds: {', '.join(result.ignored_kinds)})")
     clipped = "" if result.value == result.unclipped else f"  (clipped from {result.unclipped:+.4f})"
     click.echo(f"  {'= reward':<22} {result.value:+.4f}{clipped}")
+
+
+def _delay(delta: timedelta) -> str:
+    """'40 s after', '39.9 min after', '2.5 h after' (or 'before', for an event stamped earlier)."""
+    seconds = abs(delta.total_seconds())
+    if seconds < 120:
+        amount = f"{seconds:.0f} s"
+    else:
+        amount = f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+    return f"{amount} {'after' if delta >= timedelta(0) else 'before'}"
 
 
 @reward.command()
