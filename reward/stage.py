@@ -194,8 +194,8 @@ def score_part(
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
                                          only_stale=not force):
             report.duplicate_interactions += chunk.duplicates
-            report.episodes += chunk.current + len(chunk.interactions)  # up to date: counted, never read
-            report.unchanged += chunk.current
+            report.episodes += len(chunk.interactions) + chunk.current
+            report.unchanged += chunk.current  # up to date: counted, never read
             todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             for row in chunk.interactions:
                 feedback = feedback_rows(row)
