@@ -8,6 +8,7 @@ be 10) and peak RSS (of the parent of the workers, and of the largest worker).
 
     .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers, 3 runs each
     .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2 --repeat 1  # a quick run
+    .venv/bin/python benchmarks/reward.py --prompt-chars 3000   # production-sized prompts
 
 This machine's speed varies by tens of percent from minute to minute (shared cores): each
 configuration runs `--repeat` times, interleaved, and the median is reported with the range.
@@ -51,9 +52,20 @@ OUTCOMES = [
 ]
 
 
-def fill(url: str, n: int, seed: int = 0) -> None:
+def chat_prompt(chars: int, rng: random.Random) -> list[dict] | str:
+    """"p", or a system and a user message of about `chars` characters together (production
+    prompts carry context: files, history)."""
+    if chars <= 0:
+        return "p"
+    words = ["def", "return", "class", "import", "value", "index", "result", "self", "list", "for"]
+    text = " ".join(rng.choice(words) for _ in range(chars // 6))
+    return [{"role": "system", "content": text[: chars // 2]}, {"role": "user", "content": text[chars // 2:]}]
+
+
+def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
     """n interactions, 3 feedback events each, written in chunks as ingest would."""
     rng = random.Random(seed)
+    prompts = [chat_prompt(prompt_chars, rng) for _ in range(16)]
     engine = store_db.make_engine(url)
     chunk = 20_000
     for start in range(0, n, chunk):
@@ -63,7 +75,8 @@ def fill(url: str, n: int, seed: int = 0) -> None:
             rid = f"r{i}"
             body = {"schema_version": 1, "event_id": f"i{i}", "type": "interaction", "ts": ts.isoformat() + "Z",
                     "request_id": rid, "session_id": "s", "user_id": "u", "tenant": "t",
-                    "policy_version": str(1 + i % 3), "prompt": "p", "completion": rng.choice(COMPLETIONS)}
+                    "policy_version": str(1 + i % 3), "prompt": prompts[i % 16],
+                    "completion": rng.choice(COMPLETIONS)}
             rows.interaction.append({
                 "event_id": f"i{i}", "request_id": rid, "schema_version": 1, "ts": ts, "session_id": "s",
                 "user_id": "u", "tenant": "t", "policy_version": body["policy_version"], "body": json.dumps(body),
@@ -111,6 +124,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (median reported)")
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="size of each interaction's prompt (default: a one-character prompt)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
@@ -118,7 +133,7 @@ def main() -> None:
         url = f"sqlite:///{tmp / f'r{n}.db'}"
         store_db.upgrade(url)
         t = time.perf_counter()
-        fill(url, n)
+        fill(url, n, prompt_chars=args.prompt_chars)
         print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
         runs: dict[int, list[float]] = {w: [] for w in args.workers}
         for _ in range(args.repeat):  # interleaved: a slow minute hits every configuration alike
