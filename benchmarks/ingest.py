@@ -17,6 +17,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import queue
 import resource
 import sys
@@ -208,6 +209,7 @@ def main() -> None:
     finally:
         if broker_cfg is not None:
             kafka_local.down(broker_cfg)
+        shutil.rmtree(tmp, ignore_errors=True)  # the stores and the broker's logs: gigabytes
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import random
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -129,24 +130,27 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
-    for n in args.sizes:
-        url = f"sqlite:///{tmp / f'r{n}.db'}"
-        store_db.upgrade(url)
-        t = time.perf_counter()
-        fill(url, n, prompt_chars=args.prompt_chars)
-        print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
-        runs: dict[int, list[float]] = {w: [] for w in args.workers}
-        for _ in range(args.repeat):  # interleaved: a slow minute hits every configuration alike
-            for workers in args.workers:
-                computed, elapsed, rss, noop = run_phase(url, workers)
-                assert computed == n, f"computed {computed} of {n}"
-                runs[workers].append(elapsed)
-                print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
-                      f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
-        for workers, elapsed in runs.items():
-            times[n, workers] = med = statistics.median(elapsed)
-            print(f"{n:>9,} episodes, {workers} worker(s): median {med:.1f}s = {n / med:,.0f} episodes/s "
-                  f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})", flush=True)
+    try:
+        for n in args.sizes:
+            url = f"sqlite:///{tmp / f'r{n}.db'}"
+            store_db.upgrade(url)
+            t = time.perf_counter()
+            fill(url, n, prompt_chars=args.prompt_chars)
+            print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
+            runs: dict[int, list[float]] = {w: [] for w in args.workers}
+            for _ in range(args.repeat):  # interleaved: a slow minute hits every configuration alike
+                for workers in args.workers:
+                    computed, elapsed, rss, noop = run_phase(url, workers)
+                    assert computed == n, f"computed {computed} of {n}"
+                    runs[workers].append(elapsed)
+                    print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
+                          f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
+            for workers, elapsed in runs.items():
+                times[n, workers] = med = statistics.median(elapsed)
+                print(f"{n:>9,} episodes, {workers} worker(s): median {med:.1f}s = {n / med:,.0f} episodes/s "
+                      f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the stores: 2 GB at 1M
     for workers in args.workers:
         sizes = sorted(n for n, w in times if w == workers)
         if len(sizes) == 2:
