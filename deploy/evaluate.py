@@ -147,5 +147,8 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
     # the reward is a metric too: [gate.bounds.reward] can set value and change limits on it
     cand_report.metrics["reward"], champ_report.metrics["reward"] = cand_est.estimate.value, champ_est.estimate.value
+    # how much of each policy's probability the logged completions cover: below 1, mass the
+    # estimate cannot see (see deploy/offpolicy.py); [gate.bounds.coverage] can require a minimum
+    cand_report.metrics["coverage"], champ_report.metrics["coverage"] = cand_est.coverage, champ_est.coverage
     return Evaluation(cand_report, champ_report, Comparison(gain, kl), len(usable), excluded,
                       {"candidate": cand_out, "champion": champ_out})

@@ -155,6 +155,20 @@ def test_a_candidate_that_moved_off_the_logged_completions_gets_no_credit_for_it
     good = rng.random(n) < 0.5
     rewards = good.astype(float)
     cand_lp = np.where(good, np.log(0.5), np.log(1e-6))
-    cand, _, gain = compare(cand_lp, mu, mu, rewards, resamples=500)
+    cand, champ, gain = compare(cand_lp, mu, mu, rewards, resamples=500)
     assert cand.estimate.value > 0.99  # the self-normalised estimate alone would pass it...
     assert gain.low <= 0 and abs(gain.value) < 0.05  # ...the improvement the gate reads (must exceed 0) does not
+    # and the estimate says how much of the candidate the log covers: half (the "good" half)
+    assert abs(cand.coverage - 0.5) < 0.03 and champ.coverage == 1.0
+
+
+def test_a_coverage_bound_rejects_a_candidate_the_log_covers_too_little_of():
+    cfg = GateConfig(bounds={"coverage": Bound(min=0.8)})
+    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0, "mean_length": 40.0,
+               "smoke_latency_ms": 12.0}  # the default bounds cover these too
+    champion = EvalReport("1", Estimate(0.1, 0.0, 0.2), ess=200, metrics={**metrics, "coverage": 1.0})
+    covered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.9})
+    uncovered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.5})
+    comparison = Comparison(Estimate(0.2, 0.1, 0.3), kl=0.1)
+    assert decide(covered, champion, comparison, cfg).passed
+    assert decide(uncovered, champion, comparison, cfg).reasons == ["coverage 0.5 (min 0.8)"]
