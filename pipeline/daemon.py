@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.config import Config
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
+from pipeline.store.deploys import served_and_accepted
 from pipeline.store.leases import acquire, release
 from pipeline.store.training import get_run
 
@@ -70,6 +71,12 @@ class Metrics:
                                  "stage.part (train.loop is the training loop)", ["part"], registry=r)
         self.outside_loop = Gauge("rtrl_cycle_outside_loop_ratio",
                                   "Share of the last trained cycle spent outside the training loop", registry=r)
+        # the online check on a promotion: the gate's off-policy estimate can be optimistic
+        # (README, "Known limitation"); alert when the champion's rate falls below previous's
+        self.policy_served = Gauge("rtrl_policy_served", "Requests served by the version under the alias",
+                                   ["alias"], registry=r)
+        self.policy_accept_rate = Gauge("rtrl_policy_accept_rate", "Share of the requests served by the version "
+                                        "under the alias that a user accepted", ["alias"], registry=r)
 
     def on_ingest(self, stats: IngestStats) -> None:
         self.ingested.set(stats.events)
@@ -140,6 +147,16 @@ class Daemon:
         """The champion, the run's reward mean and the cycle's split (registry and store reads)."""
         champion = self.deps.registry.alias("champion")
         self.metrics.champion.set(float(champion.version) if champion else 0.0)
+        aliases = {"champion": champion, "previous": self.deps.registry.alias("previous") if champion else None}
+        versions = {alias: v.version for alias, v in aliases.items() if v is not None}
+        online = served_and_accepted(self.deps.engine, list(versions.values()))
+        self.metrics.policy_served.clear()
+        self.metrics.policy_accept_rate.clear()
+        for alias, version in versions.items():
+            served, accepted = online.get(version, (0, 0))
+            self.metrics.policy_served.labels(alias).set(served)
+            if served:
+                self.metrics.policy_accept_rate.labels(alias).set(accepted / served)
         run = get_run(self.deps.engine, row.run_id) if row.run_id else None
         if run is not None and run.summary:
             self.metrics.reward_mean.set(run.summary.get("final", {}).get("reward_mean", 0.0))

@@ -32,7 +32,7 @@ from pipeline import cycle as cycle_mod
 from pipeline.daemon import Daemon
 from pipeline.kafka_local import ensure_topics
 from pipeline.store.cycles import recent_cycles
-from pipeline.store.deploys import moves
+from pipeline.store.deploys import moves, served_and_accepted
 from pipeline.store.events import stored_offsets
 from pipeline.store.tables import feedback as feedback_table, interactions, training_runs
 from pipeline.store.training import get_run
@@ -88,6 +88,12 @@ def test_the_registry_going_away_fails_the_cycle_and_the_next_one_retries_it(
         assert deps.registry.alias(CHAMPION).version == "1"
         assert [(m.to_version, m.status) for m in moves(engine, "cycle-policy")] == [("1", "done")]
         assert _cycles_by_outcome(daemon, "done") == 1
+        # the online check on the promotion, from the store (no previous: the first promotion)
+        served, accepted = served_and_accepted(engine, ["1"])["1"]
+        sample = daemon.metrics.registry.get_sample_value
+        assert sample("rtrl_policy_served", {"alias": "champion"}) == served > 0
+        assert sample("rtrl_policy_accept_rate", {"alias": "champion"}) == pytest.approx(accepted / served)
+        assert sample("rtrl_policy_served", {"alias": "previous"}) is None
     finally:
         mlflow_server.stop(server)
 

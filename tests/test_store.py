@@ -15,6 +15,7 @@ from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.config import Config
 from pipeline.store import db as store_db
 from ingest.batch import decode_records
+from pipeline.store.deploys import served_and_accepted
 from pipeline.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
 from pipeline.store.tables import dead_letters, feedback, interactions, metadata
 from pipeline.types import SourcePosition
@@ -147,3 +148,12 @@ def test_export_is_valid_ndjson(engine, tmp_path):
     export_events(engine, str(out))
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["event_id"] == "ev-i-1"
+
+
+def test_served_and_accepted_per_policy_version(engine):
+    events = [interaction(i, policy_version=v) for i, v in enumerate(["1", "1", "1", "2", "2"])]
+    events += [fb(0, kind="accepted"), fb(1, kind="accepted", value=False, event_id="no"),
+               fb(1, kind="persisted", event_id="kept"), fb(3, kind="accepted"), fb(4, kind="rejected")]
+    write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
+    assert served_and_accepted(engine, ["1", "2", "3"]) == {"1": (3, 1), "2": (2, 1)}
+    assert served_and_accepted(engine, []) == {}

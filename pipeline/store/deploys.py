@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine, and_, select, update
+from sqlalchemy import Engine, and_, case, exists, func, select, update
 
 from pipeline.store.events import utcnow
-from pipeline.store.tables import alias_moves, gate_decisions
+from pipeline.store.tables import alias_moves, feedback, gate_decisions, interactions
 
 
 def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,
@@ -65,3 +65,17 @@ def moves(engine: Engine, model_name: str, limit: int = 50) -> list[Any]:
     with engine.connect() as conn:
         return conn.execute(select(alias_moves).where(alias_moves.c.model_name == model_name)
                             .order_by(alias_moves.c.id.desc()).limit(limit)).all()
+
+
+def served_and_accepted(engine: Engine, versions: list[str]) -> dict[str, tuple[int, int]]:
+    """Per policy version: requests it served, and how many of them a user accepted (an
+    `accepted` event with a true value) -- the online check on a promotion, which the gate's
+    off-policy estimate cannot give. Versions that served nothing are left out."""
+    if not versions:
+        return {}
+    accepted = exists().where(and_(feedback.c.request_id == interactions.c.request_id,
+                                   feedback.c.kind == "accepted", feedback.c.value > 0))
+    stmt = (select(interactions.c.policy_version, func.count(), func.sum(case((accepted, 1), else_=0)))
+            .where(interactions.c.policy_version.in_(versions)).group_by(interactions.c.policy_version))
+    with engine.connect() as conn:
+        return {version: (served, int(n)) for version, served, n in conn.execute(stmt)}
