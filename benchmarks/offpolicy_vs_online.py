@@ -22,13 +22,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import orjson
 from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.evaluate import LoggedEpisode  # noqa: E402
-from deploy.offpolicy import clipped_weights, compare  # noqa: E402
+from deploy.offpolicy import clipped_weights, compare, ipw, snis  # noqa: E402
+from deploy.stage import logged_episode  # noqa: E402
 from pipeline.demo import DEMO_SPEC  # noqa: E402
 from pipeline.store import db as store_db  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
@@ -43,14 +43,7 @@ def served_episodes(conn, spec_version: str, version: str) -> list[LoggedEpisode
         "SELECT i.request_id, i.body, r.value FROM interactions i JOIN rewards r ON r.request_id = i.request_id "
         "AND r.spec_version = :spec WHERE i.policy_version = :version ORDER BY i.id"),
         {"spec": spec_version, "version": version})
-    out = []
-    for request_id, body, reward in rows:
-        ev = orjson.loads(body)
-        if ev.get("behavior_logprobs"):
-            out.append(LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""),
-                                     ev.get("completion_token_ids"), ev["behavior_logprobs"],
-                                     float((ev.get("sampling") or {}).get("temperature") or 1.0), float(reward)))
-    return out
+    return [ep for ep in (logged_episode(*row) for row in rows) if ep.behavior_logprobs]
 
 
 def main() -> None:
@@ -83,11 +76,11 @@ def main() -> None:
         r = np.array([eps[i].reward for i in keep])  # [N]
         lt = np.array([lp_target[i] for i in keep])
         w = clipped_weights(lt, mu, CAP)
-        _, _, gain = compare(lt, [lp_behaviour[i] for i in keep], mu, r, cap=CAP)
+        est, _, gain = compare(lt, [lp_behaviour[i] for i in keep], mu, r, cap=CAP)
         truth = online[target][1] - online[behaviour][1]
         print(f"{'v' + target:>6} {'v' + behaviour:>10} {len(keep):>5} {truth:>+7.3f} "
-              f"{(w * r).sum() / w.sum() - r.mean():>+7.3f} {(w * r).mean() - r.mean():>+7.3f} "
-              f"  [{gain.low:+.3f}, {gain.high:+.3f}] {w.mean():>7.2f}")
+              f"{snis(w, r) - r.mean():>+7.3f} {ipw(w, r) - r.mean():>+7.3f} "
+              f"  [{gain.low:+.3f}, {gain.high:+.3f}] {est.coverage:>7.2f}")
 
 
 if __name__ == "__main__":

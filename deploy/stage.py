@@ -45,16 +45,18 @@ def adapter_name(version: Version | None) -> str | None:
     return None if version is None else f"v{version.version}-{(version.run_id or 'local')[:12]}"
 
 
+def logged_episode(request_id: str, body: str, reward: float) -> LoggedEpisode:
+    """A served interaction (its stored event body) and its reward, as evaluation reads it."""
+    ev = orjson.loads(body)
+    return LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""), ev.get("completion_token_ids"),
+                         ev.get("behavior_logprobs"), float((ev.get("sampling") or {}).get("temperature") or 1.0),
+                         float(reward))
+
+
 def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[LoggedEpisode]:
     served_after = utcnow() - timedelta(seconds=train.staleness_s) if train.staleness_s else None
     rows = select_eval_episodes(engine, spec_version, train.holdout_percent, gate.eval_episodes, served_after)
-    out = []
-    for row in rows:
-        ev = orjson.loads(row.body)
-        out.append(LoggedEpisode(row.request_id, ev.get("prompt", ""), ev.get("completion", ""),
-                                 ev.get("completion_token_ids"), ev.get("behavior_logprobs"),
-                                 float((ev.get("sampling") or {}).get("temperature") or 1.0), float(row.reward)))
-    return out
+    return [logged_episode(row.request_id, row.body, row.reward) for row in rows]
 
 
 def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
