@@ -1,4 +1,5 @@
-"""Following the registry: read model-update events from Kafka and act on each champion move.
+"""Following the registry: read model-update events from Kafka and act on each move of the
+aliases a follower asks for (the champion; the reference server also follows the canary).
 
 Used by the reference server (deploy/serve.py: load the new adapter, swap) and by the vLLM hook
 (deploy/vllm.py: load it on a vLLM server under a versioned name, unload the old one). The
@@ -21,8 +22,8 @@ log = logging.getLogger("rtrl.deploy")
 
 class Follower:
     def __init__(self, bootstrap: str, topic: str, model_name: str,
-                 on_update: Callable[[dict[str, Any]], None]) -> None:
-        self.model_name, self.on_update = model_name, on_update
+                 on_update: Callable[[dict[str, Any]], None], aliases: tuple[str, ...] = ("champion",)) -> None:
+        self.model_name, self.on_update, self.aliases = model_name, on_update, aliases
         self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                                       consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
@@ -51,7 +52,7 @@ class Follower:
         except ValueError:
             log.error("unreadable model-update event ignored", extra={"raw": raw[:200].decode(errors="replace")})
             return
-        if event.get("name") != self.model_name or event.get("alias") != "champion":
+        if event.get("name") != self.model_name or event.get("alias") not in self.aliases:
             return
         try:
             self.on_update(event)

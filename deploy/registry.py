@@ -7,6 +7,9 @@
                          recorded passing decision unless forced with a reason; the same version
                          twice is a no-op
     rollback([to])       `champion` back to `previous` (or a named version)
+    stage(version, share) `canary` -> version, serving `share` of requests (deploy/rollout.py);
+                         needs a passing decision like promote; unstage() clears it, and
+                         promoting the canary's version clears it too
     repair()             finishes what a crash left: pending audit rows are checked against the
                          registry (done or not_applied), unpublished model-update events are sent
 
@@ -42,7 +45,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
+CANDIDATE, CHAMPION, PREVIOUS, CANARY = "candidate", "champion", "previous", "canary"
 log = logging.getLogger("rtrl.deploy")
 
 
@@ -190,13 +193,59 @@ class Registry:
                 "gate.numbers": json.dumps(numbers)}
         self.tag(version, tags)
 
+    def record_online(self, version: str, champion: str | None, cycle_id: str, decision: dict[str, Any],
+                      sides: dict[str, Any]) -> None:
+        """A staged rollout's online decision (deploy/rollout.py): stored like a gate decision (the
+        latest decision is what promote() goes by), with no run, and tagged on the version."""
+        audit.record_decision(self.engine, self.name, version, champion, None, decision["passed"],
+                              {"decision": decision, "stage": "online", "cycle": cycle_id, "sides": sides})
+        self.tag(version, {"online.passed": str(decision["passed"]).lower(),
+                           "online.reasons": json.dumps([c["detail"] for c in decision["checks"]])})
+
     def promote(self, version: str, actor: str, reason: str, force: bool = False) -> bool:
-        """Move `champion` to `version`; False if it already is (a no-op)."""
+        """Move `champion` to `version`; False if it already is (a no-op). A canary of that
+        version is cleared: it serves everything now."""
         version = str(version)
         target = self.get(version)  # refuses an unknown version before anything is written
         current = self.alias(CHAMPION)
         if current is not None and current.version == version:
+            self._clear_canary(version, actor)
             return False
+        decision = self._require_passed(version, force, reason)
+        why = reason or f"gate passed (decision {decision.id})"
+        self._move(CHAMPION, target, current, actor, why)
+        self._clear_canary(version, actor)
+        return True
+
+    def stage(self, version: str, share: float, actor: str, reason: str) -> bool:
+        """Move `canary` to `version`, serving `share` of requests; False if it already is."""
+        version = str(version)
+        if not 0.0 < share < 1.0:
+            raise RegistryError(f"a canary's share of requests must be in (0, 1), not {share}")
+        target = self.get(version)
+        current = self.alias(CANARY)
+        if current is not None and current.version == version:
+            return False
+        self._require_passed(version, False, reason)
+        self.tag(version, {"rollout.share": share})  # read by a server starting while the canary is out
+        self._move(CANARY, target, current, actor, reason, share=share)
+        return True
+
+    def unstage(self, actor: str, reason: str) -> Version | None:
+        """Clear `canary` (all requests to the champion); the version it was, None if none."""
+        current = self.alias(CANARY)
+        if current is None:
+            return None
+        self._move(CANARY, None, current, actor, reason)
+        return current
+
+    def _clear_canary(self, version: str, actor: str) -> None:
+        canary = self.alias(CANARY)
+        if canary is not None and canary.version == version:
+            self.unstage(actor, f"version {version} promoted")
+
+    def _require_passed(self, version: str, force: bool, reason: str) -> Any:
+        """The version's latest decision, which must have passed unless forced with a reason."""
         decision = audit.latest_decision(self.engine, self.name, version)
         if not force:
             if decision is None:
@@ -208,9 +257,7 @@ class Registry:
                                     "`--force --reason '...'` overrides")
         elif not reason.strip():
             raise RegistryError("--force needs --reason: say why the gate is overridden")
-        why = reason or f"gate passed (decision {decision.id})"
-        self._move(target, current, actor, why)
-        return True
+        return decision
 
     def rollback(self, actor: str, reason: str, to: str | None = None) -> Version:
         current = self.alias(CHAMPION)
@@ -220,32 +267,42 @@ class Registry:
                                 "name one with --to VERSION")
         if current is not None and current.version == target.version:
             raise RegistryError(f"version {target.version} is already the champion")
-        self._move(target, current, actor, reason or "rollback")
+        self._move(CHAMPION, target, current, actor, reason or "rollback")
         return target
 
-    def _move(self, target: Version, current: Version | None, actor: str, reason: str) -> None:
-        move_id = audit.begin_move(self.engine, self.name, CHAMPION, current.version if current else None,
-                                   target.version, reason, actor)
+    def _move(self, alias: str, target: Version | None, current: Version | None, actor: str, reason: str,
+              share: float | None = None) -> None:
+        """`alias` -> target (None: cleared). Moving `champion` also moves `previous` first."""
+        move_id = audit.begin_move(self.engine, self.name, alias, current.version if current else None,
+                                   target.version if target else None, reason, actor, share=share)
         try:
-            if current is not None:
+            if alias == CHAMPION and current is not None:
                 self._call("moving the previous alias",
                            lambda: self.client.set_registered_model_alias(self.name, PREVIOUS, current.version))
-            self._call("moving the champion alias",
-                       lambda: self.client.set_registered_model_alias(self.name, CHAMPION, target.version))
+            if target is None:
+                self._call(f"clearing the {alias} alias",
+                           lambda: self.client.delete_registered_model_alias(self.name, alias))
+            else:
+                self._call(f"moving the {alias} alias",
+                           lambda: self.client.set_registered_model_alias(self.name, alias, target.version))
         except RegistryError:
             audit.complete_move(self.engine, move_id, "not_applied")
             raise
         pause_point("promote.champion_moved")  # crash tests kill the process here: repair() finishes
         audit.complete_move(self.engine, move_id)
-        self._publish(move_id, target)
+        self._publish(move_id, alias, target, share)
 
-    def _publish(self, move_id: int, target: Version) -> bool:
+    def _publish(self, move_id: int, alias: str, target: Version | None, share: float | None) -> bool:
         """Announce the move; a broker that is down leaves the row unpublished for repair()."""
         if self.publish is None:
             return False
-        event = {"type": "model_update", "name": self.name, "version": target.version, "alias": CHAMPION,
-                 "adapter_uri": target.source, "base_model": target.tags.get("base_model"),
-                 "run_id": target.run_id, "at": utcnow().isoformat() + "Z"}
+        event = {"type": "model_update", "name": self.name, "alias": alias, "version": None, "adapter_uri": None,
+                 "at": utcnow().isoformat() + "Z"}
+        if target is not None:
+            event.update(version=target.version, adapter_uri=target.source, base_model=target.tags.get("base_model"),
+                         run_id=target.run_id)
+        if alias == CANARY:
+            event["share"] = share if target is not None else 0.0
         try:
             self.publish(event)
         except Exception as exc:  # noqa: BLE001 - kafka errors of every kind
@@ -260,13 +317,15 @@ class Registry:
         done = []
         for row in audit.unfinished_moves(self.engine, self.name):
             if row.status == "pending":
-                champion = self.alias(CHAMPION)
-                applied = champion is not None and champion.version == row.to_version
+                now = self.alias(row.alias)
+                applied = (now is None or now.version != row.from_version) if row.to_version is None \
+                    else (now is not None and now.version == row.to_version)
                 audit.complete_move(self.engine, row.id, "done" if applied else "not_applied")
-                done.append(f"move {row.id} ({row.from_version} -> {row.to_version}): "
+                done.append(f"move {row.id} ({row.alias}: {row.from_version} -> {row.to_version}): "
                             f"{'completed' if applied else 'never applied'}")
                 if not applied:
                     continue
-            if self._publish(row.id, self.get(row.to_version)):
+            target = self.get(row.to_version) if row.to_version is not None else None
+            if self._publish(row.id, row.alias, target, row.share):
                 done.append(f"move {row.id}: model-update event published")
         return done

@@ -2,7 +2,7 @@
 
     POST /v1/completions        {"prompt", "max_tokens", "temperature", "top_p", "seed", "user"}
     POST /v1/chat/completions   {"messages": [...], same sampling fields}
-    GET  /health                the version being served
+    GET  /health                the version being served (and the canary, if one is staged)
     GET  /metrics               Prometheus: requests, latency, swaps, events not delivered
 
 An OpenAI-compatible subset over the base model plus the champion adapter. Every response
@@ -14,6 +14,10 @@ the loop can learn from it. Headers X-Request-Id, X-Session-Id and X-Tenant fill
 Swapping: a model-update event loads the new adapter and switches to it under the model lock.
 Generation holds the same lock, so a request in flight finishes on the version it started
 with and the next one starts on the new version: nothing is dropped or failed by a swap.
+
+Staged rollout: while the registry has a `canary`, the share of requests whose id hashes
+below its share (deploy/rollout.py) are answered by the canary, the rest by the champion; each
+interaction event names the version that answered, so the loop compares the two online.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+
+from deploy.rollout import routes_to_canary
 
 log = logging.getLogger("rtrl.serve")
 BASE = "base"  # the version name of the base model with no adapter
@@ -65,10 +71,12 @@ class PolicyServer:
     """The model, the version it serves, and the lock that serialises generation and swaps."""
 
     def __init__(self, runner: Any, model_name: str, emit: Callable[[dict[str, Any]], None] | None = None,
-                 default_tenant: str = "default", keep_versions: int = 2) -> None:
+                 default_tenant: str = "default", keep_versions: int = 3) -> None:
         self.runner, self.model_name, self.emit = runner, model_name, emit
         self.default_tenant, self.keep_versions = default_tenant, keep_versions
         self.version = BASE
+        self.canary: str | None = None  # a staged candidate serving `canary_share` of requests
+        self.canary_share = 0.0
         self.loaded: list[str] = []  # adapter versions in memory, oldest first
         self.lock = threading.Lock()
         self.metrics = CollectorRegistry()
@@ -79,29 +87,64 @@ class PolicyServer:
         self.undelivered = Counter("rtrl_serve_events_undelivered", "Interaction events Kafka did not take",
                                    registry=self.metrics)
         self.serving = Gauge("rtrl_serve_version", "Registry version being served (0 = base)", registry=self.metrics)
+        self.canary_version = Gauge("rtrl_serve_canary_version", "Registry version of the canary (0 = none)",
+                                    registry=self.metrics)
+        self.canary_share_gauge = Gauge("rtrl_serve_canary_share", "Share of requests routed to the canary",
+                                        registry=self.metrics)
 
     def use(self, version: str, adapter_dir: Path | None) -> None:
-        """Serve `version` (its adapter loaded from `adapter_dir`) from the next request on."""
+        """Serve `version` (its adapter loaded from `adapter_dir`) from the next request on. A
+        canary of the same version is done: it is the champion now."""
         with self.lock:
             if version == self.version:
                 return
-            if adapter_dir is not None and version not in self.loaded:
-                self.runner.add(version, adapter_dir)
-                self.loaded.append(version)
+            self._load(version, adapter_dir)
             self.version = version
-            # keep the newest few in memory (a rollback is then instant); drop the rest
-            while len(self.loaded) > self.keep_versions and self.loaded[0] != version:
-                self.runner.remove(self.loaded.pop(0))
+            if self.canary == version:
+                self._set_canary(None, 0.0)
+            self._evict()
             self.swaps.inc()
             self.serving.set(float(version) if version.isdigit() else 0.0)
         log.info("serving a new version", extra={"version": version})
 
+    def stage(self, version: str | None, adapter_dir: Path | None, share: float) -> None:
+        """Route `share` of requests to `version` from the next request on (None: no canary)."""
+        with self.lock:
+            if version is not None and version != self.version:
+                self._load(version, adapter_dir)
+                self._set_canary(version, share)
+            else:
+                self._set_canary(None, 0.0)
+            self._evict()
+        log.info("canary " + ("staged" if self.canary else "cleared"), extra={"version": version, "share": share})
+
+    def _set_canary(self, version: str | None, share: float) -> None:
+        self.canary, self.canary_share = version, share
+        self.canary_version.set(float(version) if version and version.isdigit() else 0.0)
+        self.canary_share_gauge.set(share)
+
+    def _load(self, version: str, adapter_dir: Path | None) -> None:
+        if adapter_dir is not None and version not in self.loaded:
+            self.runner.add(version, adapter_dir)
+            self.loaded.append(version)
+
+    def _evict(self) -> None:
+        # keep the newest few in memory (a rollback is then instant) besides the champion and the
+        # canary; drop the rest
+        spare = [v for v in self.loaded if v not in (self.version, self.canary)]
+        while len(self.loaded) > self.keep_versions and spare:
+            victim = spare.pop(0)
+            self.loaded.remove(victim)
+            self.runner.remove(victim)
+
     def complete(self, prompt: Any, req: _Sampling, headers: dict[str, str]) -> tuple[Any, str, str]:
+        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         with self.lock, self.latency.time():
             version = self.version
+            if self.canary is not None and routes_to_canary(request_id, self.canary_share):
+                version = self.canary
             gen = self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
                                        temperature=req.temperature, top_p=req.top_p, seed=req.seed)[0]
-        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         if self.emit is not None:
             self._emit(request_id, prompt, gen, version, req, headers)
         return gen, version, request_id
@@ -174,8 +217,11 @@ def create_app(server: PolicyServer) -> FastAPI:
         return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version})
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok", "model": server.model_name, "version": server.version}
+    def health() -> dict[str, Any]:
+        out: dict[str, Any] = {"status": "ok", "model": server.model_name, "version": server.version}
+        if server.canary is not None:
+            out["canary"] = {"version": server.canary, "share": server.canary_share}
+        return out
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -5,6 +5,7 @@
     [ingest] group_id = "rtrl-ingest", batch_max_records = 2000, ...
     [train]  base_model = "/models/base", loss = "cispo", learning_rate = 1e-4, ...
     [mlflow] tracking_uri = "http://mlflow:5000" (default: a SQLite store in the state folder)
+    [rollout] share = 0.1 (a passing candidate serves 10 % of requests before promotion)
 
 Environment overrides use the section and key joined by a double underscore, e.g.
 `RTRL_INGEST__GROUP_ID=workers`, plus the short forms `RTRL_STATE_DIR`, `RTRL_DB_URL` and
@@ -214,6 +215,39 @@ class CycleConfig(_Section):
                          f"expression such as '0 */4 * * *' (got {value!r})")
 
 
+_DURATION = r"\d+(\.\d+)?[smhd]"
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(value: str) -> float:
+    """'30s' / '15m' / '4h' / '1d' -> seconds."""
+    return float(value[:-1]) * _UNIT_S[value[-1]]
+
+
+class RolloutConfig(_Section):
+    """Staged rollout: a candidate that passed the gate first serves a share of live requests
+    as the `canary`, and is promoted only if its online mean reward is not worse than the
+    champion's over the same period (the gate's off-policy estimate can be optimistic)."""
+
+    share: float = Field(default=0.0, ge=0.0, lt=1.0, description="share of requests the canary serves; "
+                         "0: no staged rollout, a candidate that passes the gate is promoted at once")
+    min_requests: int = Field(default=200, ge=10, description="rewarded requests each side needs before the "
+                              "comparison is made (once: a fixed-size test, no peeking)")
+    margin: float = Field(default=0.05, ge=0.0, description="how much lower (in reward) the canary's mean may "
+                          "be than the champion's and still pass")
+    confidence: float = Field(default=0.9, gt=0.5, lt=1.0, description="one-sided confidence of that bound")
+    max_wait: str = Field(default="24h", description="a canary without enough requests after this long is "
+                          "withdrawn (never promoted unmeasured): <n>s|m|h|d")
+    check_every: str = Field(default="5m", description="how often the daemon checks a canary between cycles")
+
+    @field_validator("max_wait", "check_every")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        if re.fullmatch(_DURATION, value.strip()):
+            return value.strip()
+        raise ValueError(f"must be a duration such as '90s', '15m', '4h', '1d' (got {value!r})")
+
+
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
@@ -231,6 +265,7 @@ class Config(_Section):
     mlflow: MlflowConfig = MlflowConfig()
     gate: GateConfig = GateConfig()
     cycle: CycleConfig = CycleConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property

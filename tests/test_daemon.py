@@ -41,6 +41,10 @@ def test_schedules_and_a_bad_schedule_is_refused():
     assert "hour='*/4'" in repr(trigger("0 */4 * * *"))
     with pytest.raises(ConfigError, match="cycle.every"):
         load_config(environ={"RTRL_CYCLE__EVERY": "every tuesday"})
+    with pytest.raises(ConfigError, match="rollout.max_wait"):
+        load_config(environ={"RTRL_ROLLOUT__MAX_WAIT": "a while"})
+    with pytest.raises(ConfigError, match="rollout.share"):
+        load_config(environ={"RTRL_ROLLOUT__SHARE": "1.5"})
 
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)

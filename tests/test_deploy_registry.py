@@ -21,7 +21,7 @@ from kafka import KafkaConsumer
 
 from deploy import registry as registry_mod
 from deploy.events import ModelUpdatePublisher
-from deploy.registry import CHAMPION, PREVIOUS, Registry, RegistryError
+from deploy.registry import CANARY, CHAMPION, PREVIOUS, Registry, RegistryError
 from deploy.stage import adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker
@@ -178,6 +178,21 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     repaired = Registry(tracking, name, engine, publisher).repair()
     assert any("completed" in line for line in repaired) and moves(engine, name)[0].status == "done"
     assert model_updates(kafka_bootstrap, topic, 4)[-1]["version"] == "2"
+
+    # a canary (staged rollout): staged, then a crash while it is being cleared; repair sees the
+    # alias gone, completes the move and tells serving
+    assert registry.stage("1", 0.25, actor="carol", reason="canary") and registry.alias(CANARY).version == "1"
+    registry_mod.audit.complete_move = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            registry.unstage(actor="carol", reason="withdrawn")
+    finally:
+        registry_mod.audit.complete_move = real
+    assert registry.alias(CANARY) is None and moves(engine, name)[0].status == "pending"
+    repaired = Registry(tracking, name, engine, publisher).repair()
+    assert any("(canary: 1 -> None): completed" in line for line in repaired), repaired
+    events = model_updates(kafka_bootstrap, topic, 6)[-2:]
+    assert [(e["alias"], e["version"], e["share"]) for e in events] == [(CANARY, "1", 0.25), (CANARY, None, 0.0)]
     publisher.close()
 
     # bad input: a version that does not exist, a registry that is not there
@@ -185,9 +200,10 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
         registry.promote("99", actor="bob", reason="x", force=True)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     down = Registry(f"http://127.0.0.1:{free_port()}", name, engine)
+    recorded = len(moves(engine, name))
     with pytest.raises(RegistryError, match="unreachable|failed"):
         down.promote("1", actor="bob", reason="x", force=True)
-    assert moves(engine, name)[0].to_version == "2"  # nothing was recorded as moved
+    assert len(moves(engine, name)) == recorded  # nothing was recorded as moved
 
 
 # the registry is under test here; the PostgreSQL store is covered above
@@ -235,8 +251,9 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
         assert "failed its gate" in rtrl("promote", "2", ok=False)
     assert "v2 is the champion" in rtrl("promote", "2", "--force", "--reason", "canary tenant")
     assert "v1 is the champion" in rtrl("rollback", "--reason", "back to the gated one")
+    assert "no canary to withdraw" in rtrl("rollback", "--canary")
     listed = rtrl("models", "list")
-    assert "v1" in listed and "champion" in listed.split("v1", 1)[1].splitlines()[0]
+    assert "v1" in listed and "champion" in listed.split("v1", 1)[1].splitlines()[0] and "gate: " in listed
     shown = rtrl("models", "show", "2")
     assert "gate decision" in shown and "by ops-alice" in shown and "canary tenant" in shown
     assert "no version 7" in rtrl("promote", "7", ok=False)

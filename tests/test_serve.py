@@ -1,5 +1,5 @@
-"""`rtrl serve` (a real process) under concurrent requests while three promotions happen, and
-the vLLM hook against a local server that implements vLLM's two adapter endpoints."""
+"""`rtrl serve` (a real process) under concurrent requests while three promotions and a staged
+canary happen, and the vLLM hook against a local server that implements vLLM's two adapter endpoints."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ from kafka import KafkaConsumer
 from deploy.events import ModelUpdatePublisher
 from deploy.follow import Follower
 from deploy.registry import Registry
+from deploy.rollout import routes_to_canary
 from deploy.tracking import MlflowTracker
 from deploy.vllm import VllmAdapterSync
 from pipeline.config import TrainConfig
 from pipeline.kafka_local import ensure_topics
 from pipeline.store import db as store_db
+from pipeline.store.deploys import record_decision
 from tests.conftest import REPO, free_port, wait_for
 from pipeline.types import LoggedEpisode
 from train.inference import PolicySet
@@ -121,6 +123,15 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
                 registry.promote(target, actor="test", reason="next", force=True)
             wait_for(lambda: health()["version"] == target, 60, f"the server to serve v{target}")
             wait_for(lambda: len(results) >= done + 10, 60, "requests on the new version")
+        # a staged rollout: v1 as the canary answers the requests whose id hashes below its share
+        record_decision(registry.engine, r["name"], "1", "2", None, True, {"decision": {"checks": []}})
+        registry.stage("1", 0.5, actor="test", reason="canary")
+        wait_for(lambda: health().get("canary") == {"version": "1", "share": 0.5}, 60, "the canary to be staged")
+        staged = len(results)
+        wait_for(lambda: len(results) >= staged + 24, 60, "requests during the canary")
+        canary_window = results[staged + 4:staged + 24]  # past the (at most 4) requests in flight at the move
+        registry.unstage(actor="test", reason="withdrawn")
+        wait_for(lambda: "canary" not in health(), 60, "the canary to be withdrawn")
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -170,7 +181,11 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         chat = requests.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
                                                                        "max_tokens": 2})
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
-        assert "rtrl_serve_swaps_total 4.0" in requests.get(f"{base_url}/metrics").text  # start + 3 moves
+        assert [resp.headers["X-Rtrl-Policy-Version"] for rid, _, resp in canary_window] == [
+            "1" if routes_to_canary(rid, 0.5) else "2" for rid, _, _ in canary_window]
+        assert {resp.headers["X-Rtrl-Policy-Version"] for _, _, resp in canary_window} == {"1", "2"}
+        metrics = requests.get(f"{base_url}/metrics").text
+        assert "rtrl_serve_swaps_total 4.0" in metrics and "rtrl_serve_canary_share 0.0" in metrics  # start + 3
     finally:
         proc.terminate()
         proc.wait(timeout=30)

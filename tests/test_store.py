@@ -15,7 +15,7 @@ from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.config import Config
 from pipeline.store import db as store_db
 from ingest.batch import decode_records
-from pipeline.store.deploys import served_and_accepted
+from pipeline.store.deploys import online_rewards, served_and_accepted
 from pipeline.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
 from pipeline.store.tables import dead_letters, feedback, interactions, metadata
 from pipeline.types import SourcePosition
@@ -157,3 +157,24 @@ def test_served_and_accepted_per_policy_version(engine):
     write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
     assert served_and_accepted(engine, ["1", "2", "3"]) == {"1": (3, 1), "2": (2, 1)}
     assert served_and_accepted(engine, []) == {}
+
+
+def test_online_rewards_per_version_since_a_time(engine):
+    """A canary's online comparison (pipeline.cycle): n, mean and sample variance of the rewards
+    of the requests each version served from a given time on."""
+    from datetime import timedelta
+
+    from pipeline.store.rewards import RewardRow, upsert_rewards
+    from tests.factories import BASE_TS
+
+    versions, values = ["1", "1", "1", "2", "2", "2", "2"], [9.0, 0.5, -0.5, 1.0, 0.0, 1.0, 0.0]
+    # request 0 was served before the canary went live: it does not count
+    events = [interaction(i, policy_version=v) for i, v in enumerate(versions)]
+    write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
+    upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", v, x, {}, 1, 0) for i, (v, x) in
+                                      enumerate(zip(versions, values))])
+    upsert_rewards(engine, "spec@2", [RewardRow("ev-r-1", "1", 5.0, {}, 1, 0)])  # another spec's: not counted
+    got = online_rewards(engine, "spec@1", ["1", "2"], (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None))
+    assert got["1"][:2] == (2, 0.0) and abs(got["1"][2] - 0.5) < 1e-9
+    assert got["2"][:2] == (4, 0.5) and abs(got["2"][2] - 1 / 3) < 1e-9
+    assert online_rewards(engine, "spec@1", ["3"], BASE_TS.replace(tzinfo=None)) == {}

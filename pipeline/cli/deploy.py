@@ -110,9 +110,10 @@ def list_cmd(ctx: Context) -> None:
             click.echo(f"no versions of {registry.name} yet: `rtrl train run`, then `rtrl gate`")
         for v in versions:
             decision = latest_decision(ctx.engine(), registry.name, v.version)
-            outcome = "no decision" if decision is None else ("passed" if decision.passed else "failed")
+            outcome = "gate: no decision" if decision is None else (
+                f"{decision.report.get('stage', 'gate')}: {'passed' if decision.passed else 'failed'}")
             click.echo(f"v{v.version:<4} {','.join(v.aliases) or '-':<28} run {v.tags.get('rtrl.run_id', '?')}  "
-                       f"gate {outcome}")
+                       f"{outcome}")
 
 
 @models.command()
@@ -152,12 +153,20 @@ def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) ->
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--to", "to_version", help="Version to restore (default: the `previous` alias).")
+@click.option("--canary", is_flag=True, help="Withdraw the canary of a staged rollout instead: every request "
+              "goes to the champion, and the daemon's cycle records the candidate as rejected.")
 @click.option("--reason", default="rollback", show_default=True, help="Why; recorded in the audit trail.")
 @click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
 @pass_ctx
-def rollback(ctx: Context, to_version: str | None, reason: str, actor: str) -> None:
-    """Move `champion` back to the previous version (or --to VERSION); serving follows."""
+def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, actor: str) -> None:
+    """Move `champion` back to the previous version (or --to VERSION); serving follows. With
+    --canary, withdraw a staged candidate instead (to promote it early: `rtrl promote VERSION`)."""
     with _registry(ctx) as registry:
+        if canary:
+            withdrawn = registry.unstage(actor=actor, reason=reason)
+            click.echo(f"withdrew canary v{withdrawn.version}: the champion serves every request" if withdrawn
+                       else "no canary to withdraw")
+            return
         target = registry.rollback(actor=actor, reason=reason, to=to_version)
     click.echo(f"rolled back: v{target.version} is the champion")
 
@@ -174,7 +183,9 @@ def rollback(ctx: Context, to_version: str | None, reason: str, actor: str) -> N
 def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: str, no_events: bool,
           vllm_url: str | None) -> None:
     """Serve the champion (OpenAI-compatible /v1/completions and /v1/chat/completions) and
-    follow the registry: a promotion or rollback swaps the adapter without a restart."""
+    follow the registry: a promotion or rollback swaps the adapter without a restart. During a
+    staged rollout (`[rollout] share`) the canary answers its share of requests. With --vllm,
+    only the champion is followed: route a canary's share in front of vLLM yourself."""
 
     from deploy.follow import Follower
     from deploy.registry import Registry, RegistryError
@@ -190,8 +201,10 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         return registry.download(uri, dst)
 
     try:
-        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None)
+        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None,
+                            aliases=("champion",) if vllm_url else ("champion", "canary"))
         champion = registry.alias("champion")
+        canary = None if vllm_url else registry.alias("canary")
     except RegistryError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - kafka errors
@@ -231,9 +244,20 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     emit = None if no_events else EventSender(config.bootstrap, config.kafka.interactions_topic, key="request_id",
                                               timeout_s=10.0)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
+
+    def on_update(ev: dict) -> None:
+        adapter = fetch(ev["adapter_uri"], adapters / f"v{ev['version']}") if ev.get("version") else None
+        if ev["alias"] == "canary":
+            server.stage(ev.get("version"), adapter, float(ev.get("share") or 0.0))
+        else:
+            server.use(ev["version"], adapter)
+
     if first:
-        server.use(first["version"], fetch(first["adapter_uri"], adapters / f"v{first['version']}"))
-    follower.on_update = lambda ev: server.use(ev["version"], fetch(ev["adapter_uri"], adapters / f"v{ev['version']}"))
+        on_update({**first, "alias": "champion"})
+    if canary is not None:  # a staged rollout in progress: its share is tagged on the version
+        on_update({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
+                   "share": float(canary.tags.get("rollout.share", 0.0))})
+    follower.on_update = on_update
     follower.start()
     click.echo(f"serving {name}:{server.version} on http://{host}:{port} (base {base})", err=True)
     try:

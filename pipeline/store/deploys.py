@@ -9,12 +9,13 @@ A crash leaves "pending" rows or unpublished "done" rows; the registry repairs t
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine, and_, case, exists, func, select, update
 
 from pipeline.store.events import utcnow
-from pipeline.store.tables import alias_moves, feedback, gate_decisions, interactions
+from pipeline.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
 
 
 def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,
@@ -33,13 +34,23 @@ def latest_decision(engine: Engine, model_name: str, version: str) -> Any | None
         )).order_by(gate_decisions.c.id.desc()).limit(1)).first()
 
 
-def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str,
-               reason: str, actor: str) -> int:
+def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str | None,
+               reason: str, actor: str, share: float | None = None) -> int:
+    """`to_version` None clears the alias; `share`: a canary's share of requests."""
     with engine.begin() as conn:
         return conn.execute(alias_moves.insert().values(
             model_name=model_name, alias=alias, from_version=from_version, to_version=to_version,
-            reason=reason, actor=actor, at=utcnow(), status="pending",
+            reason=reason, actor=actor, at=utcnow(), status="pending", share=share,
         )).inserted_primary_key[0]
+
+
+def last_move_to(engine: Engine, model_name: str, alias: str, version: str) -> Any | None:
+    """The latest applied move of `alias` to `version` (when a canary went live)."""
+    with engine.connect() as conn:
+        return conn.execute(select(alias_moves).where(and_(
+            alias_moves.c.model_name == model_name, alias_moves.c.alias == alias,
+            alias_moves.c.to_version == version, alias_moves.c.status == "done",
+        )).order_by(alias_moves.c.id.desc()).limit(1)).first()
 
 
 def complete_move(engine: Engine, move_id: int, status: str = "done") -> None:
@@ -79,3 +90,23 @@ def served_and_accepted(engine: Engine, versions: list[str]) -> dict[str, tuple[
             .where(interactions.c.policy_version.in_(versions)).group_by(interactions.c.policy_version))
     with engine.connect() as conn:
         return {version: (served, int(n)) for version, served, n in conn.execute(stmt)}
+
+
+def online_rewards(engine: Engine, spec_version: str, versions: list[str], since: datetime
+                   ) -> dict[str, tuple[int, float, float]]:
+    """Per policy version: (n, mean, variance) of the rewards under `spec_version` of the
+    requests it served from `since` on -- a staged rollout's online comparison, both sides over
+    the same period. Only rewarded (ripe) requests count; versions with none are left out."""
+    stmt = (select(rewards.c.policy_version, func.count(), func.avg(rewards.c.value),
+                   func.avg(rewards.c.value * rewards.c.value))
+            .select_from(rewards.join(interactions, interactions.c.request_id == rewards.c.request_id))
+            .where(rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions),
+                   interactions.c.ts >= since)
+            .group_by(rewards.c.policy_version))
+    out = {}
+    with engine.connect() as conn:
+        for version, n, mean, mean_sq in conn.execute(stmt):
+            mean, mean_sq = float(mean), float(mean_sq)
+            # sample variance from the two moments (n / (n - 1): unbiased)
+            out[version] = (n, mean, max(mean_sq - mean * mean, 0.0) * n / max(n - 1, 1))
+    return out

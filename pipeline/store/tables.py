@@ -188,7 +188,7 @@ alias_moves = Table(
     Column("model_name", String(256), nullable=False),
     Column("alias", String(64), nullable=False),
     Column("from_version", String(64)),
-    Column("to_version", String(64), nullable=False),
+    Column("to_version", String(64)),  # None: the alias was cleared (a canary withdrawn)
     Column("reason", Text, nullable=False),
     Column("actor", String(256), nullable=False),  # "automatic" or a named operator
     Column("at", DateTime, nullable=False),
@@ -196,6 +196,7 @@ alias_moves = Table(
     # and repaired from the registry's state on the next start ("not_applied" if it never moved)
     Column("status", String(16), nullable=False, server_default="done"),
     Column("published_at", DateTime),  # when the model-update event went to Kafka
+    Column("share", Float),  # `canary` moves: the share of requests the canary serves
 )
 
 # Every gate decision with the numbers behind it (also tagged on the registry's model version).
