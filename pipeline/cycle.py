@@ -4,6 +4,15 @@
                    \\-> skipped (too few new rewarded episodes)   \\-> rejected (the gate said no)
     any state -> failed (an error: recorded, the next cycle starts afresh)
 
+With a staged rollout (`[rollout] share` > 0) a candidate that passed the gate goes through
+
+    evaluating -> staging -> canary -> promoting -> done
+                               \\-> rejected (online worse than the champion, or too little traffic)
+
+`canary` waits for live traffic: the cycle returns and every later run (the daemon checks
+every `rollout.check_every`) resumes it, rewards what the canary served, and once both sides
+have enough requests lets deploy/rollout.py decide. No new candidate is trained meanwhile.
+
 Each state is written before its work starts. After a crash, `run_cycle` resumes the unfinished
 cycle from the state it reached, and every stage's work is idempotent when re-entered:
 
@@ -11,6 +20,8 @@ cycle from the state it reached, and every stage's work is idempotent when re-en
     training    a finished training run recorded on the cycle is reused; one that died is
                 marked failed and trained again
     evaluating  a gate decision stored for the cycle's run is reused
+    staging     stage() of the current canary is a no-op
+    canary      an online decision recorded for the cycle is reused
     promoting   promote() of the current champion is a no-op; registry.repair(), first thing in
                 every cycle, completes a move a crash interrupted
 """
@@ -28,11 +39,14 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from deploy.registry import CHAMPION, Registry
+from deploy import rollout
+from deploy.registry import CANARY, CHAMPION, Registry
 from deploy.stage import gate_run
 from deploy.suite import EMPTY, Suite
-from pipeline.config import Config
+from pipeline.config import Config, duration_s
 from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
+from pipeline.store.deploys import last_move_to, latest_decision, online_rewards
+from pipeline.store.events import utcnow
 from pipeline.store.training import finish_run, get_run, latest_finished_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
@@ -146,12 +160,32 @@ def run_cycle(deps: CycleDeps) -> Any:
             if not passed:
                 enter("rejected", candidate_version=version, promoted=0, reason="; ".join(reasons))
                 return get_cycle(deps.engine, cycle_id)
-            enter("promoting", candidate_version=version)
+            state = "staging" if deps.config.rollout.share > 0 else "promoting"
+            enter(state, candidate_version=version)
+        if state == "staging":
+            version = get_cycle(deps.engine, cycle_id).candidate_version
+            timed("stage", lambda: deps.registry.stage(version, deps.config.rollout.share, actor="automatic",
+                                                       reason=f"cycle {cycle_id}: gate passed"))
+            enter("canary")
+            return get_cycle(deps.engine, cycle_id)  # live traffic decides, at a later run
+        if state == "canary":
+            version = get_cycle(deps.engine, cycle_id).candidate_version
+            verdict = timed("online", lambda: _online_decision(deps, cycle_id, version))
+            if verdict is None:
+                enter("canary")  # still measuring (the row's updated_at says when it was last checked)
+                return get_cycle(deps.engine, cycle_id)
+            passed, why = verdict
+            if not passed:
+                timed("withdraw", lambda: _withdraw(deps, version, why))
+                enter("rejected", promoted=0, reason=why)
+                return get_cycle(deps.engine, cycle_id)
+            enter("promoting", reason=why)  # the online comparison's numbers stay on the cycle
             state = "promoting"
         if state == "promoting":
             version = get_cycle(deps.engine, cycle_id).candidate_version
+            passed_what = "gate and canary passed" if deps.config.rollout.share > 0 else "gate passed"
             timed("promote", lambda: deps.registry.promote(version, actor="automatic",
-                                                           reason=f"cycle {cycle_id}: gate passed"))
+                                                           reason=f"cycle {cycle_id}: {passed_what}"))
             enter("done", promoted=1)
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": cycle_id})
@@ -219,3 +253,43 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
         enter("skipped", reason=str(exc))
         return None
     return run_id
+
+
+def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool, str] | None:
+    """(passed, reason) once the canary's online comparison is made (or an operator decided),
+    None while it still needs traffic. The decision is recorded once; a resumed cycle reads it."""
+    registry, cfg = deps.registry, deps.config.rollout
+    decision = latest_decision(deps.engine, registry.name, version)
+    if decision is not None and decision.report.get("stage") == "online" and decision.report.get("cycle") == cycle_id:
+        checks = decision.report["decision"]["checks"]
+        return bool(decision.passed), "; ".join(c["detail"] for c in checks if not c["passed"] or decision.passed)
+    champion, canary = registry.alias(CHAMPION), registry.alias(CANARY)
+    if champion is not None and champion.version == version:
+        return True, f"version {version} was promoted by an operator during its canary"
+    if canary is None or canary.version != version:
+        return False, f"the canary (version {version}) was withdrawn by an operator"
+    run_rewards(deps.engine, deps.spec)  # what the canary and the champion served since the last run
+    move = last_move_to(deps.engine, registry.name, CANARY, version)
+    # the canary went live with its move (an alias set by hand has none: the cycle's start)
+    staged_at = move.at if move is not None else get_cycle(deps.engine, cycle_id).started_at
+    sides = online_rewards(deps.engine, deps.spec.version, [champion.version if champion else "base", version],
+                           staged_at)
+    champion_side, canary_side = sides.get(champion.version if champion else "base"), sides.get(version)
+    if rollout.ready(champion_side, canary_side, cfg):
+        result = rollout.decide(champion_side, canary_side, cfg)
+    elif (utcnow() - staged_at).total_seconds() > duration_s(cfg.max_wait):
+        result = rollout.too_little_traffic(champion_side, canary_side, cfg)
+    else:
+        log.info("canary still measuring", extra={"cycle": cycle_id, "version": version, "min_requests":
+                                                 cfg.min_requests, "rewarded": {v: s[0] for v, s in sides.items()}})
+        return None
+    registry.record_online(version, champion.version if champion else None, cycle_id, result.to_dict(),
+                           {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
+    checks = result.to_dict()["checks"]
+    return result.passed, "; ".join(c["detail"] for c in checks if not c["passed"] or result.passed)
+
+
+def _withdraw(deps: CycleDeps, version: str, why: str) -> None:
+    canary = deps.registry.alias(CANARY)
+    if canary is not None and canary.version == version:
+        deps.registry.unstage("automatic", f"canary rejected online: {why}")

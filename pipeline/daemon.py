@@ -7,6 +7,8 @@
                 the lease's ttl when the first dies
     cycle       APScheduler job on `cycle.every` (interval or cron): max_instances=1, coalesced,
                 with a misfire grace; runs pipeline/cycle.py's state machine if we hold the lease
+    canary      with a staged rollout, a job every `rollout.check_every` that resumes a cycle
+                waiting on its canary (so the online decision does not wait for the next cycle)
     metrics     Prometheus text on /metrics and a JSON /health, on 127.0.0.1 by default
 
 SIGTERM/SIGINT: stop scheduling, drain and commit ingest, release the lease unless a cycle is
@@ -32,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.config import Config
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
+from pipeline.store.cycles import unfinished_cycle
 from pipeline.store.deploys import served_and_accepted
 from pipeline.store.leases import acquire, release
 from pipeline.store.training import get_run
@@ -111,14 +114,21 @@ class Daemon:
         self.holds_lease = held
         self.metrics.lease_held.set(1 if held else 0)
 
-    def cycle(self) -> None:
+    def check_canary(self) -> None:
+        """The rollout job: resume the cycle waiting on its canary, if there is one."""
+        self.cycle(only_canary=True)
+
+    def cycle(self, only_canary: bool = False) -> None:
         """The scheduled job: one cycle if we hold the lease. Never raises: a cycle that could not
         even record its failure (the store away) resumes from its last recorded state next time."""
         self.heartbeat()
         if not self.holds_lease:
-            log.info("another daemon holds the cycle lease; not running a cycle")
+            if not only_canary:
+                log.info("another daemon holds the cycle lease; not running a cycle")
             return
         with self.cycle_running:
+            if only_canary and not self._canary_waiting():
+                return
             t0 = time.perf_counter()
             try:
                 row = run_cycle(self.deps)
@@ -129,6 +139,11 @@ class Daemon:
                           "recorded state at the next run", extra=self.last_cycle)
                 return
             seconds = time.perf_counter() - t0
+        if row.state == "canary":  # not finished: the canary is still being measured
+            self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state,
+                               "canary": row.candidate_version}
+            self._online_metrics()
+            return
         self.metrics.cycle_seconds.observe(seconds)
         self.metrics.cycles.labels(row.state).inc()
         if seconds > self.config.cycle.sla_s:
@@ -143,13 +158,27 @@ class Daemon:
             log.warning("cycle metrics not updated", extra={"error": f"{type(exc).__name__}: {exc}"})
         log.info("cycle finished", extra=self.last_cycle)
 
-    def _cycle_metrics(self, row: Any) -> None:
-        """The champion, the run's reward mean and the cycle's split (registry and store reads)."""
-        champion = self.deps.registry.alias("champion")
-        self.metrics.champion.set(float(champion.version) if champion else 0.0)
-        aliases = {"champion": champion, "previous": self.deps.registry.alias("previous") if champion else None}
-        versions = {alias: v.version for alias, v in aliases.items() if v is not None}
-        online = served_and_accepted(self.deps.engine, list(versions.values()))
+    def _canary_waiting(self) -> bool:
+        try:
+            row = unfinished_cycle(self.deps.engine)
+        except Exception as exc:  # noqa: BLE001 - the store may be away: the next check retries
+            log.warning("canary check skipped", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return False
+        return row is not None and row.state == "canary"
+
+    def _online_metrics(self) -> None:
+        """Requests served and accept rate of the champion, previous and canary versions."""
+        try:
+            registry = self.deps.registry
+            champion = registry.alias("champion")
+            self.metrics.champion.set(float(champion.version) if champion else 0.0)
+            aliases = {"champion": champion, "previous": registry.alias("previous") if champion else None,
+                       "canary": registry.alias("canary")}
+            versions = {alias: v.version for alias, v in aliases.items() if v is not None}
+            online = served_and_accepted(self.deps.engine, list(versions.values()))
+        except Exception as exc:  # noqa: BLE001 - the registry or the store may be away: metrics wait
+            log.warning("policy metrics not updated", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return
         self.metrics.policy_served.clear()
         self.metrics.policy_accept_rate.clear()
         for alias, version in versions.items():
@@ -157,6 +186,10 @@ class Daemon:
             self.metrics.policy_served.labels(alias).set(served)
             if served:
                 self.metrics.policy_accept_rate.labels(alias).set(accepted / served)
+
+    def _cycle_metrics(self, row: Any) -> None:
+        """The served versions, the run's reward mean and the cycle's split (registry and store reads)."""
+        self._online_metrics()
         run = get_run(self.deps.engine, row.run_id) if row.run_id else None
         if run is not None and run.summary:
             self.metrics.reward_mean.set(run.summary.get("final", {}).get("reward_mean", 0.0))
@@ -191,12 +224,17 @@ class Daemon:
                                max_instances=1, coalesce=True)
         self.scheduler.add_job(self.cycle, trigger(self.config.cycle.every), id="cycle", max_instances=1,
                                coalesce=True, misfire_grace_time=300)
+        if self.config.rollout.share > 0:
+            self.scheduler.add_job(self.check_canary, trigger(self.config.rollout.check_every), id="canary",
+                                   max_instances=1, coalesce=True)
         self.scheduler.start()
         log.info("daemon started", extra={"owner": self.owner, "every": self.config.cycle.every})
 
     def pause_cycles(self) -> None:
         """Run no further cycle (ingest and the lease go on): `rtrl demo` measures the last champion."""
         self.scheduler.pause_job("cycle")
+        if self.scheduler.get_job("canary") is not None:
+            self.scheduler.pause_job("canary")
 
     def shutdown(self, drain_s: float = 60.0) -> None:
         """Stop scheduling; wait (up to `drain_s`) for ingest to store and commit what it has in

@@ -1,0 +1,154 @@
+"""Staged rollout: a candidate that passed the gate serves a share of live traffic as the canary,
+and the online comparison promotes it or withdraws it (the real broker, SQLite, the local MLflow
+store, a tiny model); the comparison itself and the routing as pure functions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deploy import rollout
+from deploy.registry import CANARY, CHAMPION
+from pipeline.config import RolloutConfig
+from prometheus_client import generate_latest
+
+from pipeline.cycle import run_cycle
+from pipeline.daemon import Daemon
+from pipeline.store.cycles import get_cycle, recent_cycles, unfinished_cycle
+from pipeline.store.deploys import latest_decision, moves
+from pipeline.store.events import utcnow
+from pipeline.store.tables import training_runs
+from tests.factories import feedback, interaction
+from tests.test_cycle import cycle_deps, feed
+from tests.test_ingest_kafka import ingest_until_idle, produce_events
+
+# the cycle runs on SQLite and the local MLflow store here, as in test_cycle
+on_sqlite = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+
+
+# --- the comparison and the routing ------------------------------------------------------
+
+def _side(values: list[float]) -> rollout.Side:
+    n, mean = len(values), sum(values) / len(values)
+    return n, mean, sum((v - mean) ** 2 for v in values) / (n - 1)
+
+
+def test_the_online_comparison_is_a_one_sided_non_inferiority_bound():
+    cfg = RolloutConfig(share=0.5, min_requests=100, margin=0.05, confidence=0.9)
+    rng = random.Random(0)
+    champion = _side([0.4 if rng.random() < 0.5 else -0.4 for _ in range(400)])
+    better = _side([0.4 if rng.random() < 0.7 else -0.4 for _ in range(400)])
+    worse = _side([0.4 if rng.random() < 0.3 else -0.4 for _ in range(400)])
+    assert rollout.decide(champion, better, cfg).passed
+    decision = rollout.decide(champion, worse, cfg)
+    assert not decision.passed and "lower bound" in decision.reasons[0]
+    # the same canary as the champion: passes only within the margin, so a noisy tie is not shipped
+    # on a handful of requests
+    tie = (100, champion[1], champion[2])
+    assert rollout.decide((100, champion[1], champion[2]), tie, cfg).passed is (
+        1.2816 * (2 * champion[2] / 100) ** 0.5 <= 0.05)
+    assert not rollout.ready(champion, (99, 0.0, 0.0), cfg) and rollout.ready(champion, better, cfg)
+    assert "max_wait" in rollout.too_little_traffic(None, (3, 0.1, 0.0), cfg).reasons[0]
+
+
+def test_routing_sends_the_share_to_the_canary_and_a_request_always_the_same_way():
+    ids = [f"req-{i}" for i in range(20_000)]
+    routed = [rollout.routes_to_canary(r, 0.2) for r in ids]
+    assert abs(sum(routed) / len(ids) - 0.2) < 0.01
+    assert routed == [rollout.routes_to_canary(r, 0.2) for r in ids]
+    assert not any(rollout.routes_to_canary(r, 0.0) for r in ids[:1000])
+
+
+# --- the cycle ---------------------------------------------------------------------------
+
+def online_traffic(cfg, engine, topics, kafka_bootstrap, prefix: str, version: str, n: int, good: float) -> None:
+    """`n` requests served by `version` now, a `good` share of them kept by the user (persisted,
+    a terminal signal: rewarded at once) and the rest reverted."""
+    rng, now = random.Random(prefix), utcnow().isoformat() + "Z"
+    events = []
+    for i in range(n):
+        events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))
+        events.append(feedback(i, prefix=prefix, kind="persisted", value=rng.random() < good, ts=now))
+    produce_events(kafka_bootstrap, topics, events)
+    ingest_until_idle(cfg, engine)
+
+
+@pytest.fixture
+def deps(cfg, engine, reverse_base, tmp_path):
+    published = []
+    d = cycle_deps(cfg, engine, reverse_base, tmp_path, publish=published.append)
+    d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h")
+    d.config.gate.min_ess = 2  # these tests are about what happens after the gate passed
+    d.published = published
+    return d
+
+
+def _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: int):
+    feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix, seed=seed)
+    row = run_cycle(deps)
+    assert row.state == "canary", row.reason  # the gate passed; live traffic decides
+    version = row.candidate_version
+    assert deps.registry.alias(CANARY).version == version and deps.registry.alias(CHAMPION) is None
+    assert deps.published[-1]["alias"] == "canary" and deps.published[-1]["share"] == 0.5
+    assert moves(engine, "cycle-policy")[0].share == 0.5
+    again = run_cycle(deps)  # no traffic yet: still measuring, and nothing trained meanwhile
+    assert again.cycle_id == row.cycle_id and again.state == "canary"
+    with engine.connect() as conn:
+        assert len(conn.execute(training_runs.select()).all()) == 1
+    return row, version
+
+
+@on_sqlite
+def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "p", seed=11)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "p-base", "base", 60, good=0.2)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "p-canary", version, 60, good=0.8)
+    # the daemon's canary job (every rollout.check_every) resumes the waiting cycle; a check
+    # with nothing waiting does not start a cycle
+    daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+    daemon.check_canary()
+    assert daemon.last_cycle["state"] == "done"
+    daemon.check_canary()
+    assert unfinished_cycle(engine) is None and len(recent_cycles(engine)) == 1
+    metrics = generate_latest(daemon.metrics.registry).decode()
+    assert f'rtrl_champion_version {float(version)}' in metrics, metrics
+    assert 'rtrl_policy_served{alias="champion"}' in metrics and 'alias="canary"' not in metrics, metrics
+    done = get_cycle(engine, row.cycle_id)
+    assert done.state == "done" and done.promoted == 1, done.reason
+    assert "online reward: canary" in done.reason and {"stage", "online", "promote"} <= set(done.timings)
+    assert deps.registry.alias(CHAMPION).version == version and deps.registry.alias(CANARY) is None
+    decision = latest_decision(engine, "cycle-policy", version)
+    assert decision.passed and decision.report["stage"] == "online" and decision.report["sides"][version]["n"] == 60
+    # serving hears the champion move, then the canary cleared
+    assert [(e["alias"], e["version"]) for e in deps.published[-2:]] == [("champion", version), ("canary", None)]
+    assert deps.registry.get(version).tags["online.passed"] == "true"
+
+
+@on_sqlite
+def test_a_canary_worse_online_is_withdrawn_and_the_champion_stays(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "w", seed=12)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "w-base", "base", 60, good=0.6)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary", version, 30, good=0.2)
+    assert run_cycle(deps).state == "canary"  # 30 of the 40 canary requests the test is sized for
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary2", version, 30, good=0.2)
+    rejected = run_cycle(deps)
+    assert rejected.state == "rejected" and rejected.promoted == 0 and "lower bound" in rejected.reason
+    assert deps.registry.alias(CANARY) is None and deps.registry.alias(CHAMPION) is None
+    assert deps.published[-1] == {**deps.published[-1], "alias": "canary", "version": None, "share": 0.0}
+    assert not latest_decision(engine, "cycle-policy", version).passed
+    # a human cannot promote it without overriding the online decision
+    with pytest.raises(Exception, match="failed its gate"):
+        deps.registry.promote(version, actor="op", reason="")
+
+
+@on_sqlite
+def test_a_canary_without_traffic_is_withdrawn_after_max_wait(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "t", seed=13)
+    deps.config.rollout.max_wait = "0.001s"
+    rejected = run_cycle(deps)
+    assert rejected.state == "rejected" and "within rollout.max_wait" in rejected.reason
+    assert deps.registry.alias(CANARY) is None
