@@ -6,7 +6,9 @@
        champion and follows the registry (its log: <run>/serve.log)
     4. the daemon (in this process): ingest, and a cycle every `--every`
     5. the simulated fleet (pipeline/sim.py) sending tasks and reacting with delays
-    6. after N cycles that reached the gate: a report -- online accept rate and mean reward
+    6. a candidate that passes the gate serves half the requests as the canary, and the users'
+       reactions decide its promotion (deploy/rollout.py)
+    7. after N cycles that reached a decision: a report -- online accept rate and mean reward
        per policy version (PNG), the gate decisions -- in <state>/demo/report and in MLflow
        (the run's own store, MLflow store and topics: a demo never re-reads an earlier one)
 
@@ -58,6 +60,10 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
         "gate": {"max_new_tokens": 8, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
+        # a staged rollout on the compressed clock: a candidate that passes the gate answers half
+        # of the requests until each side has 60 rewarded ones (~30 s), then the online
+        # comparison decides (the gate's off-policy estimate can be optimistic)
+        "rollout": {"share": 0.5, "min_requests": 60, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
     })
 
@@ -185,9 +191,9 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
                 totals[part] = totals.get(part, 0.0) + s
         for part, s in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {part} | {s:.2f} | {100 * s / cycle_s:.1f} % |")
-    lines += ["", "| candidate | champion | passed | failing checks |", "|---|---|---|---|"]
-    lines += [f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['passed']} | "
-              f"{'; '.join(d['reasons'])} |" for d in report.decisions]
+    lines += ["", "| candidate | champion | decided by | passed | failing checks |", "|---|---|---|---|---|"]
+    lines += [f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['stage']} | "
+              f"{d['passed']} | {'; '.join(d['reasons'])} |" for d in report.decisions]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "report.json"
@@ -231,10 +237,15 @@ def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 1
 
 def served_version(url: str) -> str | None:
     """The version the server answers with ("base" before the first promotion); None if it is down."""
+    health = _health(url)
+    return None if health is None else str(health.get("version"))
+
+
+def _health(url: str) -> dict[str, Any] | None:
     try:
         response = requests.get(f"{url}/health", timeout=2)
         response.raise_for_status()
-        return str(response.json().get("version"))
+        return response.json()
     except (requests.RequestException, ValueError):
         return None
 
@@ -268,7 +279,10 @@ def _run_fleet(config: Config, engine: Engine, url: str, daemon, cycles: int, me
     def progress(what: str) -> None:
         rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
                           for v, n in sorted(fleet.stats.by_version.items()))
-        say(f"[{time.monotonic() - t0:5.0f}s] {what}  champion {served_version(url)}  "
+        health = _health(url) or {}
+        canary = health.get("canary")
+        staged = f" (canary {canary['version']}: {100 * canary['share']:.0f} % of requests)" if canary else ""
+        say(f"[{time.monotonic() - t0:5.0f}s] {what}  champion {health.get('version')}{staged}  "
             f"accept rate by version: {rates or '-'}")
 
     final = "base"
@@ -372,7 +386,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     with engine.connect() as conn:
         for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
             report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,
-                                     "passed": bool(d.passed), "reasons": [
+                                     "stage": d.report.get("stage", "gate"), "passed": bool(d.passed), "reasons": [
                                          c["detail"] for c in d.report["decision"]["checks"] if not c["passed"]]})
     report.files = write_report(report, run_dir / "report", naive)
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root, run_name="demo-report")

@@ -8,7 +8,8 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--cycles", default=5, show_default=True, help="Stop after this many cycles reached the gate.")
+@click.option("--cycles", default=5, show_default=True,
+              help="Stop after this many cycles were decided (by the gate, or online for a canary).")
 @click.option("--naive-reward", is_flag=True, help="A reward spec that does not penalise abstention: watch the gate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rate", default=8.0, show_default=True, help="Tasks per second the simulated users send.")
@@ -20,8 +21,10 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, every: str, measure: int,
          timeout_s: float) -> None:
     """Run the whole loop on embedded defaults: a local Kafka, SQLite, a local MLflow store, a
-    tiny base model, the policy server, the daemon and a simulated fleet -- then write a report
-    (accept rate and reward per policy version, gate decisions) to <state>/demo/report
+    tiny base model, the policy server, the daemon and a simulated fleet; a candidate that passes
+    the gate serves half the requests as the canary until the users' reactions decide its
+    promotion -- then write a report (accept rate and reward per policy version, gate and online
+    decisions) to <state>/demo/report
     (<state>/demo-naive/report with --naive-reward). After the last cycle no further cycle runs
     while the last champion is measured (--measure), so its accept rate rests on enough requests."""
     from pipeline.demo import headline, run_demo
