@@ -52,6 +52,7 @@ def test_db_upgrade_then_status_without_broker(tmp_path):
     status = runner.invoke(cli, ["status"], env=env)
     assert status.exit_code == 0, status.output
     assert "interactions" in status.output and "broker unreachable" in status.output
+    assert "cycles (no daemon holds the lease):" in status.output
 
 
 def test_bad_config_is_refused_with_field_and_allowed_values(tmp_path):

@@ -15,7 +15,9 @@ from ingest.ndjson import export_events
 from ingest.progress import IngestDisplay
 from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kafka
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.store.events import dead_letters_by_reason, table_counts
+from pipeline.store.cycles import recent_cycles
+from pipeline.store.leases import holder
+from pipeline.store.events import dead_letters_by_reason, table_counts, utcnow
 
 
 def _stop_on_signals() -> threading.Event:
@@ -132,7 +134,8 @@ def export(ctx: Context, path: str) -> None:
 @click.command(context_settings=CONTEXT_SETTINGS)
 @pass_ctx
 def status(ctx: Context) -> None:
-    """Print lag per partition, row counts per table and dead letters by reason."""
+    """Print row counts per table, dead letters by reason, the last cycles (a canary waiting on
+    live traffic among them) and who runs them, and lag per partition."""
     cfg, engine = ctx.config, ctx.engine()
     click.echo(f"store: {engine.url.render_as_string(hide_password=True)}")
     for name, count in table_counts(engine).items():
@@ -141,6 +144,13 @@ def status(ctx: Context) -> None:
     click.echo("dead letters by reason:" + ("" if reasons else " none"))
     for reason, count in sorted(reasons.items()):
         click.echo(f"  {reason:<28} {count:>8}")
+    lease = holder(engine, "cycle")
+    held = lease is not None and lease.expires_at > utcnow()
+    click.echo("cycles" + (f" (run by {lease.owner}, lease until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC):"
+                           if held else " (no daemon holds the lease):"))
+    for c in recent_cycles(engine, 5):
+        candidate = f" v{c.candidate_version}" if c.candidate_version else ""
+        click.echo(f"  {c.started_at:%Y-%m-%d %H:%M:%S} {c.cycle_id} {c.state:<10}{candidate}  {c.reason or ''}"[:200])
     click.echo(f"lag for group {cfg.ingest.group_id} at {cfg.bootstrap}:")
     try:
         lags = partition_lag(cfg, engine, timeout_ms=5000)
