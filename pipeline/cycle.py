@@ -113,7 +113,7 @@ def run_cycle(deps: CycleDeps) -> Any:
         cycle_id = f"c-{uuid.uuid4().hex[:12]}"
         create_cycle(deps.engine, cycle_id, deps.owner)
         row = get_cycle(deps.engine, cycle_id)
-    else:
+    elif row.state != "canary":  # a canary waiting on traffic is not an interruption
         log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})
     cycle_id, timings = row.cycle_id, dict(row.timings or {})
     t_cycle = time.perf_counter()

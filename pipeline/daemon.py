@@ -126,7 +126,10 @@ class Daemon:
             if not only_canary:
                 log.info("another daemon holds the cycle lease; not running a cycle")
             return
-        with self.cycle_running:
+        # the canary job never waits behind a running cycle: that cycle is doing the work already
+        if not self.cycle_running.acquire(blocking=not only_canary):
+            return
+        try:
             if only_canary and not self._canary_waiting():
                 return
             t0 = time.perf_counter()
@@ -139,6 +142,8 @@ class Daemon:
                           "recorded state at the next run", extra=self.last_cycle)
                 return
             seconds = time.perf_counter() - t0
+        finally:
+            self.cycle_running.release()
         if row.state == "canary":  # not finished: the canary is still being measured
             self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state,
                                "canary": row.candidate_version}

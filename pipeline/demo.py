@@ -183,7 +183,7 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     gated = [c for c in report.cycles if c.get("split") and c["state"] in ("done", "rejected")]
     if gated:
         cycle_s = sum(c["seconds"] for c in gated)
-        lines += ["", f"Where the {len(gated)} gated cycles' seconds went (all cycles together):", "",
+        lines += ["", f"Where the {len(gated)} decided cycles' seconds went (all cycles together):", "",
                   "| part | seconds | share |", "|---|---:|---:|"]
         totals: dict[str, float] = {}
         for c in gated:

@@ -37,7 +37,7 @@ def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, 
         reward = "" if v["reward_mean"] is None else f", mean reward {v['reward_mean']:+.3f}"
         click.echo(f"policy {v['version']:>4}: accept rate {100 * v['accept_rate']:5.1f} % of {v['served']}{reward}")
     for d in report.decisions:
-        click.echo(f"gate v{d['candidate']}: {'passed' if d['passed'] else 'rejected: ' + '; '.join(d['reasons'])}")
+        click.echo(f"{d['stage']} v{d['candidate']}: {'passed' if d['passed'] else 'rejected: ' + '; '.join(d['reasons'])}")
     click.echo(headline(report.versions, report.champion))
     click.echo(f"report: {', '.join(str(f) for f in report.files)}")
 
