@@ -108,6 +108,9 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
     # the daemon's canary job (every rollout.check_every) resumes the waiting cycle; a check
     # with nothing waiting does not start a cycle
     daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+    with daemon.cycle_running:  # a cycle is running: the canary job does not queue behind it
+        daemon.check_canary()
+    assert get_cycle(engine, row.cycle_id).state == "canary"
     daemon.check_canary()
     assert daemon.last_cycle["state"] == "done"
     daemon.check_canary()
