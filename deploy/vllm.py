@@ -1,10 +1,15 @@
-"""The vLLM hook: keep a vLLM server on the champion adapter.
+"""The vLLM hook: keep a vLLM server on the champion adapter (and the canary's, if staged).
 
 On each model-update event the new adapter is downloaded from the registry, loaded on the vLLM
 server under a versioned name (`<model>-v<version>`, POST /v1/load_lora_adapter), and only then
 is the previous one unloaded (POST /v1/unload_lora_adapter): clients asking for the new name
 find it, clients still using the old name finish first. vLLM must run with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora.
+
+Staged rollout: a canary's adapter is loaded the same way next to the champion's and unloaded
+when the canary is withdrawn (kept when it is promoted). vLLM does not split traffic: the
+router in front of it sends the canary's share (`share` in the event; the same request-id hash
+as rtrl serve: deploy.rollout.routes_to_canary) to `<model>-v<canary>`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class VllmAdapterSync:
         self.base_url, self.model_name, self.fetch = base_url.rstrip("/"), model_name, fetch
         self.download_dir, self.timeout_s = download_dir, timeout_s
         self.current: str | None = None  # the lora_name vLLM serves as champion
+        self.canary: str | None = None  # the staged candidate's lora_name, if any
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         try:
@@ -39,15 +45,39 @@ class VllmAdapterSync:
             raise VllmError(f"vLLM refused {path} for {body.get('lora_name')}: HTTP {r.status_code} {r.text[:300]}")
 
     def on_update(self, event: dict[str, Any]) -> None:
+        if event.get("alias") == "canary":
+            self._on_canary(event)
+            return
         name = f"{self.model_name}-v{event['version']}"
         if name == self.current:
             return
-        path = self.fetch(event["adapter_uri"], self.download_dir / name)
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if name != self.canary:  # a promoted canary is loaded already
+            self._load(name, event["adapter_uri"])
         old, self.current = self.current, name
+        if self.canary == name:
+            self.canary = None
         log.info("vLLM serves a new adapter", extra={"lora_name": name, "previous": old})
-        if old is not None:
-            try:
-                self._post("/v1/unload_lora_adapter", {"lora_name": old})
-            except VllmError as exc:  # the new one is live; a stale adapter only costs memory
-                log.warning("old adapter not unloaded from vLLM", extra={"lora_name": old, "error": str(exc)})
+        if old is not None and old != self.canary:
+            self._unload(old)
+
+    def _on_canary(self, event: dict[str, Any]) -> None:
+        name = f"{self.model_name}-v{event['version']}" if event.get("version") else None
+        if name == self.canary:
+            return
+        if name is not None and name != self.current:
+            self._load(name, event["adapter_uri"])
+        old, self.canary = self.canary, (name if name != self.current else None)
+        log.info("vLLM canary adapter " + ("loaded: route its share to it" if self.canary else "withdrawn"),
+                 extra={"lora_name": self.canary, "share": event.get("share"), "previous": old})
+        if old is not None and old != self.current:
+            self._unload(old)
+
+    def _load(self, name: str, adapter_uri: str) -> None:
+        path = self.fetch(adapter_uri, self.download_dir / name)
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def _unload(self, name: str) -> None:
+        try:
+            self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        except VllmError as exc:  # the new one is live; a stale adapter only costs memory
+            log.warning("old adapter not unloaded from vLLM", extra={"lora_name": name, "error": str(exc)})

@@ -214,17 +214,29 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     FakeVllm.calls = []
     sync = VllmAdapterSync(f"http://127.0.0.1:{httpd.server_port}", r["name"], r["registry"].download, tmp_path / "dl")
-    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update).start()
+    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
+                        aliases=("champion", "canary")).start()
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
         wait_for(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
         r["registry"].promote("2", actor="test", reason="second", force=True)
         wait_for(lambda: len(FakeVllm.calls) >= 3, 30, "vLLM to load v2 and unload v1")
+        # a staged rollout: v1 as the canary is loaded next to v2, withdrawn (unloaded), staged
+        # again and promoted (v2 unloaded; v1 is loaded already)
+        record_decision(r["registry"].engine, r["name"], "1", "2", None, True, {"decision": {"checks": []}})
+        r["registry"].stage("1", 0.1, actor="test", reason="canary")
+        wait_for(lambda: len(FakeVllm.calls) >= 4, 30, "vLLM to load the canary")
+        r["registry"].unstage(actor="test", reason="withdrawn")
+        wait_for(lambda: len(FakeVllm.calls) >= 5, 30, "vLLM to unload the canary")
+        r["registry"].stage("1", 0.1, actor="test", reason="canary")
+        r["registry"].promote("1", actor="test", reason="canary passed")
+        wait_for(lambda: len(FakeVllm.calls) >= 7, 30, "vLLM to unload v2")
     finally:
         follower.close()
         httpd.shutdown()
     name = r["name"]
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
     assert [(path, body["lora_name"]) for path, body in FakeVllm.calls] == [
-        ("/v1/load_lora_adapter", f"{name}-v1"), ("/v1/load_lora_adapter", f"{name}-v2"),
-        ("/v1/unload_lora_adapter", f"{name}-v1")]
-    assert sync.current == f"{name}-v2"
+        (load, f"{name}-v1"), (load, f"{name}-v2"), (unload, f"{name}-v1"),
+        (load, f"{name}-v1"), (unload, f"{name}-v1"), (load, f"{name}-v1"), (unload, f"{name}-v2")]
+    assert sync.current == f"{name}-v1" and sync.canary is None

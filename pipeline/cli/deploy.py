@@ -178,14 +178,16 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, ac
               help="Base model directory (default: train.base_model, else the champion's base_model tag).")
 @click.option("--tenant", default="default", show_default=True, help="Tenant of requests without X-Tenant.")
 @click.option("--no-events", is_flag=True, help="Do not send interaction events to Kafka.")
-@click.option("--vllm", "vllm_url", help="Do not serve: keep the vLLM server at this URL on the champion adapter.")
+@click.option("--vllm", "vllm_url", help="Do not serve: keep the vLLM server at this URL on the champion adapter "
+              "(and a canary's).")
 @pass_ctx
 def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: str, no_events: bool,
           vllm_url: str | None) -> None:
     """Serve the champion (OpenAI-compatible /v1/completions and /v1/chat/completions) and
     follow the registry: a promotion or rollback swaps the adapter without a restart. During a
     staged rollout (`[rollout] share`) the canary answers its share of requests. With --vllm,
-    only the champion is followed: route a canary's share in front of vLLM yourself."""
+    the canary's adapter is loaded on vLLM next to the champion's; the router in front of vLLM
+    sends it its share."""
 
     from deploy.follow import Follower
     from deploy.registry import Registry, RegistryError
@@ -202,9 +204,9 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
 
     try:
         follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None,
-                            aliases=("champion",) if vllm_url else ("champion", "canary"))
+                            aliases=("champion", "canary"))
         champion = registry.alias("champion")
-        canary = None if vllm_url else registry.alias("canary")
+        canary = registry.alias("canary")
     except RegistryError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - kafka errors
@@ -216,7 +218,10 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
 
         sync = VllmAdapterSync(vllm_url, name, fetch, adapters)
         if first:
-            sync.on_update(first)
+            sync.on_update({**first, "alias": "champion"})
+        if canary is not None:
+            sync.on_update({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
+                            "share": float(canary.tags.get("rollout.share", 0.0))})
         follower.on_update = sync.on_update
         follower.start()
         click.echo(f"keeping {vllm_url} on the champion of {name} (Ctrl-C stops)")
