@@ -129,8 +129,8 @@ class PolicyServer:
             self.loaded.append(version)
 
     def _evict(self) -> None:
-        # keep the newest few in memory (a rollback is then instant) besides the champion and the
-        # canary; drop the rest
+        # keep up to keep_versions adapters in memory: the champion, the canary and the newest
+        # others (a rollback is then instant); drop the oldest others
         spare = [v for v in self.loaded if v not in (self.version, self.canary)]
         while len(self.loaded) > self.keep_versions and spare:
             victim = spare.pop(0)

@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -272,8 +273,11 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
     move = last_move_to(deps.engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
     staged_at = move.at if move is not None else get_cycle(deps.engine, cycle_id).started_at
+    # only requests whose outcome is final (the spec's ripeness window has passed): an early
+    # terminal signal would otherwise over-represent the outcomes that arrive fast
+    settled = utcnow() - timedelta(seconds=deps.spec.ripeness.window_s)
     sides = online_rewards(deps.engine, deps.spec.version, [champion.version if champion else "base", version],
-                           staged_at)
+                           staged_at, until=settled)
     champion_side, canary_side = sides.get(champion.version if champion else "base"), sides.get(version)
     if rollout.ready(champion_side, canary_side, cfg):
         result = rollout.decide(champion_side, canary_side, cfg)

@@ -19,6 +19,8 @@ from pipeline.store.cycles import get_cycle, recent_cycles, unfinished_cycle
 from pipeline.store.deploys import latest_decision, moves
 from pipeline.store.events import utcnow
 from pipeline.store.tables import training_runs
+from reward.spec import load_spec
+from tests.conftest import REPO, wait_for
 from tests.factories import feedback, interaction
 from tests.test_cycle import cycle_deps, feed
 from tests.test_ingest_kafka import ingest_until_idle, produce_events
@@ -78,6 +80,11 @@ def online_traffic(cfg, engine, topics, kafka_bootstrap, prefix: str, version: s
 def deps(cfg, engine, reverse_base, tmp_path):
     published = []
     d = cycle_deps(cfg, engine, reverse_base, tmp_path, publish=published.append)
+    # the default spec with outcomes final 1 s after the interaction: only requests whose
+    # ripeness window has passed enter the online comparison
+    spec = (REPO / "reward" / "default_spec.toml").read_text().replace("window_s = 3600", "window_s = 1")
+    (tmp_path / "spec.toml").write_text(spec)
+    d.spec = load_spec(tmp_path / "spec.toml")
     d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h")
     d.config.gate.min_ess = 2  # these tests are about what happens after the gate passed
     d.published = published
@@ -111,8 +118,8 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
     with daemon.cycle_running:  # a cycle is running: the canary job does not queue behind it
         daemon.check_canary()
     assert get_cycle(engine, row.cycle_id).state == "canary"
-    daemon.check_canary()
-    assert daemon.last_cycle["state"] == "done"
+    wait_for(lambda: daemon.check_canary() or daemon.last_cycle["state"] == "done", 60,
+             "the canary's requests to settle and the comparison to promote it", interval=0.5)
     daemon.check_canary()
     assert unfinished_cycle(engine) is None and len(recent_cycles(engine)) == 1
     metrics = generate_latest(daemon.metrics.registry).decode()
@@ -137,7 +144,7 @@ def test_a_canary_worse_online_is_withdrawn_and_the_champion_stays(
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary", version, 30, good=0.2)
     assert run_cycle(deps).state == "canary"  # 30 of the 40 canary requests the test is sized for
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary2", version, 30, good=0.2)
-    rejected = run_cycle(deps)
+    rejected = wait_for(lambda: (r := run_cycle(deps)).state != "canary" and r, 60, "the comparison", interval=0.5)
     assert rejected.state == "rejected" and rejected.promoted == 0 and "lower bound" in rejected.reason
     assert deps.registry.alias(CANARY) is None and deps.registry.alias(CHAMPION) is None
     assert deps.published[-1] == {**deps.published[-1], "alias": "canary", "version": None, "share": 0.0}

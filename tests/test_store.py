@@ -178,3 +178,7 @@ def test_online_rewards_per_version_since_a_time(engine):
     assert got["1"][:2] == (2, 0.0) and abs(got["1"][2] - 0.5) < 1e-9
     assert got["2"][:2] == (4, 0.5) and abs(got["2"][2] - 1 / 3) < 1e-9
     assert online_rewards(engine, "spec@1", ["3"], BASE_TS.replace(tzinfo=None)) == {}
+    # only requests whose outcome is final: served up to `until`
+    got = online_rewards(engine, "spec@1", ["1", "2"], (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None),
+                         until=(BASE_TS + timedelta(seconds=5)).replace(tzinfo=None))
+    assert got["1"][:2] == (2, 0.0) and got["2"][0] == 3 and abs(got["2"][1] - 2 / 3) < 1e-9

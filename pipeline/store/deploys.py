@@ -92,18 +92,18 @@ def served_and_accepted(engine: Engine, versions: list[str]) -> dict[str, tuple[
         return {version: (served, int(n)) for version, served, n in conn.execute(stmt)}
 
 
-def online_rewards(engine: Engine, spec_version: str, versions: list[str], since: datetime
-                   ) -> dict[str, tuple[int, float, float]]:
+def online_rewards(engine: Engine, spec_version: str, versions: list[str], since: datetime,
+                   until: datetime | None = None) -> dict[str, tuple[int, float, float]]:
     """Per policy version: (n, mean, variance) of the rewards under `spec_version` of the
-    requests it served from `since` on -- a staged rollout's online comparison, both sides over
-    the same period. Only rewarded (ripe) requests count; versions with none are left out."""
+    requests it served from `since` to `until` -- a staged rollout's online comparison, both
+    sides over the same period. Only rewarded requests count; versions with none are left out."""
+    window = [interactions.c.ts >= since] + ([interactions.c.ts <= until] if until is not None else [])
     stmt = (select(rewards.c.policy_version, func.count(), func.avg(rewards.c.value),
                    func.avg(rewards.c.value * rewards.c.value))
             .select_from(rewards.join(interactions, interactions.c.request_id == rewards.c.request_id))
-            .where(rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions),
-                   interactions.c.ts >= since)
+            .where(rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions), *window)
             .group_by(rewards.c.policy_version))
-    out = {}
+    out: dict[str, tuple[int, float, float]] = {}
     with engine.connect() as conn:
         for version, n, mean, mean_sq in conn.execute(stmt):
             mean, mean_sq = float(mean), float(mean_sq)
