@@ -7,7 +7,8 @@ a candidate that passed the gate first serves that share of live requests under 
 alias `canary`, the champion serving the rest, and the users' reactions decide:
 
     a request goes to the canary  iff  hash(request_id) < share       (routes_to_canary)
-    once both sides have >= min_requests rewarded requests since the canary went live:
+    once both sides have >= min_requests settled requests since the canary went live (served
+    at least the spec's ripeness window ago, so every outcome is in; pipeline/cycle.py):
         d  = mean_canary - mean_champion                 rewards under the current spec
         se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
         promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
