@@ -56,7 +56,7 @@ def decide(champion: Side, canary: Side, cfg: RolloutConfig) -> Decision:
     detail = (f"online reward: canary {mean_b:+.3f} (n={n_b}) vs champion {mean_a:+.3f} (n={n_a}), difference "
               f"{diff:+.3f}, {100 * cfg.confidence:.0f} % lower bound {low:+.3f} "
               f"{'>=' if passed else '<'} -{cfg.margin:g}")
-    checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion requests rewarded",
+    checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion requests settled",
                     float(min(n_a, n_b)), float(cfg.min_requests)),
               Check("online.reward", passed, detail, low, -cfg.margin)]
     return Decision(passed, checks, first_deployment=False)
@@ -65,7 +65,7 @@ def decide(champion: Side, canary: Side, cfg: RolloutConfig) -> Decision:
 def too_little_traffic(champion: Side | None, canary: Side | None, cfg: RolloutConfig) -> Decision:
     """max_wait passed without the requests the comparison needs: the canary is withdrawn."""
     n_a, n_b = (champion or (0, 0.0, 0.0))[0], (canary or (0, 0.0, 0.0))[0]
-    detail = (f"online: only {n_b} canary and {n_a} champion requests rewarded within rollout.max_wait "
+    detail = (f"online: only {n_b} canary and {n_a} champion requests settled within rollout.max_wait "
               f"({cfg.max_wait}); {cfg.min_requests} each are needed -- raise rollout.share or max_wait")
     return Decision(False, [Check("online.requests", False, detail, float(min(n_a, n_b)), float(cfg.min_requests))],
                     first_deployment=False)
