@@ -21,7 +21,9 @@ cycle from the state it reached, and every stage's work is idempotent when re-en
                 marked failed and trained again
     evaluating  a gate decision stored for the cycle's run is reused
     staging     stage() of the current canary is a no-op
-    canary      an online decision recorded for the cycle is reused
+    canary      an online decision recorded for the cycle is reused; a check that fails (the
+                store or the registry away) leaves the cycle in canary, retried next time; a
+                new cycle first withdraws a canary no cycle is measuring
     promoting   promote() of the current champion is a no-op; registry.repair(), first thing in
                 every cycle, completes a move a crash interrupted
 """
@@ -134,6 +136,8 @@ def run_cycle(deps: CycleDeps) -> Any:
         # an alias move a crash interrupted (its audit row completed), a model-update event the
         # broker was not there for (sent): whatever this cycle then does, serving learns the champion
         timed("repair", deps.registry.repair)
+        if state == "pending":
+            timed("repair", lambda: _withdraw_orphan_canary(deps))
         if state in ("pending", "rewarding"):
             enter("rewarding")
             timed("reward", lambda: run_rewards(deps.engine, deps.spec))
@@ -171,13 +175,20 @@ def run_cycle(deps: CycleDeps) -> Any:
             return get_cycle(deps.engine, cycle_id)  # live traffic decides, at a later run
         if state == "canary":
             version = get_cycle(deps.engine, cycle_id).candidate_version
-            verdict = timed("online", lambda: _online_decision(deps, cycle_id, version))
+            try:
+                verdict = timed("online", lambda: _online_decision(deps, cycle_id, version))
+                if verdict is not None and not verdict[0]:
+                    timed("withdraw", lambda: _withdraw(deps, version, verdict[1]))
+            except Exception as exc:  # noqa: BLE001 - the canary keeps serving; failing here would orphan it
+                log.warning("canary check failed; retried at the next check", extra={
+                    "cycle": cycle_id, "error": f"{type(exc).__name__}: {exc}"})
+                enter("canary", reason=f"last check failed: {type(exc).__name__}: {exc}"[:2000])
+                return get_cycle(deps.engine, cycle_id)
             if verdict is None:
                 enter("canary")  # still measuring (the row's updated_at says when it was last checked)
                 return get_cycle(deps.engine, cycle_id)
             passed, why = verdict
             if not passed:
-                timed("withdraw", lambda: _withdraw(deps, version, why))
                 enter("rejected", promoted=0, reason=why)
                 return get_cycle(deps.engine, cycle_id)
             enter("promoting", reason=why)  # the online comparison's numbers stay on the cycle
@@ -291,6 +302,15 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
                            {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
     checks = result.to_dict()["checks"]
     return result.passed, "; ".join(c["detail"] for c in checks if not c["passed"] or result.passed)
+
+
+def _withdraw_orphan_canary(deps: CycleDeps) -> None:
+    """A new cycle starts only when no cycle is measuring a canary: a canary alias left from a
+    cycle that failed after staging it (its promotion failed, say) serves no purpose -- withdrawn."""
+    canary = deps.registry.alias(CANARY)
+    if canary is not None:
+        log.warning("withdrawing a canary no cycle is measuring", extra={"version": canary.version})
+        deps.registry.unstage("automatic", f"no cycle is measuring canary v{canary.version} (its cycle ended)")
 
 
 def _withdraw(deps: CycleDeps, version: str, why: str) -> None:

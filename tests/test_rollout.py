@@ -7,15 +7,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from prometheus_client import generate_latest
 
 from deploy import rollout
 from deploy.registry import CANARY, CHAMPION
+from pipeline import cycle as cycle_mod
 from pipeline.config import RolloutConfig
-from prometheus_client import generate_latest
-
 from pipeline.cycle import run_cycle
 from pipeline.daemon import Daemon
-from pipeline.store.cycles import get_cycle, recent_cycles, unfinished_cycle
+from pipeline.store.cycles import get_cycle, recent_cycles, set_cycle, unfinished_cycle
 from pipeline.store.deploys import latest_decision, moves
 from pipeline.store.events import utcnow
 from pipeline.store.tables import training_runs
@@ -87,6 +87,7 @@ def deps(cfg, engine, reverse_base, tmp_path):
     d.spec = load_spec(tmp_path / "spec.toml")
     d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h")
     d.config.gate.min_ess = 2  # these tests are about what happens after the gate passed
+    d.config.gate.min_improvement = -1.0
     d.published = published
     return d
 
@@ -162,3 +163,24 @@ def test_a_canary_without_traffic_is_withdrawn_after_max_wait(
     rejected = run_cycle(deps)
     assert rejected.state == "rejected" and "within rollout.max_wait" in rejected.reason
     assert deps.registry.alias(CANARY) is None
+
+
+@on_sqlite
+def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_is_withdrawn(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch):
+    row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "f", seed=14)
+
+    def store_away(*a, **k):
+        raise ConnectionError("the store went away")
+
+    with monkeypatch.context() as m:  # the check fails: the canary keeps serving, the cycle waits
+        m.setattr(cycle_mod, "online_rewards", store_away)
+        again = run_cycle(deps)
+    assert again.state == "canary" and "last check failed: ConnectionError" in again.reason
+    assert deps.registry.alias(CANARY).version == version
+    # a cycle that ended without withdrawing its canary (here: marked failed by hand): the next
+    # cycle withdraws it first, so no canary serves without a cycle measuring it
+    set_cycle(engine, row.cycle_id, state="failed", reason="promotion failed")
+    run_cycle(deps)
+    withdrawn = [m for m in moves(engine, "cycle-policy") if m.alias == CANARY and m.to_version is None]
+    assert withdrawn and withdrawn[-1].from_version == version and "no cycle is measuring" in withdrawn[-1].reason
