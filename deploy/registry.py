@@ -8,8 +8,9 @@
                          twice is a no-op
     rollback([to])       `champion` back to `previous` (or a named version)
     stage(version, share) `canary` -> version, serving `share` of requests (deploy/rollout.py);
-                         needs a passing decision like promote; unstage() clears it, and
-                         promoting the canary's version clears it too
+                         needs a passing decision like promote; unstage() clears it,
+                         withdraw_canary(version) only if it is that version; promoting the
+                         canary's version clears it too
     repair()             finishes what a crash left: pending audit rows are checked against the
                          registry (done or not_applied), unpublished model-update events are sent
 
@@ -209,12 +210,12 @@ class Registry:
         target = self.get(version)  # refuses an unknown version before anything is written
         current = self.alias(CHAMPION)
         if current is not None and current.version == version:
-            self._clear_canary(version, actor)
+            self.withdraw_canary(version, actor, f"version {version} promoted")
             return False
         decision = self._require_passed(version, force, reason)
         why = reason or f"gate passed (decision {decision.id})"
         self._move(CHAMPION, target, current, actor, why)
-        self._clear_canary(version, actor)
+        self.withdraw_canary(version, actor, f"version {version} promoted")
         return True
 
     def stage(self, version: str, share: float, actor: str, reason: str) -> bool:
@@ -239,10 +240,13 @@ class Registry:
         self._move(CANARY, None, current, actor, reason)
         return current
 
-    def _clear_canary(self, version: str, actor: str) -> None:
+    def withdraw_canary(self, version: str, actor: str, reason: str) -> bool:
+        """Clear `canary` if it is `version` (another canary is left alone); True if cleared."""
         canary = self.alias(CANARY)
-        if canary is not None and canary.version == version:
-            self.unstage(actor, f"version {version} promoted")
+        if canary is None or canary.version != version:
+            return False
+        self._move(CANARY, None, canary, actor, reason)
+        return True
 
     def _require_passed(self, version: str, force: bool, reason: str) -> Any:
         """The version's latest decision, which must have passed unless forced with a reason."""

@@ -199,6 +199,15 @@ class GateConfig(_Section):
         return data
 
 
+DURATION = re.compile(r"\d+(\.\d+)?[smhd]")  # '30s', '15m', '4h', '1d' (cycle.every, rollout.*)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(value: str) -> float:
+    """'30s' / '15m' / '4h' / '1d' -> seconds."""
+    return float(value[:-1]) * _UNIT_S[value[-1]]
+
+
 class CycleConfig(_Section):
     """The loop's schedule and when a cycle is worth running."""
 
@@ -209,19 +218,10 @@ class CycleConfig(_Section):
     @field_validator("every")
     @classmethod
     def _schedule(cls, value: str) -> str:
-        if re.fullmatch(r"\d+(\.\d+)?[smhd]", value.strip()) or len(value.split()) == 5:
+        if DURATION.fullmatch(value.strip()) or len(value.split()) == 5:
             return value.strip()
         raise ValueError(f"cycle.every must be an interval such as '30s', '15m', '4h', '1d' or a 5-field cron "
                          f"expression such as '0 */4 * * *' (got {value!r})")
-
-
-_DURATION = r"\d+(\.\d+)?[smhd]"
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def duration_s(value: str) -> float:
-    """'30s' / '15m' / '4h' / '1d' -> seconds."""
-    return float(value[:-1]) * _UNIT_S[value[-1]]
 
 
 class RolloutConfig(_Section):
@@ -243,7 +243,7 @@ class RolloutConfig(_Section):
     @field_validator("max_wait", "check_every")
     @classmethod
     def _duration(cls, value: str) -> str:
-        if re.fullmatch(_DURATION, value.strip()):
+        if DURATION.fullmatch(value.strip()):
             return value.strip()
         raise ValueError(f"must be a duration such as '90s', '15m', '4h', '1d' (got {value!r})")
 

@@ -178,7 +178,8 @@ def run_cycle(deps: CycleDeps) -> Any:
             try:
                 verdict = timed("online", lambda: _online_decision(deps, cycle_id, version))
                 if verdict is not None and not verdict[0]:
-                    timed("withdraw", lambda: _withdraw(deps, version, verdict[1]))
+                    timed("withdraw", lambda: deps.registry.withdraw_canary(
+                        version, "automatic", f"canary rejected online: {verdict[1]}"))
             except Exception as exc:  # noqa: BLE001 - the canary keeps serving; failing here would orphan it
                 log.warning("canary check failed; retried at the next check", extra={
                     "cycle": cycle_id, "error": f"{type(exc).__name__}: {exc}"})
@@ -273,8 +274,7 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
     registry, cfg = deps.registry, deps.config.rollout
     decision = latest_decision(deps.engine, registry.name, version)
     if decision is not None and decision.report.get("stage") == "online" and decision.report.get("cycle") == cycle_id:
-        checks = decision.report["decision"]["checks"]
-        return bool(decision.passed), "; ".join(c["detail"] for c in checks if not c["passed"] or decision.passed)
+        return _verdict(bool(decision.passed), decision.report["decision"]["checks"])
     champion, canary = registry.alias(CHAMPION), registry.alias(CANARY)
     if champion is not None and champion.version == version:
         return True, f"version {version} was promoted by an operator during its canary"
@@ -287,33 +287,31 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
     # only requests whose outcome is final (the spec's ripeness window has passed): an early
     # terminal signal would otherwise over-represent the outcomes that arrive fast
     settled = utcnow() - timedelta(seconds=deps.spec.ripeness.window_s)
-    sides = online_rewards(deps.engine, deps.spec.version, [champion.version if champion else "base", version],
-                           staged_at, until=settled)
-    champion_side, canary_side = sides.get(champion.version if champion else "base"), sides.get(version)
-    if rollout.ready(champion_side, canary_side, cfg):
-        result = rollout.decide(champion_side, canary_side, cfg)
+    serving = champion.version if champion else "base"
+    sides = online_rewards(deps.engine, deps.spec.version, [serving, version], staged_at, until=settled)
+    if rollout.ready(sides.get(serving), sides.get(version), cfg):
+        result = rollout.decide(sides[serving], sides[version], cfg)
     elif (utcnow() - staged_at).total_seconds() > duration_s(cfg.max_wait):
-        result = rollout.too_little_traffic(champion_side, canary_side, cfg)
+        result = rollout.too_little_traffic(sides.get(serving), sides.get(version), cfg)
     else:
         log.info("canary still measuring", extra={"cycle": cycle_id, "version": version, "min_requests":
                                                  cfg.min_requests, "rewarded": {v: s[0] for v, s in sides.items()}})
         return None
-    registry.record_online(version, champion.version if champion else None, cycle_id, result.to_dict(),
+    decided = result.to_dict()
+    registry.record_online(version, champion.version if champion else None, cycle_id, decided,
                            {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
-    checks = result.to_dict()["checks"]
-    return result.passed, "; ".join(c["detail"] for c in checks if not c["passed"] or result.passed)
+    return _verdict(result.passed, decided["checks"])
+
+
+def _verdict(passed: bool, checks: list[dict[str, Any]]) -> tuple[bool, str]:
+    """A decision as (passed, reason): the failing checks, or every check's numbers on a pass."""
+    return passed, "; ".join(c["detail"] for c in checks if passed or not c["passed"])
 
 
 def _withdraw_orphan_canary(deps: CycleDeps) -> None:
     """A new cycle starts only when no cycle is measuring a canary: a canary alias left from a
     cycle that failed after staging it (its promotion failed, say) serves no purpose -- withdrawn."""
-    canary = deps.registry.alias(CANARY)
-    if canary is not None:
-        log.warning("withdrawing a canary no cycle is measuring", extra={"version": canary.version})
-        deps.registry.unstage("automatic", f"no cycle is measuring canary v{canary.version} (its cycle ended)")
+    withdrawn = deps.registry.unstage("automatic", "no cycle is measuring this canary (its cycle ended)")
+    if withdrawn is not None:
+        log.warning("withdrew a canary no cycle was measuring", extra={"version": withdrawn.version})
 
-
-def _withdraw(deps: CycleDeps, version: str, why: str) -> None:
-    canary = deps.registry.alias(CANARY)
-    if canary is not None and canary.version == version:
-        deps.registry.unstage("automatic", f"canary rejected online: {why}")

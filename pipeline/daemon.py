@@ -32,7 +32,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ingest.consumer import IngestStats, run_ingest
-from pipeline.config import Config
+from pipeline.config import DURATION, Config, duration_s
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
 from pipeline.store.cycles import unfinished_cycle
 from pipeline.store.deploys import served_and_accepted
@@ -42,14 +42,13 @@ from pipeline.store.training import get_run
 log = logging.getLogger("rtrl.daemon")
 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # a line per job run drowns the daemon's own
 LEASE = "cycle"
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def trigger(every: str):
     """`30s` / `15m` / `4h` / `1d` -> an interval; five fields -> a cron expression."""
     every = every.strip()
-    if every[-1] in _UNITS and every[:-1].replace(".", "", 1).isdigit():
-        return IntervalTrigger(seconds=float(every[:-1]) * _UNITS[every[-1]])
+    if DURATION.fullmatch(every):
+        return IntervalTrigger(seconds=duration_s(every))
     return CronTrigger.from_crontab(every)
 
 

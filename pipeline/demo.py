@@ -61,7 +61,7 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
         # a staged rollout on the compressed clock: a candidate that passes the gate answers half
-        # of the requests until each side has 60 rewarded ones (~30 s), then the online
+        # of the requests until each side has 60 settled ones (~35 s), then the online
         # comparison decides (the gate's off-policy estimate can be optimistic)
         "rollout": {"share": 0.5, "min_requests": 60, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},

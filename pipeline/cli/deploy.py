@@ -212,16 +212,18 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     except Exception as exc:  # noqa: BLE001 - kafka errors
         raise click.ClickException(f"cannot follow {config.kafka.model_updates_topic} on {config.bootstrap}: {exc}; "
                                    "is Kafka up (`rtrl kafka up`)?") from None
-    first = {"version": champion.version, "adapter_uri": champion.source} if champion else None
+    # what serving starts from, as the model-update events that put it there would say; a staged
+    # rollout in progress has its share tagged on the canary's version
+    current = [{"alias": "champion", "version": champion.version, "adapter_uri": champion.source}] if champion else []
+    if canary is not None:
+        current.append({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
+                        "share": float(canary.tags.get("rollout.share", 0.0))})
     if vllm_url:
         from deploy.vllm import VllmAdapterSync
 
         sync = VllmAdapterSync(vllm_url, name, fetch, adapters)
-        if first:
-            sync.on_update({**first, "alias": "champion"})
-        if canary is not None:
-            sync.on_update({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
-                            "share": float(canary.tags.get("rollout.share", 0.0))})
+        for ev in current:
+            sync.on_update(ev)
         follower.on_update = sync.on_update
         follower.start()
         click.echo(f"keeping {vllm_url} on the champion of {name} (Ctrl-C stops)")
@@ -257,11 +259,8 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         else:
             server.use(ev["version"], adapter)
 
-    if first:
-        on_update({**first, "alias": "champion"})
-    if canary is not None:  # a staged rollout in progress: its share is tagged on the version
-        on_update({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
-                   "share": float(canary.tags.get("rollout.share", 0.0))})
+    for ev in current:
+        on_update(ev)
     follower.on_update = on_update
     follower.start()
     click.echo(f"serving {name}:{server.version} on http://{host}:{port} (base {base})", err=True)
