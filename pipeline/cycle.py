@@ -280,10 +280,12 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
         return True, f"version {version} was promoted by an operator during its canary"
     if canary is None or canary.version != version:
         return False, f"the canary (version {version}) was withdrawn by an operator"
-    run_rewards(deps.engine, deps.spec)  # what the canary and the champion served since the last run
     move = last_move_to(deps.engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
     staged_at = move.at if move is not None else get_cycle(deps.engine, cycle_id).started_at
+    # rewards for what both sides served since: only that window is read (the cycle's own reward
+    # stage brings the rest of the history up to date), so a check costs the same on any store
+    run_rewards(deps.engine, deps.spec, served_since=staged_at)
     # only requests whose outcome is final (the spec's ripeness window has passed): an early
     # terminal signal would otherwise over-represent the outcomes that arrive fast
     settled = utcnow() - timedelta(seconds=deps.spec.ripeness.window_s)

@@ -32,12 +32,13 @@ EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) 
 _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts
 
 
-def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[int, int], chunk: int
-           ) -> RewardRunReport:
+def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[int, int], chunk: int,
+           served_since: datetime | None) -> RewardRunReport:
     engine = _ENGINES.get(url)
     if engine is None:
         engine = _ENGINES[url] = store_db.make_engine(url)
-    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk_size=chunk)
+    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk_size=chunk,
+                      served_since=served_since)
 
 
 def auto_workers(engine: Engine) -> int:
@@ -62,6 +63,7 @@ def score_in_parallel(
     report: RewardRunReport,
     on_progress: Callable[[RewardRunReport], None] | None = None,
     chunk: int = 5000,
+    served_since: datetime | None = None,
 ) -> None:
     """Score every part in a pool of `workers` processes, counting each into `report`."""
     url = engine.url.render_as_string(hide_password=False)
@@ -69,7 +71,7 @@ def score_in_parallel(
         raise ValueError("an in-memory SQLite store cannot be shared with worker processes; use workers=1")
     parts = 4 * workers
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk) for k in range(parts)]
+        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk, served_since) for k in range(parts)]
         for future in as_completed(futures):
             report.add(future.result())
             if on_progress:

@@ -139,13 +139,16 @@ def run_rewards(
     force: bool = False,
     workers: int = 1,
     chunk: int = 5000,
+    served_since: datetime | None = None,
 ) -> RewardRunReport:
     """Compute or update the rewards of every ripe episode under `spec`. With `force`,
     recompute even rewards that already reflect the newest feedback (e.g. after a change
     to a signal function, which the spec version does not capture). `workers` > 1 splits
     the run over that many processes, 0 picks a number for the store's size (see
     reward/parallel.py); a spec with a judge runs in one, since its budget and model are
-    per run."""
+    per run. `served_since`: only episodes served from then on (a canary's check reads its
+    own window, at a cost that does not grow with the history; orphans are counted over
+    feedback from then on)."""
     now = now or utcnow()
     report = RewardRunReport(spec_version=spec.version, recomputed=force)
     from reward.parallel import auto_workers, score_in_parallel  # it imports this module
@@ -153,10 +156,10 @@ def run_rewards(
     if workers == 0 and spec.judge is None:
         workers = auto_workers(engine)
     if workers > 1 and spec.judge is None:
-        score_in_parallel(engine, spec, now, force, workers, report, on_progress, chunk)
+        score_in_parallel(engine, spec, now, force, workers, report, on_progress, chunk, served_since)
     else:
-        score_part(engine, spec, now, force, report, on_progress, chunk_size=chunk)
-    report.orphaned = orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s))
+        score_part(engine, spec, now, force, report, on_progress, chunk_size=chunk, served_since=served_since)
+    report.orphaned = orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s), since=served_since)
     return report
 
 
@@ -181,6 +184,7 @@ def score_part(
     on_progress: Callable[[RewardRunReport], None] | None = None,
     part: tuple[int, int] = (0, 1),
     chunk_size: int = 5000,
+    served_since: datetime | None = None,
 ) -> RewardRunReport:
     """The chunks of `part` (k of n, see iter_episode_chunks), counted into `report`. The two
     loops over a chunk's episodes are the stage's hot path: they count in locals, and the
@@ -192,7 +196,7 @@ def score_part(
     ripe = score.ripeness(now)
     with gc_paused():
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
-                                         only_stale=not force):
+                                         only_stale=not force, served_since=served_since):
             report.duplicate_interactions += chunk.duplicates
             report.episodes += len(chunk.interactions) + chunk.current
             report.unchanged += chunk.current  # up to date: counted, never read

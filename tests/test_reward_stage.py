@@ -57,6 +57,19 @@ def test_late_feedback_updates_the_reward(engine):
     assert (third.computed, third.updated, third.unchanged) == (0, 0, 1)
 
 
+def test_a_run_served_since_reads_only_that_window(engine):
+    # what a canary's check runs: the episodes served from its start, not the whole history
+    store(engine, interaction(10), fb(10, kind="accepted"), interaction(3600), fb(3600, kind="rejected"),
+          fb(3601, kind="accepted"), fb(11, kind="accepted"))  # two orphans, one on each side of the cut
+    since = BASE_TS.replace(tzinfo=None) + timedelta(seconds=1800)
+    window = run_rewards(engine, SPEC, now=LATER + timedelta(days=2), served_since=since)
+    assert (window.episodes, window.computed, window.orphaned) == (1, 1, 1)
+    assert reward_of(engine, "ev-r-3600") == pytest.approx(-0.5) and reward_of(engine, "ev-r-10") is None
+    whole = run_rewards(engine, SPEC, now=LATER + timedelta(days=2))  # the cycle's run: the rest
+    assert (whole.episodes, whole.computed, whole.unchanged, whole.orphaned) == (2, 1, 1, 2)
+    assert reward_of(engine, "ev-r-10") == pytest.approx(0.5)
+
+
 def test_orphaned_feedback_waits_is_joined_later_and_reported_after_the_ttl(engine):
     store(engine, fb(2, kind="accepted"))
     report = run_rewards(engine, SPEC, now=LATER)

@@ -66,6 +66,7 @@ def iter_episode_chunks(
     payload_kinds: Sequence[str] | None = None,
     part: tuple[int, int] = (0, 1),
     only_stale: bool = False,
+    served_since: datetime | None = None,
 ) -> Iterator[EpisodeChunk]:
     """Episodes -- the first interaction of each request_id (or of those in `request_ids`) --
     with their feedback and stored reward, in id order.
@@ -77,12 +78,16 @@ def iter_episode_chunks(
     others come back as None. With `only_stale`, episodes whose reward under `spec_version`
     already counts their newest feedback are left in the store (counted, not read): an
     incremental run reads only what changed. Interactions that arrive during the run are left
-    to the next one.
+    to the next one. With `served_since`, the chunks start at the first interaction served
+    from then on (found through the ts index; ids after it that were served earlier, arriving
+    late, are read too).
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
     with engine.connect() as conn:
         first_id, last_id = conn.execute(
             select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
+        if served_since is not None and first_id is not None:
+            first_id = conn.scalar(select(func.min(interactions.c.id)).where(where, interactions.c.ts >= served_since))
     if first_id is None:
         return
     k, n = part
@@ -167,12 +172,13 @@ def stored_reward(engine: Engine, request_id: str, spec_version: str) -> Any | N
         ).first()
 
 
-def orphaned_feedback(engine: Engine, older_than: datetime) -> int:
-    """Feedback older than `older_than` whose interaction never arrived."""
+def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | None = None) -> int:
+    """Feedback older than `older_than` (and from `since` on) whose interaction never arrived."""
     stmt = (
         select(func.count())
         .select_from(feedback.outerjoin(interactions, interactions.c.request_id == feedback.c.request_id))
-        .where(and_(interactions.c.id.is_(None), feedback.c.ts < older_than))
+        .where(and_(interactions.c.id.is_(None), feedback.c.ts < older_than,
+                    feedback.c.ts >= since if since is not None else true()))
     )
     with engine.connect() as conn:
         return conn.scalar(stmt)
