@@ -120,16 +120,25 @@ def run_cycle(deps: CycleDeps) -> Any:
         log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})
     cycle_id, timings = row.cycle_id, dict(row.timings or {})
     t_cycle = time.perf_counter()
+    # `bookkeeping`: what this call spent outside its timed stages (reading and writing the cycle's
+    # state, registry lookups between stages), so that the stage timings add up to the cycle's time
+    untimed_before, timed_s, stage_started = timings.get("bookkeeping", 0.0), 0.0, None
 
     def enter(state: str, **values: Any) -> None:
+        now = time.perf_counter()
+        in_stage = now - stage_started if stage_started is not None else 0.0  # (training enters "training")
+        timings["bookkeeping"] = round(untimed_before + now - t_cycle - timed_s - in_stage, 3)
         set_cycle(deps.engine, cycle_id, state=state, timings=timings, **values)
 
     def timed(stage: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
+        nonlocal timed_s, stage_started
+        stage_started = time.perf_counter()
         try:
             return fn()
         finally:
-            timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - t0, 3)
+            seconds = time.perf_counter() - stage_started
+            timed_s, stage_started = timed_s + seconds, None
+            timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
 
     try:
         state, run_id = row.state, row.run_id
@@ -142,14 +151,15 @@ def run_cycle(deps: CycleDeps) -> Any:
             enter("rewarding")
             timed("reward", lambda: run_rewards(deps.engine, deps.spec))
             state = "training"
-        champion = deps.registry.alias(CHAMPION)
-        with tempfile.TemporaryDirectory() as tmp:
-            parent = Parent.from_adapter(deps.registry.adapter(champion, Path(tmp))) if champion else None
-            if state == "training":
+        if state == "training":
+            with tempfile.TemporaryDirectory() as tmp:
+                champion = deps.registry.alias(CHAMPION)  # training continues from the champion's adapter
+                parent = timed("parent", lambda: Parent.from_adapter(deps.registry.adapter(champion, Path(tmp)))
+                               ) if champion else None
                 run_id = timed("train", lambda: _train(deps, cycle_id, run_id, parent, enter))
-                if run_id is None:
-                    return get_cycle(deps.engine, cycle_id)  # skipped
-                state = "evaluating"
+            if run_id is None:
+                return get_cycle(deps.engine, cycle_id)  # skipped
+            state = "evaluating"
         if state == "evaluating":
             enter("evaluating", run_id=run_id)
             decision = decision_for_run(deps.engine, run_id)

@@ -98,6 +98,10 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
     split = cycle_split(engine, second, run)  # ... and the two put together with the stage timings
     assert split["train.loop"] == run.summary["split_s"]["loop"] and split["evaluate.generate"] > 0
     assert abs(sum(split.values()) - sum(second.timings.values())) < 0.01
+    # every second of the cycle is in some stage: the parent adapter's download, and the state
+    # writes and lookups between stages (`bookkeeping`), are counted too
+    assert {"parent", "bookkeeping"} <= set(second.timings) and "parent" not in first.timings
+    assert 0 < second.timings["bookkeeping"] < sum(second.timings.values())
 
     # the champion's watermark: after a promotion nothing is new; after a rejection the same
     # episodes are still new (the champion never learned from them) -- either way, too few
