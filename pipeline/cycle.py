@@ -47,6 +47,7 @@ from deploy.registry import CANARY, CHAMPION, Registry
 from deploy.stage import gate_run
 from deploy.suite import EMPTY, Suite
 from pipeline.config import Config, duration_s
+from pipeline.faults import pause_point
 from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
 from pipeline.store.deploys import last_move_to, latest_decision, online_rewards
 from pipeline.store.events import utcnow
@@ -312,6 +313,7 @@ def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool
     decided = result.to_dict()
     registry.record_online(version, champion.version if champion else None, cycle_id, decided,
                            {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
+    pause_point("canary.decided")  # crash tests kill the process here: a restart reuses the decision
     return _verdict(result.passed, decided["checks"])
 
 

@@ -9,6 +9,8 @@ environment lookup. The points:
 
     train.step               after an optimizer step of the training loop
     promote.champion_moved   the registry's `champion` alias moved, its audit row still pending
+    canary.decided           a canary's online decision recorded, the canary not yet promoted
+                             or withdrawn
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import threading
 from pathlib import Path
 
-POINTS = ("train.step", "promote.champion_moved")
+POINTS = ("train.step", "promote.champion_moved", "canary.decided")
 
 
 def pause_point(name: str) -> None:

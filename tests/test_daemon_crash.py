@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,13 +22,13 @@ import pytest
 from kafka import KafkaConsumer
 from sqlalchemy import func, select
 
-from deploy.registry import CHAMPION, Registry
+from deploy.registry import CANARY, CHAMPION, Registry
 from pipeline.kafka_local import ensure_topics
 from pipeline.store.events import utcnow
 from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
 from tests import reverse_task as task
 from tests.conftest import REPO, wait_for
-from tests.factories import BASE_TS
+from tests.factories import BASE_TS, feedback as feedback_event, interaction
 from tests.test_ingest_kafka import produce_events
 from train.models import load_policy
 
@@ -51,11 +52,29 @@ def _wait_for(predicate, timeout: float, what: str, procs=()):
     wait_for(check, timeout, what, interval=0.2)
 
 
-def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_once(
-        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
-    updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
-    ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def _start(env: dict, tmp_path: Path, name: str, pause: str | None = None) -> subprocess.Popen:
+    """An `rtrl daemon` process; with `pause`, it freezes at that fault point (and says so in a file)."""
+    faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3"],
+                            env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
+                            stderr=subprocess.STDOUT)
+
+
+def _kill_9(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _model_updates(kafka_bootstrap: str, topic: str) -> list[dict]:
+    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=3000)
+    updates = [json.loads(m.value) for m in consumer]
+    consumer.close()
+    return updates
+
+
+def _config(tmp_path: Path, reverse_base: Path, tracking: str, gate: str = "min_ess = 5", extra: str = "") -> Path:
     config = tmp_path / "rtrl.toml"
     config.write_text(f"""
 [train]
@@ -69,7 +88,7 @@ lora_alpha = 16
 holdout_percent = 30.0
 [gate]
 max_new_tokens = 3
-min_ess = 5
+{gate}
 max_kl = 5.0
 generate_prompts = 40
 [gate.bounds.smoke_latency_ms]
@@ -80,19 +99,20 @@ min_new_episodes = 20
 [mlflow]
 tracking_uri = "{tracking}"
 registered_model = "{MODEL}"
-""")
+{extra}""")
+    return config
+
+
+def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_once(
+        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = _config(tmp_path, reverse_base, tracking)
     env = {**os.environ, **cfg_env, "RTRL_CONFIG": str(config), "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates_topic}
 
     def start(name: str, pause: str | None = None) -> subprocess.Popen:
-        faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3"],
-                                env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
-                                stderr=subprocess.STDOUT)
-
-    def kill_9(proc: subprocess.Popen) -> None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        return _start(env, tmp_path, name, pause)
 
     def the_cycle():
         with engine.connect() as conn:
@@ -108,7 +128,7 @@ registered_model = "{MODEL}"
         _wait_for((tmp_path / "a.paused").exists, 240, "daemon a to reach a training step", [a])
         [row] = the_cycle()
         assert row.state == "training"
-        kill_9(a)
+        _kill_9(a)
 
         # more traffic while no daemon runs: a few new events and a resend of ones already stored
         late = _events(reverse_base, "b", seed=9, limit=4)
@@ -124,7 +144,7 @@ registered_model = "{MODEL}"
         assert registry.alias(CHAMPION).version == "1"  # moved in the registry...
         with engine.connect() as conn:  # ...not yet in the audit table
             assert [m.status for m in conn.execute(select(alias_moves))] == ["pending"]
-        kill_9(b)
+        _kill_9(b)
 
         # 3. the next start finishes it, once, and goes on skipping (nothing new)
         c = start("c")
@@ -160,10 +180,7 @@ registered_model = "{MODEL}"
     registry = Registry(tracking, MODEL, engine)
     assert [v.version for v in registry.list()] == ["1"] and registry.alias(CHAMPION).version == "1"
     assert [(m.to_version, m.status, m.published_at is not None) for m in moves] == [("1", "done", True)]
-    consumer = KafkaConsumer(updates_topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=3000)
-    updates = [json.loads(m.value) for m in consumer]
-    consumer.close()
+    updates = _model_updates(kafka_bootstrap, updates_topic)
     assert [(u["name"], u["version"]) for u in updates] == [(MODEL, "1")]
 
     # no event lost or stored twice (the resent ones deduplicated), one reward per interaction
@@ -171,3 +188,88 @@ registered_model = "{MODEL}"
     assert stored == {"interactions": list(sent.values()).count("interaction"),
                       "feedback": list(sent.values()).count("feedback")}
     assert len(reward_rows) == len(set(reward_rows)) == stored["interactions"]
+
+
+def test_kill_9_after_a_canary_is_decided_then_it_is_promoted_once(
+        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    """A staged rollout: the daemon stages the candidate, live traffic arrives, the online
+    comparison is recorded -- and the daemon dies before acting on it. The next daemon reuses
+    that decision (no second comparison on more traffic), promotes once and clears the canary."""
+    updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # outcomes final 1 s after the interaction, so the online traffic below settles at once
+    spec = (REPO / "reward" / "default_spec.toml").read_text().replace("window_s = 3600", "window_s = 1")
+    (tmp_path / "spec.toml").write_text(spec)
+    config = _config(tmp_path, reverse_base, tracking, gate="min_ess = 2\nmin_improvement = -1.0", extra=f"""
+[reward]
+spec = "{tmp_path / 'spec.toml'}"
+[rollout]
+share = 0.5
+min_requests = 40
+check_every = "1s"
+max_wait = "1h"
+""")
+    env = {**os.environ, **cfg_env, "RTRL_CONFIG": str(config), "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates_topic}
+
+    def the_cycle():
+        with engine.connect() as conn:
+            return conn.execute(select(cycles).where(cycles.c.state != "skipped")).all()
+
+    produce_events(kafka_bootstrap, topics, _events(reverse_base, "c", seed=11))
+    daemons = []
+    try:
+        a = _start(env, tmp_path, "a", pause="canary.decided")
+        daemons.append(a)
+        _wait_for(lambda: [r.state for r in the_cycle()] == ["canary"], 300, "daemon a to stage a canary", [a])
+        # live traffic on both sides since the canary went live: the canary clearly better
+        traffic = []
+        for version, prefix, good in (("base", "live-base", 0.2), ("1", "live-canary", 0.8)):
+            traffic += online_events(prefix, version, 50, good)
+        produce_events(kafka_bootstrap, topics, traffic)
+        _wait_for((tmp_path / "a.paused").exists, 120, "daemon a to record the online decision", [a])
+        registry = Registry(tracking, MODEL, engine)
+        assert registry.alias(CANARY).version == "1" and registry.alias(CHAMPION) is None
+        _kill_9(a)
+
+        # more traffic while no daemon runs: a second comparison would count it, the first does not
+        produce_events(kafka_bootstrap, topics, online_events("late-canary", "1", 30, 0.8))
+        b = _start(env, tmp_path, "b")
+        daemons.append(b)
+        _wait_for(lambda: the_cycle()[0].state == "done", 120, "the cycle to promote the canary", [b])
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    assert b.returncode == 0
+
+    with engine.connect() as conn:
+        decisions = conn.execute(select(gate_decisions.c.candidate_version, gate_decisions.c.passed,
+                                        gate_decisions.c.report).order_by(gate_decisions.c.id)).all()
+        moves = conn.execute(select(alias_moves).order_by(alias_moves.c.id)).all()
+    # one gate decision and one online decision, both passed: the online one was not made again
+    assert [(d.candidate_version, bool(d.passed), d.report.get("stage")) for d in decisions] == [
+        ("1", True, None), ("1", True, "online")]
+    canary_n = decisions[1].report["sides"]["1"]["n"]
+    assert 40 <= canary_n <= 50  # daemon a's comparison: the traffic sent after its death is not in it
+    [row] = the_cycle()
+    assert row.promoted == 1 and row.candidate_version == "1" and f"(n={canary_n})" in row.reason, row.reason
+    registry = Registry(tracking, MODEL, engine)
+    assert registry.alias(CHAMPION).version == "1" and registry.alias(CANARY) is None
+    # the audit table and the registry agree: staged, promoted, cleared -- each done and published once
+    assert [(m.alias, m.to_version, m.status, m.published_at is not None) for m in moves] == [
+        ("canary", "1", "done", True), ("champion", "1", "done", True), ("canary", None, "done", True)]
+    assert [(u["alias"], u["version"]) for u in _model_updates(kafka_bootstrap, updates_topic)] == [
+        ("canary", "1"), ("champion", "1"), ("canary", None)]
+
+
+def online_events(prefix: str, version: str, n: int, good: float) -> list[dict]:
+    """`n` requests served by `version` now, a `good` share kept by the user (persisted, a terminal
+    signal) and the rest reverted."""
+    rng, now = random.Random(prefix), utcnow().isoformat() + "Z"
+    events = []
+    for i in range(n):
+        events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))
+        events.append(feedback_event(i, prefix=prefix, kind="persisted", value=rng.random() < good, ts=now))
+    return events
