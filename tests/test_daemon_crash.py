@@ -234,7 +234,9 @@ max_wait = "1h"
 
         # more traffic while no daemon runs: a second comparison would count it, the first does not
         produce_events(kafka_bootstrap, topics, online_events("late-canary", "1", 30, 0.8))
-        b = _start(env, tmp_path, "b")
+        # b's cycle job is an hour away: only its canary job runs (the live traffic above would
+        # otherwise be enough new episodes for another cycle)
+        b = _start({**env, "RTRL_CYCLE__EVERY": "1h"}, tmp_path, "b")
         daemons.append(b)
         _wait_for(lambda: the_cycle()[0].state == "done", 120, "the cycle to promote the canary", [b])
     finally:
