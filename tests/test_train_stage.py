@@ -8,6 +8,7 @@ import json
 from datetime import timedelta
 
 import pytest
+import torch
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
@@ -21,6 +22,7 @@ from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
 from tests.factories import BASE_TS, encode, feedback, interaction
+from train import lora
 from train.models import load_policy
 from train.run import NothingToTrain, Parent, run_training
 from train.tracking import MemoryTracker
@@ -82,6 +84,38 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
     child = run_training(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER)
     assert child.selection["candidates"] == len(second) == child.data.episodes
     assert get_run(engine, child.run_id).parent_run_id == report.run_id
+
+
+def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loaded(
+        engine, reverse_base, samples, tmp_path, monkeypatch):
+    # the daemon trains from the same base every cycle: loaded once per process, and a run's
+    # adapter taken off it afterwards -- so a run trains the same adapter either way
+    store(engine, task.as_events(samples[:30], "k", BASE_TS))
+    run_rewards(engine, SPEC, now=LATER)
+    cfg = cfg_for(reverse_base)
+    lora._RESIDENT.clear()
+    first = run_training(engine, cfg, SPEC.version, tmp_path / "a", MemoryTracker(), now=LATER)
+    resident = lora.resident_base(reverse_base)
+    on_disk = load_policy(reverse_base, device="cpu").model.state_dict()
+    assert not hasattr(resident.model, "peft_config") and set(resident.model.state_dict()) == set(on_disk)
+    assert all(torch.equal(resident.model.state_dict()[k], v) for k, v in on_disk.items())
+
+    loads = []
+    monkeypatch.setattr(lora, "load_policy", lambda *a, **k: loads.append(a) or load_policy(*a, **k))
+    again = run_training(engine, cfg, SPEC.version, tmp_path / "b", MemoryTracker(), now=LATER)  # the same episodes
+    assert loads == [] and lora.resident_base(reverse_base) is resident
+    assert_same_adapter(first.adapter, again.adapter)
+
+    # a run that died with its adapter attached leaves a base that is not reused
+    lora.attach_adapter(resident.model, cfg)
+    assert lora.resident_base(reverse_base) is not resident and len(loads) == 1
+
+
+def assert_same_adapter(a, b) -> None:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_base, samples, tmp_path):

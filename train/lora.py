@@ -3,6 +3,9 @@
     attach_adapter(model, cfg)                 a fresh trainable adapter, targets per architecture
     load_adapter(model, path)                  continue a saved adapter (the champion's) trainably
     save_adapter(model, out)                   adapter_model.safetensors + adapter_config.json
+    resident_base(path) / release(model)       one base kept loaded between a process's training
+                                               runs (the daemon's cycles); release strips the
+                                               run's adapter off it again
 
 Targets: the attention and MLP projections of the architectures we know (adapting the MLP as
 well as attention is what makes LoRA match full fine-tuning, Biderman et al. arXiv:2405.09673),
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import TrainConfig
-from train.models import ModelError
+from train.models import ModelError, Policy, load_policy
 
 _PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS_BY_ARCH: dict[str, list[str]] = {
@@ -65,3 +68,39 @@ def save_adapter(model: Any, out: str | Path) -> Path:
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+# path -> (what its files looked like when loaded, the policy): one base at a time
+_RESIDENT: dict[str, tuple[tuple, Policy]] = {}
+
+
+def _files_stamp(path: Path) -> tuple:
+    """Names, sizes and modification times of a model directory's files: a base rebuilt in
+    place (same config, new weights) is loaded again."""
+    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file()))
+
+
+def resident_base(path: str | Path) -> Policy:
+    """load_policy(path), kept loaded for the next training run of this process: a daemon trains
+    from the same base every cycle, and loading it is the whole model read from disk (seconds to
+    minutes on a large base). Each run attaches its adapter in place and must `release` it."""
+    path = Path(path)
+    key, stamp = str(path.resolve()), _files_stamp(path) if path.is_dir() else ()
+    held = _RESIDENT.get(key)
+    # reused only as loaded: a run that died before its release() left its adapter attached
+    if held is not None and held[0] == stamp and not hasattr(held[1].model, "peft_config"):
+        return held[1]
+    _RESIDENT.clear()  # never two bases in memory
+    policy = load_policy(path)
+    _RESIDENT[key] = (stamp, policy)
+    return policy
+
+
+def release(model: Any) -> None:
+    """Take a run's LoRA adapter off its resident base (peft's unload: the base's own modules back
+    in place, their weights untouched -- LoRA trains only the adapter). A base that cannot be
+    restored is forgotten, and the next run loads it afresh."""
+    try:
+        model.unload()
+    except Exception:  # noqa: BLE001 - whatever went wrong, that base is not to be reused
+        _RESIDENT.clear()

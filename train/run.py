@@ -34,9 +34,9 @@ from pipeline.store.events import utcnow
 from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
 from pipeline.timing import Stopwatch
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
-from train.lora import attach_adapter, load_adapter, save_adapter
+from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
 from train.loop import LoopResult, train_policy
-from train.models import ModelError, load_policy
+from train.models import ModelError
 from train.tracking import Tracker
 
 RUN_MANIFEST = "rtrl_run.json"
@@ -143,15 +143,17 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
     if cfg.base_model is None:
         raise ModelError("train.base_model is not set: point it at a local model directory "
                          "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
-    torch.manual_seed(cfg.seed)
     watch = Stopwatch()  # where the run's seconds went, kept in its summary
     with watch("load"):
-        policy = load_policy(cfg.base_model)
+        policy = resident_base(cfg.base_model)  # loaded by this process's first run only
     with watch("tokenize"):
         episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
     if not episodes:
         raise _nothing(report, "every selected episode was skipped")
     report.watermark_to = selection.watermark_to  # skipped episodes are read too: never selected again
+    # seeded here, not before the load: a fresh adapter's initialisation (and the steps after it)
+    # must not depend on whether this process had the base loaded already
+    torch.manual_seed(cfg.seed)
     with watch("load"):
         model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
 
@@ -202,6 +204,8 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
         finish_run(engine, run_id, "failed", error=f"{type(exc).__name__}: {exc}")
         tracker.end("FAILED")
         raise
+    finally:
+        release(model)  # the base as loaded, for the next run
     return report
 
 
