@@ -104,6 +104,9 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     max_seq_len: int = Field(default=2048, ge=8, description="longer episodes are skipped and counted")
     seed: int = 0
+    keep_base_loaded: bool = Field(
+        default=True, description="keep the base model in memory between one process's training runs (the daemon's "
+                                  "cycles); off if the device cannot hold it next to the gate's copy")
     # data selection
     max_episodes: int | None = Field(default=20_000, ge=1)
     staleness_s: float | None = Field(

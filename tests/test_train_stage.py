@@ -22,7 +22,7 @@ from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
 from tests.factories import BASE_TS, encode, feedback, interaction
-from train import lora
+from train import lora, run as run_module
 from train.models import load_policy
 from train.run import NothingToTrain, Parent, run_training
 from train.tracking import MemoryTracker
@@ -105,6 +105,13 @@ def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loade
     again = run_training(engine, cfg, SPEC.version, tmp_path / "b", MemoryTracker(), now=LATER)  # the same episodes
     assert loads == [] and lora.resident_base(reverse_base) is resident
     assert_same_adapter(first.adapter, again.adapter)
+
+    # keep_base_loaded = false: every run reads the base itself and leaves the resident one alone
+    own = []
+    monkeypatch.setattr(run_module, "load_policy", lambda *a, **k: own.append(a) or load_policy(*a, **k))
+    run_training(engine, cfg_for(reverse_base, keep_base_loaded=False), SPEC.version, tmp_path / "c",
+                 MemoryTracker(), now=LATER)
+    assert len(own) == 1 and loads == [] and lora.resident_base(reverse_base) is resident
 
     # a run that died with its adapter attached leaves a base that is not reused
     lora.attach_adapter(resident.model, cfg)

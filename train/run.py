@@ -36,7 +36,7 @@ from pipeline.timing import Stopwatch
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
 from train.loop import LoopResult, train_policy
-from train.models import ModelError
+from train.models import ModelError, load_policy
 from train.tracking import Tracker
 
 RUN_MANIFEST = "rtrl_run.json"
@@ -145,7 +145,8 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
                          "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
     watch = Stopwatch()  # where the run's seconds went, kept in its summary
     with watch("load"):
-        policy = resident_base(cfg.base_model)  # loaded by this process's first run only
+        # kept loaded: read from disk by this process's first run only
+        policy = resident_base(cfg.base_model) if cfg.keep_base_loaded else load_policy(cfg.base_model)
     with watch("tokenize"):
         episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
     if not episodes:
@@ -205,7 +206,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
         tracker.end("FAILED")
         raise
     finally:
-        release(model)  # the base as loaded, for the next run
+        release(model)  # the base as loaded, for the next run (with keep_base_loaded)
     return report
 
 
