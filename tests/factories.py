@@ -55,3 +55,16 @@ def feedback(i: int, *, prefix: str = "ev", kind: str = "accepted", value=True, 
 
 def encode(ev: dict) -> bytes:
     return json.dumps(ev).encode("utf-8")
+
+
+def served_now(prefix: str, version: str, n: int, good: float) -> list[dict]:
+    """`n` requests served by policy `version` now, a `good` share of them kept by the user
+    (persisted, a terminal signal: rewarded at once) and the rest reverted -- a canary's or a
+    champion's live traffic."""
+    rng = random.Random(prefix)
+    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    events = []
+    for i in range(n):
+        events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))
+        events.append(feedback(i, prefix=prefix, kind="persisted", value=rng.random() < good, ts=now))
+    return events

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pipeline.store.events import utcnow
 from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
 from tests import reverse_task as task
 from tests.conftest import REPO, wait_for
-from tests.factories import BASE_TS, feedback as feedback_event, interaction
+from tests.factories import BASE_TS, served_now
 from tests.test_ingest_kafka import produce_events
 from train.models import load_policy
 
@@ -225,7 +224,7 @@ max_wait = "1h"
         # live traffic on both sides since the canary went live: the canary clearly better
         traffic = []
         for version, prefix, good in (("base", "live-base", 0.2), ("1", "live-canary", 0.8)):
-            traffic += online_events(prefix, version, 50, good)
+            traffic += served_now(prefix, version, 50, good)
         produce_events(kafka_bootstrap, topics, traffic)
         _wait_for((tmp_path / "a.paused").exists, 120, "daemon a to record the online decision", [a])
         registry = Registry(tracking, MODEL, engine)
@@ -233,7 +232,7 @@ max_wait = "1h"
         _kill_9(a)
 
         # more traffic while no daemon runs: a second comparison would count it, the first does not
-        produce_events(kafka_bootstrap, topics, online_events("late-canary", "1", 30, 0.8))
+        produce_events(kafka_bootstrap, topics, served_now("late-canary", "1", 30, 0.8))
         # b's cycle job is an hour away: only its canary job runs (the live traffic above would
         # otherwise be enough new episodes for another cycle)
         b = _start({**env, "RTRL_CYCLE__EVERY": "1h"}, tmp_path, "b")
@@ -265,13 +264,3 @@ max_wait = "1h"
     assert [(u["alias"], u["version"]) for u in _model_updates(kafka_bootstrap, updates_topic)] == [
         ("canary", "1"), ("champion", "1"), ("canary", None)]
 
-
-def online_events(prefix: str, version: str, n: int, good: float) -> list[dict]:
-    """`n` requests served by `version` now, a `good` share kept by the user (persisted, a terminal
-    signal) and the rest reverted."""
-    rng, now = random.Random(prefix), utcnow().isoformat() + "Z"
-    events = []
-    for i in range(n):
-        events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))
-        events.append(feedback_event(i, prefix=prefix, kind="persisted", value=rng.random() < good, ts=now))
-    return events

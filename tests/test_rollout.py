@@ -17,11 +17,10 @@ from pipeline.cycle import run_cycle
 from pipeline.daemon import Daemon
 from pipeline.store.cycles import get_cycle, recent_cycles, set_cycle, unfinished_cycle
 from pipeline.store.deploys import latest_decision, moves
-from pipeline.store.events import utcnow
 from pipeline.store.tables import training_runs
 from reward.spec import load_spec
 from tests.conftest import REPO, wait_for
-from tests.factories import feedback, interaction
+from tests.factories import served_now
 from tests.test_cycle import cycle_deps, feed
 from tests.test_ingest_kafka import ingest_until_idle, produce_events
 
@@ -65,14 +64,8 @@ def test_routing_sends_the_share_to_the_canary_and_a_request_always_the_same_way
 # --- the cycle ---------------------------------------------------------------------------
 
 def online_traffic(cfg, engine, topics, kafka_bootstrap, prefix: str, version: str, n: int, good: float) -> None:
-    """`n` requests served by `version` now, a `good` share of them kept by the user (persisted,
-    a terminal signal: rewarded at once) and the rest reverted."""
-    rng, now = random.Random(prefix), utcnow().isoformat() + "Z"
-    events = []
-    for i in range(n):
-        events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))
-        events.append(feedback(i, prefix=prefix, kind="persisted", value=rng.random() < good, ts=now))
-    produce_events(kafka_bootstrap, topics, events)
+    """served_now(...) through the broker into the store."""
+    produce_events(kafka_bootstrap, topics, served_now(prefix, version, n, good))
     ingest_until_idle(cfg, engine)
 
 
