@@ -3,6 +3,10 @@ TRL's GRPOTrainer, on the same model, the same episodes, the same LoRA and the s
 
     .venv/bin/python benchmarks/train.py                     # CPU figures (docs/benchmarks.md)
     .venv/bin/python benchmarks/train.py --hidden 512 --layers 8 --steps 12   # a bigger model
+    .venv/bin/python benchmarks/train.py --variants rtrl --busy-cores 1 --threads 1   # a shared CPU
+
+`--busy-cores N` keeps N other processes spinning while the variants run (serving next to the
+daemon, as in the demo); `--threads N` is `train.cpu_threads` (torch's intra-op threads).
 
 Each variant runs in its own process (peak memory is per process) on a model made by
 `init_tiny` and synthetic logged episodes of fixed length (prompt + completion tokens), with
@@ -40,7 +44,7 @@ import torch  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
 from train.data import tokenize_episode  # noqa: E402
 from train.lora import attach_adapter, target_modules  # noqa: E402
-from train.models import init_tiny, load_policy  # noqa: E402
+from train.models import init_tiny, load_policy, set_cpu_threads  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -182,6 +186,7 @@ VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl}
 
 
 def child(args) -> None:
+    set_cpu_threads(args.threads)
     policy = load_policy(args.model)
     eps = episodes(args.episodes, args.prompt, args.completion)
     cfg = config(args)
@@ -204,6 +209,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=5, help="runs per variant; the median is reported")
     ap.add_argument("--variants", default="bare,rtrl,trl")
+    ap.add_argument("--threads", type=int, help="torch threads (train.cpu_threads); default: one per core")
+    ap.add_argument("--busy-cores", type=int, default=0, help="other processes kept spinning meanwhile")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--episodes", type=int, help=argparse.SUPPRESS)
@@ -211,6 +218,16 @@ def main() -> None:
     args.episodes = args.episodes or args.batch * args.steps
     if args.only:
         return child(args)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)]
+    try:
+        results = run_variants(args)
+    finally:
+        for p in spinners:
+            p.kill()
+    report(args, results)
+
+
+def run_variants(args) -> dict[str, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "model", hidden=args.hidden, layers=args.layers, heads=4, seed=0)
         results: dict[str, list[dict]] = {}
@@ -219,14 +236,20 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--only", variant, "--model", str(model),
                        *(f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "prompt", "completion", "batch",
                                                             "steps", "episodes"))]
+                cmd += [f"--threads={args.threads}"] if args.threads else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
                 if out.returncode:
                     sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
                 results.setdefault(variant, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def report(args, results: dict[str, list[dict]]) -> None:
     med = {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in results.items()}
     print(f"model: hidden {args.hidden}, layers {args.layers}; {args.batch} episodes x "
           f"{args.prompt + args.completion} tokens per step; {args.steps} steps (first excluded); "
-          f"device {next(iter(med.values()))['device']}; median of {args.repeats}")
+          f"device {next(iter(med.values()))['device']}; median of {args.repeats}; "
+          f"threads {args.threads or torch.get_num_threads()}; {args.busy_cores} busy core(s)")
     for v, r in med.items():
         runs = ", ".join(f"{x['tokens_per_s']:,.0f}" for x in results[v])
         extra = "" if r["device"] == "cuda" else f" (+{r['peak_mb'] - r['rss_before_mb']:,.0f} MB over the loaded model)"

@@ -107,6 +107,10 @@ class TrainConfig(_Section):
     keep_base_loaded: bool = Field(
         default=True, description="keep the base model in memory between one process's training runs (the daemon's "
                                   "cycles); off if the device cannot hold it next to the gate's copy")
+    cpu_threads: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="torch threads for training and the gate's evaluation on the CPU; default: one per core. Set 1 "
+                    "when serving or other processes share the cores: a small model's steps wait on the busy ones")
     # data selection
     max_episodes: int | None = Field(default=20_000, ge=1)
     staleness_s: float | None = Field(

@@ -81,8 +81,9 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
     from deploy.suite import load_suite
     from deploy.tracking import MlflowTracker
     from train.inference import PolicySet
-    from train.models import import_model_code
+    from train.models import import_model_code, set_cpu_threads
 
+    set_cpu_threads(config.train.cpu_threads)  # the gate's evaluation runs in this process too
     if config.train.base_model is not None:
         # at start, not in the middle of the first cycle (seconds of imports); a bad path fails here
         import_model_code(config.train.base_model)

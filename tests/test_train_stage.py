@@ -226,3 +226,16 @@ def test_mlflow_tracker_buffers_metrics_and_writes_every_step_by_the_end(tmp_pat
     tracker.end("FINISHED")
     assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == list(range(1, steps + 1))
     assert len(client.get_metric_history(tracker.run_id, "kl")) == steps
+
+
+def test_a_run_uses_the_configured_cpu_threads(engine, reverse_base, samples, tmp_path):
+    # train.cpu_threads: the daemon shares the cores with serving (the demo sets 1)
+    store(engine, task.as_events(samples[:20], "t", BASE_TS))
+    run_rewards(engine, SPEC, now=LATER)
+    before = torch.get_num_threads()
+    try:
+        run_training(engine, cfg_for(reverse_base, cpu_threads=before + 1), SPEC.version, tmp_path / "a",
+                     MemoryTracker(), now=LATER)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)

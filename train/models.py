@@ -54,6 +54,17 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def set_cpu_threads(n: int | None) -> None:
+    """torch's intra-op threads for this process (None: leave torch's default, one per core).
+    A parallel op waits for its slowest thread, so on cores that another process keeps busy
+    (serving) training ran 1.6x slower on two threads than on one, and greedy generation 2-4x
+    (docs/benchmarks.md, "Training step")."""
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def pick_dtype(device: str):
     import torch
 

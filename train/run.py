@@ -36,7 +36,7 @@ from pipeline.timing import Stopwatch
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
 from train.loop import LoopResult, train_policy
-from train.models import ModelError, load_policy
+from train.models import ModelError, load_policy, set_cpu_threads
 from train.tracking import Tracker
 
 RUN_MANIFEST = "rtrl_run.json"
@@ -144,6 +144,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
         raise ModelError("train.base_model is not set: point it at a local model directory "
                          "(RTRL_TRAIN__BASE_MODEL=/path, or `rtrl train run --base-model /path`)")
     watch = Stopwatch()  # where the run's seconds went, kept in its summary
+    set_cpu_threads(cfg.cpu_threads)
     with watch("load"):
         # kept loaded: read from disk by this process's first run only
         policy = resident_base(cfg.base_model) if cfg.keep_base_loaded else load_policy(cfg.base_model)
