@@ -61,7 +61,7 @@ def demo_config(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: i
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
         # a staged rollout on the compressed clock: a candidate that passes the gate answers half
-        # of the requests until each side has 60 settled ones (~16 s at 16 tasks/s), then the online
+        # of the requests until each side has 60 settled ones (~13 s at 24 tasks/s), then the online
         # comparison decides (the gate's off-policy estimate can be optimistic)
         "rollout": {"share": 0.5, "min_requests": 60, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
@@ -332,7 +332,7 @@ def _wait_stored(engine: Engine, requests_sent: int, feedback_sent: int, deadlin
         time.sleep(0.5)
 
 
-def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 16.0,
+def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 0, rate: float = 24.0,
              every: str = "45s", timeout_s: float = 900.0, measure: int = 200, say=print) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
     from deploy.registry import CHAMPION

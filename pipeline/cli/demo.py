@@ -12,7 +12,7 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
               help="Stop after this many cycles were decided (by the gate, or online for a canary).")
 @click.option("--naive-reward", is_flag=True, help="A reward spec that does not penalise abstention: watch the gate.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--rate", default=16.0, show_default=True, help="Tasks per second the simulated users send.")
+@click.option("--rate", default=24.0, show_default=True, help="Tasks per second the simulated users send.")
 @click.option("--every", default="45s", show_default=True, help="Cycle interval (compressed schedule).")
 @click.option("--measure", default=200, show_default=True,
               help="After the last cycle, keep serving until the last champion has served this many requests.")
