@@ -229,7 +229,7 @@ def test_mlflow_tracker_buffers_metrics_and_writes_every_step_by_the_end(tmp_pat
 
 
 def test_a_run_uses_the_configured_cpu_threads(engine, reverse_base, samples, tmp_path):
-    # train.cpu_threads: the daemon shares the cores with serving (the demo sets 1)
+    # train.cpu_threads: for a daemon that shares the cores with serving
     store(engine, task.as_events(samples[:20], "t", BASE_TS))
     run_rewards(engine, SPEC, now=LATER)
     before = torch.get_num_threads()
