@@ -26,6 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
@@ -65,6 +66,9 @@ class Metrics:
                                        buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600), registry=r)
         self.cycles = Counter("rtrl_cycles", "Cycles by outcome", ["outcome"], registry=r)
         self.sla_exceeded = Counter("rtrl_cycle_sla_exceeded", "Cycles longer than cycle.sla_s", registry=r)
+        self.not_started = Counter("rtrl_cycle_runs_not_started", "Scheduled cycles that did not start: the last one "
+                                   "was still running (still_running), or the scheduler was late past the misfire "
+                                   "grace (missed)", ["reason"], registry=r)
         self.champion = Gauge("rtrl_champion_version", "Registry version of the champion (0: none)", registry=r)
         self.reward_mean = Gauge("rtrl_reward_mean", "Mean reward of the last training run's episodes", registry=r)
         self.gate = Counter("rtrl_gate_decisions", "Gate decisions", ["passed"], registry=r)
@@ -207,6 +211,18 @@ class Daemon:
             self.metrics.outside_loop.set(outside)
             self.last_cycle["outside_training_loop"] = round(outside, 3)
 
+    def _not_started(self, event: JobEvent) -> None:
+        """A scheduled cycle that did not run: counted, and said once per occurrence -- cycles
+        that keep outlasting `cycle.every` mean the schedule is too tight for the data."""
+        if event.job_id != "cycle":
+            return
+        reason = "still_running" if event.code == EVENT_JOB_MAX_INSTANCES else "missed"
+        self.metrics.not_started.labels(reason).inc()
+        log.warning("scheduled cycle not started", extra={
+            "reason": reason, "every": self.config.cycle.every,
+            "hint": "the previous cycle outlasted cycle.every: lengthen the interval or cap train.max_episodes"
+            if reason == "still_running" else "the daemon was busy or asleep past the misfire grace (300 s)"})
+
     def _ingest(self) -> None:
         while not self.stop.is_set():
             try:
@@ -226,6 +242,7 @@ class Daemon:
         self.heartbeat()
         self.scheduler.add_job(self.heartbeat, IntervalTrigger(seconds=max(self.ttl / 3, 1)), id="lease",
                                max_instances=1, coalesce=True)
+        self.scheduler.add_listener(self._not_started, EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
         self.scheduler.add_job(self.cycle, trigger(self.config.cycle.every), id="cycle", max_instances=1,
                                coalesce=True, misfire_grace_time=300)
         if self.config.rollout.share > 0:

@@ -10,15 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import requests
 from sqlalchemy import select
 
 from pipeline.config import ConfigError, load_config
-from pipeline.daemon import trigger
+from pipeline.daemon import Daemon, trigger
 from pipeline.store.leases import acquire, holder, release
 from pipeline.store.tables import cycles
 from tests.conftest import REPO, free_port, wait_for
@@ -99,7 +101,7 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
         for name in ("rtrl_ingest_events", "rtrl_ingest_rate", "rtrl_dead_letters", "rtrl_consumer_lag",
                      "rtrl_ingest_errors_total", "rtrl_cycle_duration_seconds", "rtrl_cycles_total",
                      "rtrl_champion_version", "rtrl_reward_mean", "rtrl_gate_decisions", "rtrl_lease_held 1.0", 'rtrl_cycle_part_seconds{part="reward"}',
-                     "rtrl_cycle_outside_loop_ratio"):
+                     "rtrl_cycle_outside_loop_ratio", "rtrl_cycle_runs_not_started_total"):
             assert name in metrics, name
     finally:
         for proc in (a, b):
@@ -107,6 +109,27 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
                 proc.terminate()
                 proc.wait(timeout=60)
     assert b.returncode == 0  # SIGTERM: a clean exit
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_scheduled_cycle_that_finds_the_last_one_running_is_counted_not_overlapped(engine, monkeypatch):
+    # a cycle that outlasts `cycle.every` (the naive demo's long trainings): the next scheduled
+    # run does not start (max_instances=1), and says so in a metric
+    config = load_config(environ={"RTRL_CYCLE__EVERY": "1s"})
+    daemon = Daemon(config, SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+    running, release_cycle = [], threading.Event()
+    monkeypatch.setattr(daemon, "cycle", lambda only_canary=False: running.append(1) or release_cycle.wait(60))
+    daemon.start(ingest=False)
+    try:
+        def not_started() -> float:
+            return daemon.metrics.registry.get_sample_value("rtrl_cycle_runs_not_started_total",
+                                                            {"reason": "still_running"}) or 0.0
+
+        wait_for(lambda: not_started() >= 2, 30, "two scheduled runs to find the cycle still running")
+        assert len(running) == 1  # never two at once
+    finally:
+        release_cycle.set()
+        daemon.shutdown()
 
 
 def _listening(port: int) -> bool:
