@@ -15,13 +15,17 @@ Throughput (benchmarks/reward.py): an episode comes back as one row, its feedbac
 into a JSON array by the database; rows are read positionally, a Scorer holds the spec's
 lookups, rewards are upserted through the driver, and the cyclic garbage collector is paused
 while chunks are scored (a chunk allocates ~100k short-lived objects and no cycles; the
-collector's passes over them were a third of the run).
+collector's passes over them were a third of the run). A chunk's upsert runs on a writer
+thread while the next chunk is read and scored: the database drivers release the GIL while
+the database works, and in a run split over workers a write that waits for another worker's
+SQLite lock no longer idles its core (SQLite's busy handler sleeps in steps of 1-100 ms).
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -194,7 +198,26 @@ def score_part(
     budget = spec.judge.budget if spec.judge else 0
     score = Scorer(spec)
     ripe = score.ripeness(now)
-    with gc_paused():
+    written: Future | None = None  # the previous chunk's upsert, on the writer thread
+
+    def settle() -> None:
+        """Wait for the previous chunk's upsert (raising its error), then count it: the report
+        only ever counts rewards that are in the store."""
+        nonlocal written
+        if written is not None:
+            counts = written.result()
+            written = None
+            for name, n in counts.items():
+                setattr(report, name, getattr(report, name) + n)
+            if on_progress:
+                on_progress(report)
+
+    def write(out: list[RewardRow], counts: dict[str, Any]) -> dict[str, Any]:
+        upsert_rewards(engine, version, out)
+        return counts
+
+    with gc_paused(), ThreadPoolExecutor(1, thread_name_prefix="reward-writer") as writer:
+        submit = _at_once if in_memory(engine) else writer.submit  # another thread would see another database
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
                                          only_stale=not force, served_since=served_since):
             report.duplicate_interactions += chunk.duplicates
@@ -226,14 +249,24 @@ def score_part(
                 value_sum += result.value
                 for kind in result.ignored_kinds:
                     report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1
-            upsert_rewards(engine, version, out)
-            report.computed += first_times
-            report.updated += len(out) - first_times
-            report.changed_after_training += sum(r.request_id in trained for r in out) if trained else 0
-            report.value_sum += value_sum
-            if on_progress:
-                on_progress(report)
+            settle()  # at most one chunk in flight: memory stays bounded
+            written = submit(write, out, {
+                "computed": first_times, "updated": len(out) - first_times, "value_sum": value_sum,
+                "changed_after_training": sum(r.request_id in trained for r in out) if trained else 0})
+        settle()
     return report
+
+
+def in_memory(engine: Engine) -> bool:
+    """An in-memory SQLite store: one database per connection, so per thread and per process."""
+    return engine.url.get_backend_name() == "sqlite" and engine.url.database in (None, "", ":memory:")
+
+
+def _at_once(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) on this thread, as a finished Future (ThreadPoolExecutor.submit's contract)."""
+    done: Future = Future()
+    done.set_result(fn(*args))
+    return done
 
 
 def _judge(engine: Engine, judge: Judge, episodes: list[Episode], budget: int) -> tuple[dict[str, float], int]:

@@ -261,3 +261,28 @@ def test_an_incremental_run_reads_only_episodes_whose_reward_is_stale(engine):
     report = run_rewards(engine, SPEC, now=LATER)
     assert (report.episodes, report.updated, report.unchanged, report.duplicate_interactions) == (3, 1, 2, 1)
     assert stale() == ([], 3)
+
+
+def test_a_failed_write_stops_the_run_and_counts_only_what_was_stored(engine, monkeypatch):
+    """A chunk's upsert runs on a writer thread while the next chunk is scored: its error
+    still ends the run, the chunks before it stay stored, and progress never counted it."""
+    import reward.stage as stage
+
+    store(engine, *[ev for i in range(600, 640) for ev in (interaction(i), fb(i, kind="accepted"))])
+    calls, progress = [], []
+    real = stage.upsert_rewards
+
+    def upsert(engine_, version, rows):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+        real(engine_, version, rows)
+
+    monkeypatch.setattr(stage, "upsert_rewards", upsert)
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_rewards(engine, SPEC, now=LATER, chunk=16, on_progress=lambda r: progress.append(r.computed))
+    assert progress == [16]
+    with engine.connect() as conn:
+        assert len(conn.execute(select(tables.rewards.c.request_id)).all()) == 16
+    monkeypatch.setattr(stage, "upsert_rewards", real)
+    assert run_rewards(engine, SPEC, now=LATER, chunk=16).computed == 24  # the rest, next time

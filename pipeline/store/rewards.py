@@ -173,13 +173,18 @@ def stored_reward(engine: Engine, request_id: str, spec_version: str) -> Any | N
 
 
 def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | None = None) -> int:
-    """Feedback older than `older_than` (and from `since` on) whose interaction never arrived."""
-    stmt = (
-        select(func.count())
-        .select_from(feedback.outerjoin(interactions, interactions.c.request_id == feedback.c.request_id))
-        .where(and_(interactions.c.id.is_(None), feedback.c.ts < older_than,
-                    feedback.c.ts >= since if since is not None else true()))
-    )
+    """Feedback older than `older_than` (and from `since` on) whose interaction never arrived.
+
+    Two steps: the request_ids that have feedback but no interaction (a walk of the request_id
+    index, each probe next to the last), then their feedback older than the TTL. Every reward
+    run counts this over the whole history; joining each feedback row to its interaction
+    instead read 3M rows through the ts index at 1M episodes (2.5 s against 0.8 s on SQLite)."""
+    window = feedback.c.ts >= since if since is not None else true()
+    with_feedback = select(feedback.c.request_id).where(window).distinct().subquery()
+    orphans = select(with_feedback.c.request_id).where(
+        ~exists().where(interactions.c.request_id == with_feedback.c.request_id))
+    stmt = select(func.count()).select_from(feedback).where(
+        feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
     with engine.connect() as conn:
         return conn.scalar(stmt)
 
