@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 from pipeline.store import db as store_db
 from pipeline.store.rewards import interaction_id_span
 from reward.spec import RewardSpec
-from reward.stage import RewardRunReport, in_memory, score_part
+from reward.stage import RewardRunReport, score_part
 
 EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) is not worth it
 _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts
@@ -44,7 +44,7 @@ def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[i
 def auto_workers(engine: Engine) -> int:
     """One worker per EPISODES_PER_WORKER stored interactions, up to the CPUs (at most 4);
     1 for an in-memory SQLite store, which other processes cannot open."""
-    if in_memory(engine):
+    if store_db.in_memory(engine.url):
         return 1
     span = interaction_id_span(engine)
     return max(1, min(os.cpu_count() or 1, 4, span // EPISODES_PER_WORKER))
@@ -63,7 +63,7 @@ def score_in_parallel(
 ) -> None:
     """Score every part in a pool of `workers` processes, counting each into `report`."""
     url = engine.url.render_as_string(hide_password=False)
-    if in_memory(engine):
+    if store_db.in_memory(engine.url):
         raise ValueError("an in-memory SQLite store cannot be shared with worker processes; use workers=1")
     parts = 4 * workers
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:

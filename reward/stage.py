@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
+from pipeline.store import db as store_db
 from pipeline.store.events import utcnow
 from pipeline.store.rewards import (
     RewardRow,
@@ -198,26 +199,23 @@ def score_part(
     budget = spec.judge.budget if spec.judge else 0
     score = Scorer(spec)
     ripe = score.ripeness(now)
-    written: Future | None = None  # the previous chunk's upsert, on the writer thread
+    pending: tuple[Future, RewardRunReport] | None = None  # the previous chunk's upsert and its counts
 
     def settle() -> None:
         """Wait for the previous chunk's upsert (raising its error), then count it: the report
         only ever counts rewards that are in the store."""
-        nonlocal written
-        if written is not None:
-            counts = written.result()
-            written = None
-            for name, n in counts.items():
-                setattr(report, name, getattr(report, name) + n)
+        nonlocal pending
+        if pending is not None:
+            written, counts = pending
+            written.result()
+            pending = None
+            report.add(counts)
             if on_progress:
                 on_progress(report)
 
-    def write(out: list[RewardRow], counts: dict[str, Any]) -> dict[str, Any]:
-        upsert_rewards(engine, version, out)
-        return counts
-
     with gc_paused(), ThreadPoolExecutor(1, thread_name_prefix="reward-writer") as writer:
-        submit = _at_once if in_memory(engine) else writer.submit  # another thread would see another database
+        # an in-memory store is one database per connection: another thread would see another
+        submit = _at_once if store_db.in_memory(engine.url) else writer.submit
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
                                          only_stale=not force, served_since=served_since):
             report.duplicate_interactions += chunk.duplicates
@@ -250,16 +248,11 @@ def score_part(
                 for kind in result.ignored_kinds:
                     report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1
             settle()  # at most one chunk in flight: memory stays bounded
-            written = submit(write, out, {
-                "computed": first_times, "updated": len(out) - first_times, "value_sum": value_sum,
-                "changed_after_training": sum(r.request_id in trained for r in out) if trained else 0})
+            pending = (submit(upsert_rewards, engine, version, out), RewardRunReport(
+                version, computed=first_times, updated=len(out) - first_times, value_sum=value_sum,
+                changed_after_training=sum(r.request_id in trained for r in out) if trained else 0))
         settle()
     return report
-
-
-def in_memory(engine: Engine) -> bool:
-    """An in-memory SQLite store: one database per connection, so per thread and per process."""
-    return engine.url.get_backend_name() == "sqlite" and engine.url.database in (None, "", ":memory:")
 
 
 def _at_once(fn: Callable[..., Any], *args: Any) -> Future:

@@ -17,7 +17,7 @@ from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 
 class SchemaError(RuntimeError):
@@ -28,11 +28,16 @@ class SchemaError(RuntimeError):
 _JSON = {"json_serializer": lambda obj: orjson.dumps(obj).decode(), "json_deserializer": orjson.loads}
 
 
+def in_memory(url: URL) -> bool:
+    """An in-memory SQLite store: one database per connection, so per thread and per process."""
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
 def make_engine(url: str) -> Engine:
     """Create an engine; for SQLite, create the folder and set the pragmas on every connection."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
+        if not in_memory(parsed):
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 60}, **_JSON)
 
