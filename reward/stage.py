@@ -79,7 +79,7 @@ def prompt_text(prompt: Any) -> str:
 
 def build_episode(row: Any, feedback: list[list[Any]], with_prompt: bool = True) -> Episode:
     """An episode from a chunk's row (id, request_id, ts, policy_version, body, ...; see
-    iter_episode_chunks) and its feedback_rows(): positional, because this runs once per
+    iter_episode_chunks) and its feedback_rows() events: positional, because this runs once per
     episode and a row's attribute lookup costs more than the rest of it. The prompt is rendered
     only `with_prompt` (a judge reads it; rules never do)."""
     _, request_id, ts, policy_version, body = row[:5]
@@ -223,10 +223,10 @@ def score_part(
             report.unchanged += chunk.current  # up to date: counted, never read
             todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             for row in chunk.interactions:
-                feedback = feedback_rows(row)
+                newest, feedback = feedback_rows(row)
                 ep = build_episode(row, feedback, with_prompt=judge is not None)
                 if ripe(ep):  # row[6]: the last feedback id of the stored reward (None: none yet)
-                    todo.append((ep, max([f[0] for f in feedback], default=0), row[6] is None))
+                    todo.append((ep, newest, row[6] is None))
             report.unripe += len(chunk.interactions) - len(todo)
             scores: dict[str, float] = {}
             if judge is not None:
@@ -277,7 +277,7 @@ def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | N
     """(episode, result, ripe) for one request, computed now under `spec`; None if unknown."""
     for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id]):
         row = chunk.interactions[0]
-        ep = build_episode(row, feedback_rows(row))
+        ep = build_episode(row, feedback_rows(row)[1])
         score = None
         if spec.judge is not None:
             scores, _ = _judge(engine, Judge(spec.judge), [ep], budget=1)

@@ -22,7 +22,7 @@ from pipeline.store.tables import feedback, interactions, judge_scores, rewards,
 @dataclass
 class EpisodeChunk:
     # rows: id, request_id, ts (a datetime, or ISO text on SQLite), policy_version, body, feedback
-    # (read it with feedback_rows), stored (the last_feedback_id of the episode's reward under the
+    # (read it with feedback_rows: the newest id and the events), stored (the last_feedback_id of the episode's reward under the
     # spec; None: no reward yet)
     interactions: list[Any]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
@@ -37,24 +37,27 @@ def interaction_id_span(engine: Engine) -> int:
     return 0 if first is None else last - first + 1
 
 
-def feedback_rows(row: Any) -> list[list[Any]]:
-    """An episode row's feedback: [id, event_id, kind, value, ts (ISO text), body or None] each.
-    SQLite hands the JSON array over as text, PostgreSQL's driver parses it (and gives None for
-    no feedback)."""
+def feedback_rows(row: Any) -> tuple[int, list[list[Any]]]:
+    """An episode row's feedback: (the newest feedback id, 0 when none; the events as [id,
+    event_id, kind, value, ts (ISO text), body or None] each). SQLite hands the JSON over as
+    text, PostgreSQL's driver parses it (and gives None for an empty aggregate)."""
     found = row[5]
-    return orjson.loads(found) if isinstance(found, str) else (found or [])
+    newest, events = orjson.loads(found) if isinstance(found, str) else found
+    return newest or 0, events or []
 
 
 def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None):
-    """A correlated subquery: the interaction's feedback as one JSON array of arrays, built by
-    SQLite or PostgreSQL in C. Three rows per episode through the driver and SQLAlchemy's row
-    processing cost more: the chunk reads of a 100k-episode run went from 2.9 s to 1.8 s."""
+    """A correlated subquery: [newest feedback id, [[id, event_id, kind, value, ts, body], ...]]
+    of the interaction's feedback as one JSON value, built by SQLite or PostgreSQL in C. Three
+    rows per episode through the driver and SQLAlchemy's row processing cost more: the chunk
+    reads of a 100k-episode run went from 2.9 s to 1.8 s. (The newest id, which the stored
+    reward is compared with, costs nothing here and 1.3 us per episode in Python.)"""
     agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
                                                                                         func.json_build_array)
     body = feedback.c.body if payload_kinds is None else case(
         (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
-    return (select(agg(array(feedback.c.id, feedback.c.event_id, feedback.c.kind, feedback.c.value, feedback.c.ts,
-                             body)))
+    events = agg(array(feedback.c.id, feedback.c.event_id, feedback.c.kind, feedback.c.value, feedback.c.ts, body))
+    return (select(array(func.max(feedback.c.id), events))
             .where(feedback.c.request_id == interactions.c.request_id).scalar_subquery())
 
 

@@ -112,7 +112,7 @@ rewards = Table(
     metadata,
     Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
     Column("request_id", ID, nullable=False),
-    Column("spec_version", String(128), nullable=False, index=True),  # with the rowid: training's watermark
+    Column("spec_version", String(128), nullable=False),  # not indexed: see alembic 0007
     Column("policy_version", ID, nullable=False),  # not indexed: see alembic 0006
     Column("value", Float, nullable=False),
     Column("components", JSON, nullable=False),  # "signal.accepted": 0.5, "guard.abstention": -0.6
