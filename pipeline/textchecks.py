@@ -33,6 +33,8 @@ def repeated_fraction(text: str, n: int) -> float:
     count = len(words) - n + 1  # n-grams in the text
     if count < 2:  # one n-gram or none: nothing to repeat
         return 0.0
+    if len(set(words)) == len(words):  # no word repeats, so no n-gram can (most short outputs)
+        return 0.0
     distinct = set(zip(*[words[i:] for i in range(n)]))  # zip stops at the shortest: `count` n-grams
     return 1 - len(distinct) / count
 
