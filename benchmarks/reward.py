@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.store import db as store_db, tables  # noqa: E402
 from pipeline.store.events import Rows, write_rows  # noqa: E402
+from pipeline.types import completion_parts, expects_attempt  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
 
@@ -81,6 +82,8 @@ def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
             rows.interaction.append({
                 "event_id": f"i{i}", "request_id": rid, "schema_version": 1, "ts": ts, "session_id": "s",
                 "user_id": "u", "tenant": "t", "policy_version": body["policy_version"], "body": json.dumps(body),
+                "output_text": completion_parts(body["completion"])[0], "output_tool_calls": None,  # as ingest
+                "expects_attempt": expects_attempt(body.get("metadata")),
                 "source": "bench", "partition": 0, "offset": i})
             for j, (kind, value) in enumerate(rng.choice(OUTCOMES)):
                 fb = {"schema_version": 1, "event_id": f"f{i}-{j}", "type": "feedback", "request_id": rid,

@@ -112,6 +112,28 @@ class FeedbackEvent(_Envelope):
 Event = Annotated[Union[InteractionEvent, FeedbackEvent], Field(discriminator="type")]
 
 
+def completion_parts(completion: Any) -> tuple[str, tuple]:
+    """(assistant text, tool calls) of a completion: text, or a trajectory of messages where
+    only assistant turns are the policy's output (their texts joined by newlines, their tool
+    calls as sent). Ingest stores both beside the body; the reward stage reads them there."""
+    if isinstance(completion, str):
+        return completion, ()
+    texts, calls = [], []
+    for msg in completion if isinstance(completion, list) else ():
+        if isinstance(msg, dict) and msg.get("role") == "assistant":
+            content = msg.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            calls.extend(msg.get("tool_calls") or ())
+    return "\n".join(texts), tuple(calls)
+
+
+def expects_attempt(metadata: Any) -> bool:
+    """`metadata.expects_attempt` of an interaction, true unless the producer says otherwise:
+    whether an abstention (empty output, a clarifying question) is a failure to attempt."""
+    return bool(metadata.get("expects_attempt", True)) if isinstance(metadata, dict) else True
+
+
 class DeadLetter(BaseModel):
     """A record that did not become an event: the raw bytes, why, and where it came from."""
 

@@ -33,7 +33,7 @@ _RESERVOIR = 50_000
 def iter_episodes(engine: Engine, spec_version: str = "") -> Iterator[Episode]:
     for chunk in iter_episode_chunks(engine, spec_version, payload_kinds=PAYLOAD_KINDS):
         for row in chunk.interactions:
-            yield build_episode(row, feedback_rows(row)[1], with_prompt=False)
+            yield build_episode(row, feedback_rows(row)[1])
 
 
 @dataclass

@@ -12,9 +12,10 @@ Late feedback on an episode that a training run already used updates the reward 
 run's lineage (training_episodes) keeps the value it trained on, and the change is counted.
 
 Throughput (benchmarks/reward.py): an episode comes back as one row, its feedback aggregated
-into a JSON array by the database; rows are read positionally, a Scorer holds the spec's
-lookups, rewards are upserted through the driver, and the cyclic garbage collector is paused
-while chunks are scored (a chunk allocates ~100k short-lived objects and no cycles; the
+into a JSON array by the database and what the policy wrote from the columns ingest filled (the
+body, mostly prompt, is read only for a judge); rows are read positionally, a Scorer holds the
+spec's lookups, rewards are upserted through the driver, and the cyclic garbage collector is
+paused while chunks are scored (a chunk allocates ~100k short-lived objects and no cycles; the
 collector's passes over them were a third of the run). A chunk's upsert runs on a writer
 thread while the next chunk is read and scored: the database drivers release the GIL while
 the database works, and in a run split over workers a write that waits for another worker's
@@ -55,21 +56,6 @@ from reward.spec import RewardSpec
 PAYLOAD_KINDS = ("edited",)
 
 
-def completion_parts(completion: Any) -> tuple[str, tuple]:
-    """(assistant text, tool calls) of a completion: text, or a trajectory of messages where
-    only assistant turns are the policy's output."""
-    if isinstance(completion, str):
-        return completion, ()
-    texts, calls = [], []
-    for msg in completion if isinstance(completion, list) else ():
-        if isinstance(msg, dict) and msg.get("role") == "assistant":
-            content = msg.get("content")
-            if isinstance(content, str):
-                texts.append(content)
-            calls.extend(msg.get("tool_calls") or ())
-    return "\n".join(texts), tuple(calls)
-
-
 def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -77,25 +63,22 @@ def prompt_text(prompt: Any) -> str:
     return "\n".join(lines)
 
 
-def build_episode(row: Any, feedback: list[list[Any]], with_prompt: bool = True) -> Episode:
-    """An episode from a chunk's row (id, request_id, ts, policy_version, body, ...; see
-    iter_episode_chunks) and its feedback_rows() events: positional, because this runs once per
-    episode and a row's attribute lookup costs more than the rest of it. The prompt is rendered
-    only `with_prompt` (a judge reads it; rules never do)."""
-    _, request_id, ts, policy_version, body = row[:5]
+def build_episode(row: Any, feedback: list[list[Any]]) -> Episode:
+    """An episode from a chunk's row (see iter_episode_chunks) and its feedback_rows() events:
+    positional, because this runs once per episode and a row's attribute lookup costs more than
+    the rest of it. The prompt is rendered only when the row has the body (a judge reads it;
+    rules never do)."""
+    _, request_id, ts, policy_version, text, calls, expects, _, _, body = row
     if isinstance(ts, str):  # SQLite's text (see iter_episode_chunks)
         ts = datetime.fromisoformat(ts)
-    body = orjson.loads(body)
-    text, calls = completion_parts(body.get("completion"))
-    metadata = body.get("metadata")
-    expects = bool(metadata.get("expects_attempt", True)) if isinstance(metadata, dict) else True
     fbs = tuple([
         Feedback(event_id, kind, float(value), datetime.fromisoformat(fts),
                  orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None)
         for _, event_id, kind, value, fts, fbody in feedback
     ])
-    prompt = prompt_text(body.get("prompt", "")) if with_prompt else ""
-    return Episode(request_id, ts, policy_version, text, calls, fbs, expects, prompt)
+    prompt = prompt_text(orjson.loads(body).get("prompt", "")) if body is not None else ""
+    return Episode(request_id, ts, policy_version, text, tuple(orjson.loads(calls)) if calls else (), fbs,
+                   bool(expects), prompt)
 
 
 @dataclass
@@ -217,16 +200,17 @@ def score_part(
         # an in-memory store is one database per connection: another thread would see another
         submit = _at_once if store_db.in_memory(engine.url) else writer.submit
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
-                                         only_stale=not force, served_since=served_since):
+                                         only_stale=not force, served_since=served_since,
+                                         with_body=judge is not None):
             report.duplicate_interactions += chunk.duplicates
             report.episodes += len(chunk.interactions) + chunk.current
             report.unchanged += chunk.current  # up to date: counted, never read
             todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
             for row in chunk.interactions:
                 newest, feedback = feedback_rows(row)
-                ep = build_episode(row, feedback, with_prompt=judge is not None)
-                if ripe(ep):  # row[6]: the last feedback id of the stored reward (None: none yet)
-                    todo.append((ep, newest, row[6] is None))
+                ep = build_episode(row, feedback)
+                if ripe(ep):  # row[8]: the last feedback id of the stored reward (None: none yet)
+                    todo.append((ep, newest, row[8] is None))
             report.unripe += len(chunk.interactions) - len(todo)
             scores: dict[str, float] = {}
             if judge is not None:
@@ -275,7 +259,7 @@ def _judge(engine: Engine, judge: Judge, episodes: list[Episode], budget: int) -
 
 def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | None = None):
     """(episode, result, ripe) for one request, computed now under `spec`; None if unknown."""
-    for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id]):
+    for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id], with_body=True):
         row = chunk.interactions[0]
         ep = build_episode(row, feedback_rows(row)[1])
         score = None

@@ -23,7 +23,8 @@ def _served(engine, version: str, n: int, accepted: int) -> None:
         rid = f"{version}-{i}"
         rows.interaction.append({"event_id": f"i-{rid}", "request_id": rid, "schema_version": 1, "ts": T0,
                                  "session_id": "s", "user_id": "u", "tenant": "t", "policy_version": version,
-                                 "body": json.dumps({"completion": "x"}), "source": source, "partition": 0,
+                                 "body": json.dumps({"completion": "x"}), "output_text": "x",
+                                 "output_tool_calls": None, "expects_attempt": True, "source": source, "partition": 0,
                                  "offset": next(offsets)})
         for j in range(2 if i < accepted else 0):
             rows.feedback.append({"event_id": f"f-{rid}-{j}", "request_id": rid, "schema_version": 1,

@@ -182,3 +182,48 @@ def test_online_rewards_per_version_since_a_time(engine):
     got = online_rewards(engine, "spec@1", ["1", "2"], (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None),
                          until=(BASE_TS + timedelta(seconds=5)).replace(tzinfo=None))
     assert got["1"][:2] == (2, 0.0) and got["2"][0] == 3 and abs(got["2"][1] - 2 / 3) < 1e-9
+
+
+TRAJECTORY = [
+    {"role": "assistant", "content": "Let me look.",
+     "tool_calls": [{"function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},
+    {"role": "tool", "content": "def f(): ..."},
+    {"role": "assistant", "content": "Fixed."},
+]
+
+
+def _outputs(engine) -> dict[str, tuple]:
+    cols = interactions.c
+    with engine.connect() as conn:
+        rows = conn.execute(select(cols.request_id, cols.output_text, cols.output_tool_calls, cols.expects_attempt))
+        return {r[0]: (r[1], json.loads(r[2]) if r[2] is not None else None, bool(r[3])) for r in rows}
+
+
+def test_ingest_stores_what_the_policy_wrote_beside_the_body(engine):
+    """The reward stage reads these columns instead of parsing bodies: assistant turns only (a
+    tool's output is not the policy's), tool calls as sent, expects_attempt from the metadata."""
+    write_rows(engine, _rows([interaction(1), interaction(2, completion=TRAJECTORY, metadata={"expects_attempt": False}),
+                              interaction(3, completion="")]))
+    got = _outputs(engine)
+    assert got["ev-r-1"] == (interaction(1)["completion"], None, True)
+    assert got["ev-r-2"] == ("Let me look.\nFixed.", TRAJECTORY[0]["tool_calls"], False)
+    assert got["ev-r-3"] == ("", None, True)
+
+
+def test_migration_fills_the_outputs_of_interactions_stored_before_it(empty_db_url):
+    """0008 adds the output columns and fills them from the bodies already in the store, in
+    batches: the same values ingest writes for a new event."""
+    from sqlalchemy import MetaData, Table
+
+    store_db.upgrade(empty_db_url, "0007")
+    engine = store_db.make_engine(empty_db_url)
+    old = Table("interactions", MetaData(), autoload_with=engine)
+    events = [interaction(1), interaction(2, completion=TRAJECTORY, metadata={"expects_attempt": False})]
+    rows = [{k: v for k, v in row.items() if k in old.c} | {"ingested_at": row["ts"]}
+            for row in _rows(events).interaction]
+    with engine.begin() as conn:
+        conn.execute(old.insert(), rows)
+    store_db.upgrade(empty_db_url)
+    assert _outputs(engine) == {"ev-r-1": (interaction(1)["completion"], None, True),
+                                "ev-r-2": ("Let me look.\nFixed.", TRAJECTORY[0]["tool_calls"], False)}
+    engine.dispose()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import orjson
 from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -36,6 +37,8 @@ from pipeline.types import (
     FeedbackEvent,
     InteractionEvent,
     SourcePosition,
+    completion_parts,
+    expects_attempt,
 )
 
 _CHUNK = 500  # ids per IN (...) query
@@ -91,8 +94,11 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
         "offset": pos.offset,
     }
     if isinstance(ev, InteractionEvent):
+        text, calls = completion_parts(ev.completion)
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
-                   policy_version=ev.policy_version)
+                   policy_version=ev.policy_version, output_text=text,
+                   output_tool_calls=orjson.dumps(calls).decode() if calls else None,
+                   expects_attempt=expects_attempt(ev.metadata))
     else:
         row.update(kind=ev.kind, value=float(ev.value))
     return row

@@ -21,9 +21,10 @@ from pipeline.store.tables import feedback, interactions, judge_scores, rewards,
 
 @dataclass
 class EpisodeChunk:
-    # rows: id, request_id, ts (a datetime, or ISO text on SQLite), policy_version, body, feedback
-    # (read it with feedback_rows: the newest id and the events), stored (the last_feedback_id of the episode's reward under the
-    # spec; None: no reward yet)
+    # rows, read by position: id, request_id, ts (a datetime, or ISO text on SQLite), policy_version,
+    # output_text, output_tool_calls (JSON text or None), expects_attempt, feedback (read it with
+    # feedback_rows: the newest id and the events), stored (the last_feedback_id of the episode's
+    # reward under the spec; None: no reward yet), body (None unless asked for)
     interactions: list[Any]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
     current: int = 0  # with only_stale: episodes left out because their reward is up to date
@@ -41,7 +42,7 @@ def feedback_rows(row: Any) -> tuple[int, list[list[Any]]]:
     """An episode row's feedback: (the newest feedback id, 0 when none; the events as [id,
     event_id, kind, value, ts (ISO text), body or None] each). SQLite hands the JSON over as
     text, PostgreSQL's driver parses it (and gives None for an empty aggregate)."""
-    found = row[5]
+    found = row[7]
     newest, events = orjson.loads(found) if isinstance(found, str) else found
     return newest or 0, events or []
 
@@ -70,6 +71,7 @@ def iter_episode_chunks(
     part: tuple[int, int] = (0, 1),
     only_stale: bool = False,
     served_since: datetime | None = None,
+    with_body: bool = False,
 ) -> Iterator[EpisodeChunk]:
     """Episodes -- the first interaction of each request_id (or of those in `request_ids`) --
     with their feedback and stored reward, in id order.
@@ -77,8 +79,9 @@ def iter_episode_chunks(
     A chunk is a fixed-width range of interaction ids; `part=(k, n)` yields only the chunks
     whose index is k modulo n, so n workers can split one run with no coordination. Each
     episode's feedback comes back as one JSON array (see _feedback_json), found through the
-    request_id index. Feedback bodies are read only for `payload_kinds` (None: all); the
-    others come back as None. With `only_stale`, episodes whose reward under `spec_version`
+    request_id index. What the policy wrote comes from the columns ingest extracted; the
+    interaction's body (its prompt: a judge's business) only `with_body`. Feedback bodies are
+    read only for `payload_kinds` (None: all); the others come back as None. With `only_stale`, episodes whose reward under `spec_version`
     already counts their newest feedback are left in the store (counted, not read): an
     incremental run reads only what changed. Interactions that arrive during the run are left
     to the next one. With `served_since`, the chunks start at the first interaction served
@@ -106,9 +109,10 @@ def iter_episode_chunks(
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
     columns = (interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String).label("ts"),
-               interactions.c.policy_version,
-               interactions.c.body, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
-               rewards.c.last_feedback_id.label("stored"))
+               interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
+               interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
+               rewards.c.last_feedback_id.label("stored"),
+               interactions.c.body if with_body else null().label("body"))
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         # capped at the last id: an interaction that arrives between the two queries is the next run's
         rng = and_(where, interactions.c.id > lo, interactions.c.id <= min(lo + chunk, last_id))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -53,6 +54,12 @@ interactions = Table(
     Column("tenant", ID, nullable=False),
     Column("policy_version", ID, nullable=False, index=True),
     Column("body", Text, nullable=False),
+    # what the policy wrote, taken from the body at ingest (pipeline.types): a reward run reads
+    # these instead of parsing every body (prompts are most of a body). Tool calls as a JSON array,
+    # NULL when none. See alembic 0008.
+    Column("output_text", Text, nullable=False),
+    Column("output_tool_calls", Text),
+    Column("expects_attempt", Boolean, nullable=False),
     # where the row came from, for tracing; not part of the event
     Column("source", String(512), nullable=False),
     Column("partition", Integer, nullable=False),
