@@ -81,9 +81,10 @@ def iter_episode_chunks(
     episode's feedback comes back as one JSON array (see _feedback_json), found through the
     request_id index. What the policy wrote comes from the columns ingest extracted; the
     interaction's body (its prompt: a judge's business) only `with_body`. Feedback bodies are
-    read only for `payload_kinds` (None: all); the others come back as None. With `only_stale`, episodes whose reward under `spec_version`
-    already counts their newest feedback are left in the store (counted, not read): an
-    incremental run reads only what changed. Interactions that arrive during the run are left
+    read only for `payload_kinds` (None: all); the others come back as None. With
+    `only_stale`, episodes whose reward under `spec_version` already counts their newest
+    feedback are left in the store (counted, not read): an incremental run reads only what
+    changed. Interactions that arrive during the run are left
     to the next one. With `served_since`, the chunks start at the first interaction served
     from then on (found through the ts index; ids after it that were served earlier, arriving
     late, are read too).
