@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, type_coerce
+from sqlalchemy import Engine, String, and_, case, exists, func, null, select, true, type_coerce
 
 from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
@@ -101,18 +101,21 @@ def iter_episode_chunks(
     earlier = interactions.alias("earlier")
     # a request is one episode: its first interaction (a producer that sent two is buggy)
     first = ~exists().where(and_(earlier.c.request_id == interactions.c.request_id, earlier.c.id < interactions.c.id))
-    # the episode's reward under the spec, if stored: one probe of its unique index gives both
-    # the column and, with the feedback newer than it, whether it is stale
-    with_reward = interactions.outerjoin(rewards, and_(rewards.c.request_id == interactions.c.request_id,
-                                                       rewards.c.spec_version == spec_version))
-    stale = or_(rewards.c.id.is_(None), exists().where(and_(feedback.c.request_id == interactions.c.request_id,
-                                                            feedback.c.id > rewards.c.last_feedback_id)))
+    # correlated subqueries, not a LEFT JOIN to rewards: PostgreSQL's planner hashes the whole
+    # rewards table for a join, once per chunk (150 ms per chunk at 200k rewards, growing)
+    newer_feedback = exists().where(and_(feedback.c.request_id == rewards.c.request_id,
+                                         feedback.c.id > rewards.c.last_feedback_id))
+    current = exists().where(and_(rewards.c.request_id == interactions.c.request_id,
+                                  rewards.c.spec_version == spec_version, ~newer_feedback))
+    stored = (select(rewards.c.last_feedback_id)
+              .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
+              .scalar_subquery())
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
     columns = (interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String).label("ts"),
                interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
                interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
-               rewards.c.last_feedback_id.label("stored"),
+               stored.label("stored"),
                interactions.c.body if with_body else null().label("body"))
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         # capped at the last id: an interaction that arrives between the two queries is the next run's
@@ -123,10 +126,9 @@ def iter_episode_chunks(
             if not total:
                 continue
             # `first` costs an index probe per row: only a chunk with duplicates needs it again.
-            # Stale first: in an incremental run most episodes are up to date, and `first` is skipped
-            wanted = and_(rng, stale if only_stale else true(), first if duplicates else true())
-            rows = conn.execute(select(*columns).select_from(with_reward).where(wanted)
-                                .order_by(interactions.c.id)).all()
+            # ~current first: in an incremental run most episodes are current, and `first` is skipped
+            wanted = and_(rng, ~current if only_stale else true(), first if duplicates else true())
+            rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
         # the first interactions not read are the up-to-date ones (a count for the report: a write
         # between the two queries can shift it by that write, never change a reward)
         up_to_date = total - duplicates - len(rows) if only_stale else 0
