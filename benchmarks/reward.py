@@ -1,6 +1,7 @@
 """Reward computation for 100k and 1M synthetic episodes with ~3 feedback events each.
 
-The store is filled directly (not through Kafka: this measures the reward stage), then
+The store (SQLite, or PostgreSQL with --postgres) is filled directly (not through Kafka: this
+measures the reward stage), then
 `run_rewards` runs in a child process under the default (rule-only) spec, once per number of
 workers (the stored rewards are deleted before each), then once more with nothing new (what
 the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
@@ -9,6 +10,7 @@ be 10) and peak RSS (of the parent of the workers, and of the largest worker).
     .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers, 3 runs each
     .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2 --repeat 1  # a quick run
     .venv/bin/python benchmarks/reward.py --prompt-chars 3000   # production-sized prompts
+    .venv/bin/python benchmarks/reward.py --postgres "$(bash scripts/postgres.sh)"  # on PostgreSQL
 
 This machine's speed varies by tens of percent from minute to minute (shared cores): each
 configuration runs `--repeat` times, interleaved, and the median is reported with the range.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import resource
 import shutil
@@ -26,8 +29,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -102,6 +109,9 @@ def phase(url: str, workers: int, q) -> None:
     engine = store_db.make_engine(url)
     with engine.begin() as conn:
         conn.execute(tables.rewards.delete())
+    if engine.dialect.name == "postgresql":  # a live store's autovacuum would have caught up
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM ANALYZE rewards")
     spec = load_spec()
     t = time.perf_counter()
     report = run_rewards(engine, spec, now=T0 + timedelta(days=365), workers=workers)
@@ -123,6 +133,24 @@ def run_phase(url: str, workers: int) -> tuple[int, float, float, float]:
     return out
 
 
+def new_store(tmp: Path, n: int, postgres: str | None) -> tuple[str, Callable[[], None]]:
+    """(url, drop) of an empty store for n episodes: a SQLite file under tmp, or a database
+    created through the PostgreSQL admin URL."""
+    if postgres is None:
+        return f"sqlite:///{tmp / f'r{n}.db'}", lambda: None
+    name = f"rtrl_reward_bench_{n}_{os.getpid()}"
+    admin = create_engine(postgres, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return make_url(postgres).set(database=name).render_as_string(hide_password=False), drop
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -130,15 +158,24 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (median reported)")
     ap.add_argument("--prompt-chars", type=int, default=0,
                     help="size of each interaction's prompt (default: a one-character prompt)")
+    ap.add_argument("--postgres", metavar="ADMIN_URL",
+                    help="run on PostgreSQL: a database per size is created through this URL and dropped after")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
+    drops: list[Callable[[], None]] = []
     try:
         for n in args.sizes:
-            url = f"sqlite:///{tmp / f'r{n}.db'}"
+            url, drop = new_store(tmp, n, args.postgres)
+            drops.append(drop)
             store_db.upgrade(url)
             t = time.perf_counter()
             fill(url, n, prompt_chars=args.prompt_chars)
+            if args.postgres:  # planner statistics, as a live store's autovacuum keeps them
+                engine = store_db.make_engine(url)
+                with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                    conn.exec_driver_sql("ANALYZE")
+                engine.dispose()
             print(f"filled {n:,} episodes + {3 * n:,} feedback in {time.perf_counter() - t:.0f}s")
             runs: dict[int, list[float]] = {w: [] for w in args.workers}
             for _ in range(args.repeat):  # interleaved: a slow minute hits every configuration alike
@@ -154,6 +191,8 @@ def main() -> None:
                       f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the stores: 2 GB at 1M
+        for drop in drops:
+            drop()
     for workers in args.workers:
         sizes = sorted(n for n, w in times if w == workers)
         if len(sizes) == 2:
