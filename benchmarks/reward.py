@@ -1,10 +1,9 @@
 """Reward computation for 100k and 1M synthetic episodes with ~3 feedback events each.
 
 The store (SQLite, or PostgreSQL with --postgres) is filled directly (not through Kafka: this
-measures the reward stage), then
-`run_rewards` runs in a child process under the default (rule-only) spec, once per number of
-workers (the stored rewards are deleted before each), then once more with nothing new (what
-the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
+measures the reward stage), then `run_rewards` runs in a child process under the default
+(rule-only) spec, once per number of workers (the stored rewards are deleted before each), then
+once more with nothing new (what the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
 be 10) and peak RSS (of the parent of the workers, and of the largest worker).
 
     .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers, 3 runs each
