@@ -84,10 +84,9 @@ def iter_episode_chunks(
     read only for `payload_kinds` (None: all); the others come back as None. With
     `only_stale`, episodes whose reward under `spec_version` already counts their newest
     feedback are left in the store (counted, not read): an incremental run reads only what
-    changed. Interactions that arrive during the run are left
-    to the next one. With `served_since`, the chunks start at the first interaction served
-    from then on (found through the ts index; ids after it that were served earlier, arriving
-    late, are read too).
+    changed. Interactions that arrive during the run are left to the next one. With
+    `served_since`, the chunks start at the first interaction served from then on (found
+    through the ts index; ids after it that were served earlier, arriving late, are read too).
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
     with engine.connect() as conn:
