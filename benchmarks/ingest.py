@@ -30,8 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # noqa: E402
-from sqlalchemy import create_engine, text  # noqa: E402
-from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy import create_engine  # noqa: E402
 from sqlalchemy.orm import Session, declarative_base  # noqa: E402
 
 from ingest.consumer import run_ingest  # noqa: E402
@@ -40,6 +39,7 @@ from pipeline.config import Config, load_config  # noqa: E402
 from pipeline.store import db as store_db  # noqa: E402
 from pipeline.store.tables import interactions  # noqa: E402
 from tests.factories import encode, interaction  # noqa: E402
+from tests.scratch_db import scratch_database  # noqa: E402
 
 PARTITIONS = 4
 
@@ -147,12 +147,8 @@ def run_phase(target, *args):
 
 
 def postgres_db(admin_url: str) -> str:
-    name = f"rtrl_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    admin.dispose()
-    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    url, _ = scratch_database(admin_url, f"rtrl_bench_{uuid.uuid4().hex[:8]}")
+    return url
 
 
 def main() -> None:

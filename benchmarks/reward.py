@@ -3,8 +3,9 @@
 The store (SQLite, or PostgreSQL with --postgres) is filled directly (not through Kafka: this
 measures the reward stage), then `run_rewards` runs in a child process under the default
 (rule-only) spec, once per number of workers (the stored rewards are deleted before each), then
-once more with nothing new (what the daemon's incremental run costs). Prints episodes/s, the time ratio 1M / 100k (linear would
-be 10) and peak RSS (of the parent of the workers, and of the largest worker).
+once more with nothing new (what the daemon's incremental run costs). Prints episodes/s, the
+time ratio 1M / 100k (linear would be 10) and peak RSS (of the parent of the workers, and of
+the largest worker).
 
     .venv/bin/python benchmarks/reward.py                 # SQLite, 1 and 2 workers, 3 runs each
     .venv/bin/python benchmarks/reward.py --sizes 100000 --workers 2 --repeat 1  # a quick run
@@ -32,16 +33,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.store import db as store_db, tables  # noqa: E402
-from pipeline.store.events import Rows, write_rows  # noqa: E402
-from pipeline.types import completion_parts, expects_attempt  # noqa: E402
+from pipeline.store.events import Rows, output_columns, write_rows  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
+from tests.scratch_db import scratch_database  # noqa: E402
 
 T0 = datetime(2026, 11, 1)
 COMPLETIONS = [
@@ -88,8 +87,7 @@ def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
             rows.interaction.append({
                 "event_id": f"i{i}", "request_id": rid, "schema_version": 1, "ts": ts, "session_id": "s",
                 "user_id": "u", "tenant": "t", "policy_version": body["policy_version"], "body": json.dumps(body),
-                "output_text": completion_parts(body["completion"])[0], "output_tool_calls": None,  # as ingest
-                "expects_attempt": expects_attempt(body.get("metadata")),
+                **output_columns(body["completion"], body.get("metadata")),  # as ingest
                 "source": "bench", "partition": 0, "offset": i})
             for j, (kind, value) in enumerate(rng.choice(OUTCOMES)):
                 fb = {"schema_version": 1, "event_id": f"f{i}-{j}", "type": "feedback", "request_id": rid,
@@ -137,17 +135,7 @@ def new_store(tmp: Path, n: int, postgres: str | None) -> tuple[str, Callable[[]
     created through the PostgreSQL admin URL."""
     if postgres is None:
         return f"sqlite:///{tmp / f'r{n}.db'}", lambda: None
-    name = f"rtrl_reward_bench_{n}_{os.getpid()}"
-    admin = create_engine(postgres, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return make_url(postgres).set(database=name).render_as_string(hide_password=False), drop
+    return scratch_database(postgres, f"rtrl_reward_bench_{n}_{os.getpid()}")
 
 
 def main() -> None:

@@ -16,11 +16,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from pipeline.config import Config, load_config
 from pipeline.store import db as store_db
+from tests.scratch_db import scratch_database
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -68,18 +67,7 @@ def _postgres_database():
         if IN_CI:
             pytest.fail("RTRL_TEST_POSTGRES is unset in CI: .ci/run must start PostgreSQL")
         pytest.skip("PostgreSQL tests need RTRL_TEST_POSTGRES (set by `make test` when PostgreSQL is available)")
-    name = f"rtrl_t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-
-    def drop():
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return url, drop
+    return scratch_database(admin_url, f"rtrl_t_{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

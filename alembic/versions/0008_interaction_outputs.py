@@ -14,7 +14,7 @@ import orjson
 import sqlalchemy as sa
 from alembic import op
 
-from pipeline.types import completion_parts, expects_attempt
+from pipeline.store.events import output_columns
 
 revision: str = '0008'
 down_revision: Union[str, None] = '0007'
@@ -26,8 +26,8 @@ _BATCH = 5000
 
 def _fill_from_bodies(conn: sa.Connection) -> None:
     stored = sa.table("interactions", sa.column("id"), sa.column("body"))
-    update = sa.text("UPDATE interactions SET output_text = :text, output_tool_calls = :calls, "
-                     "expects_attempt = :expects WHERE id = :id")
+    update = sa.text("UPDATE interactions SET output_text = :output_text, output_tool_calls = :output_tool_calls, "
+                     "expects_attempt = :expects_attempt WHERE id = :id")
     last = 0
     while True:
         rows = conn.execute(sa.select(stored.c.id, stored.c.body).where(stored.c.id > last)
@@ -37,9 +37,7 @@ def _fill_from_bodies(conn: sa.Connection) -> None:
         params = []
         for id_, body in rows:
             event = orjson.loads(body)  # stored bodies passed the contract at ingest: JSON objects
-            text, calls = completion_parts(event.get("completion"))
-            params.append({"id": id_, "text": text, "calls": orjson.dumps(calls).decode() if calls else None,
-                           "expects": expects_attempt(event.get("metadata"))})
+            params.append({"id": id_, **output_columns(event.get("completion"), event.get("metadata"))})
         conn.execute(update, params)
         last = rows[-1][0]
 

@@ -1,6 +1,7 @@
 """Writing and reading raw events: the one transaction ingest relies on.
 
     event_row / dead_letter_row      pure: an event or dead letter -> an insert-ready dict
+    output_columns                   pure: what the policy wrote -> an interaction's columns
     write_rows(rows, next offsets)   one transaction, idempotent
 
 Rows are plain dicts so that they can be built anywhere (ingest builds them in its worker
@@ -94,14 +95,19 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
         "offset": pos.offset,
     }
     if isinstance(ev, InteractionEvent):
-        text, calls = completion_parts(ev.completion)
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
-                   policy_version=ev.policy_version, output_text=text,
-                   output_tool_calls=orjson.dumps(calls).decode() if calls else None,
-                   expects_attempt=expects_attempt(ev.metadata))
+                   policy_version=ev.policy_version, **output_columns(ev.completion, ev.metadata))
     else:
         row.update(kind=ev.kind, value=float(ev.value))
     return row
+
+
+def output_columns(completion: Any, metadata: Any) -> dict[str, Any]:
+    """An interaction's columns of what the policy wrote (see tables.interactions), from its
+    `completion` and `metadata` as in the event."""
+    text, calls = completion_parts(completion)
+    return {"output_text": text, "output_tool_calls": orjson.dumps(calls).decode() if calls else None,
+            "expects_attempt": expects_attempt(metadata)}
 
 
 def dead_letter_row(dl: DeadLetter) -> dict[str, Any]:
