@@ -71,7 +71,7 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
         # Store every batch in flight while we still own its partitions, so the next owner
         # seeks to a position that covers them. (Their Kafka commit may then fail: harmless.)
         self.wait_stored()
-        log.info("partitions revoked", extra={"fields": {"partitions": sorted(map(tuple, revoked))}})
+        log.info("partitions revoked", extra={"partitions": sorted(map(tuple, revoked))})
 
     def on_partitions_assigned(self, assigned):
         offsets = stored_offsets(self.engine, self.group_id, {tp.topic for tp in assigned})
@@ -82,7 +82,7 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
         self.on_assigned()
         log.info(
             "partitions assigned",
-            extra={"fields": {"partitions": sorted(map(tuple, assigned)), "stored_offsets": len(offsets)}},
+            extra={"partitions": sorted(map(tuple, assigned)), "stored_offsets": len(offsets)},
         )
 
 
@@ -147,7 +147,7 @@ def run_ingest(
             stats.started = last_data  # rates count from the first assignment, not the join
 
     consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned))
-    log.info("ingest started", extra={"fields": {"group_id": group_id, "topics": topics, "lanes": icfg.lanes}})
+    log.info("ingest started", extra={"group_id": group_id, "topics": topics, "lanes": icfg.lanes})
     clean = False
     try:
         while not stop.is_set():
@@ -166,9 +166,9 @@ def run_ingest(
     finally:
         consumer.close(autocommit=False)  # leaves the group; revocation waits for the lanes
         lanes.close(wait=clean)
-        log.info("ingest stopped", extra={"fields": {
+        log.info("ingest stopped", extra={
             "events": stats.events, "duplicates": stats.duplicates, "dead_letters": stats.dead_letters,
-            "clean": clean}})
+            "clean": clean})
     return stats
 
 
@@ -179,4 +179,4 @@ def _commit_to_kafka(consumer: KafkaConsumer, next_offsets: dict[tuple[str, int]
     except KafkaError as exc:
         # Safe to skip: positions are in the store, and a rebalance seeks to them.
         log.warning("kafka offset commit failed; the store keeps the position",
-                    extra={"fields": {"error": repr(exc)}})
+                    extra={"error": repr(exc)})

@@ -1,9 +1,14 @@
 """Structured logs: one JSON object per line on stderr.
 
-Modules log with the standard library and put their fields in `extra={"fields": {...}}`:
+Modules log with the standard library and pass their fields as `extra`:
 
-    log.info("batch stored", extra={"fields": {"events": 500, "dead_letters": 2}})
+    log.info("batch stored", extra={"events": 500, "dead_letters": 2})
     -> {"ts": "...", "level": "info", "logger": "rtrl.ingest", "msg": "batch stored", "events": 500, ...}
+
+Every attribute `extra` put on the record reaches the line (the formatter takes whatever is not
+a standard LogRecord attribute), so no call can lose its fields by using the other style: a
+dict under `extra={"fields": {...}}` is spread into the line too. Field names must not clash
+with LogRecord's own (`msg`, `args`, `module`, ...): logging raises KeyError for those.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import sys
 from datetime import datetime, timezone
 
 
+# what every LogRecord has; anything else on a record came from `extra`
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -22,7 +31,13 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        out.update(getattr(record, "fields", {}) or {})
+        for key, value in vars(record).items():
+            if key in _STANDARD:
+                continue
+            if key == "fields" and isinstance(value, dict):
+                out.update(value)
+            else:
+                out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
