@@ -139,6 +139,30 @@ def test_every_bad_input_class_lands_in_dead_letters(cfg, engine, topics, kafka_
         assert row.source == topics["feedback"] and row.offset >= 0 and row.detail
 
 
+def test_nul_characters_never_halt_ingest(cfg, engine, topics, kafka_bootstrap):
+    """PostgreSQL text cannot hold NUL: one such record used to fail its batch's transaction,
+    and ingest restarted at the same offset forever. Poison first, then good records."""
+    poison = [
+        interaction(0, prefix="nul", completion="a\x00b"),  # what the policy wrote: a column
+        interaction(1, prefix="nul", prompt=[{"role": "user", "content": "x\x00y"}]),
+        interaction(2, prefix="nul", completion=[{"role": "assistant", "content": "\x00", "tool_calls": [
+            {"type": "function", "function": {"name": "f\x00", "arguments": "{}"}}]}]),
+        {**fb(3, prefix="nul"), "type": "feed\x00back"},  # a dead letter whose detail names the bad type
+    ]
+    good = [interaction(i, prefix="ok") for i in range(50)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in poison + good])
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.events == 53 and stats.dead_letters == 1
+    assert set(ids(engine, interactions)) >= {e["event_id"] for e in good}
+    with engine.connect() as conn:
+        stored = {r.event_id: r for r in conn.execute(select(interactions))}
+        letter = conn.execute(select(dead_letters)).one()
+    # the body keeps the event as sent; the column has U+FFFD where the NUL was
+    assert stored["nul-i-0"].output_text == "a\ufffdb" and '"a\\u0000b"' in stored["nul-i-0"].body
+    assert "\\u0000" in stored["nul-i-1"].body and "\\u0000" in stored["nul-i-2"].output_tool_calls
+    assert letter.reason == "schema_violation" and "\x00" not in letter.detail and letter.raw == encode(poison[3])
+
+
 def test_tombstone_record_is_a_dead_letter(cfg, engine, topics, kafka_bootstrap):
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     producer.send(topics["feedback"], value=None, key=b"k")

@@ -104,19 +104,23 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
 
 def output_columns(completion: Any, metadata: Any) -> dict[str, Any]:
     """An interaction's columns of what the policy wrote (see tables.interactions), from its
-    `completion` and `metadata` as in the event."""
+    `completion` and `metadata` as in the event. PostgreSQL text cannot hold NUL: one in the
+    text is stored as U+FFFD on every backend (the body, JSON text, keeps it as the `\u0000`
+    escape it arrived as); tool calls are JSON text, where it is escaped anyway."""
     text, calls = completion_parts(completion)
-    return {"output_text": text, "output_tool_calls": orjson.dumps(calls).decode() if calls else None,
+    return {"output_text": text.replace("\x00", "\ufffd") if "\x00" in text else text,
+            "output_tool_calls": orjson.dumps(calls).decode() if calls else None,
             "expects_attempt": expects_attempt(metadata)}
 
 
 def dead_letter_row(dl: DeadLetter) -> dict[str, Any]:
+    # the detail may quote the bad input (a `type` value, say): NUL written as \x00 (see above)
     return {
         "source": dl.source,
         "partition": dl.partition,
         "offset": dl.offset,
         "reason": dl.reason.value,
-        "detail": dl.detail[:4000],
+        "detail": dl.detail[:4000].replace("\x00", "\\x00"),
         "raw": dl.raw,
     }
 
