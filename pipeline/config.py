@@ -128,20 +128,19 @@ class TrainConfig(_Section):
     clip_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip below 1 (grpo, dr_grpo, dapo)")
     clip_high: float = Field(default=0.28, gt=0, description="PPO clip above 1 (grpo, dr_grpo, dapo)")
     cispo_weight_cap: float = Field(default=5.0, gt=1, description="CISPO's upper bound on the IS weight")
-    token_truncate: float | None = Field(default=2.0, gt=1, description="truncated importance weight cap")
+    token_truncate: float | None = Field(default=2.0, gt=1, description="truncated importance weight cap "
+                                         "(grpo, dr_grpo, dapo; CISPO's cap is cispo_weight_cap)")
     sequence_mask: tuple[float, float] | None = Field(
         default=(0.1, 10.0), description="sequences whose geometric-mean ratio falls outside carry no loss")
     kl_coef: float = Field(default=0.0, ge=0, description="KL penalty to the base model (adapter off)")
-    kto_beta: float = Field(default=0.1, gt=0)
+    kto_beta: float = Field(default=0.1, gt=0, description="KTO's beta; episodes are desirable when their "
+                            "reward is above 0, undesirable below, and a reward of 0 (a tie) carries no loss")
     checkpoint_every: int = Field(default=0, ge=0, description="optimizer steps between checkpoints (0: end only)")
 
     @model_validator(mode="after")
     def _coherent(self) -> "TrainConfig":
         if self.sequence_mask is not None and not self.sequence_mask[0] < 1 < self.sequence_mask[1]:
             raise ValueError(f"train.sequence_mask must bracket 1 (lo < 1 < hi), got {self.sequence_mask}")
-        if self.loss == "kto" and self.advantage == "group":
-            raise ValueError("train.loss = 'kto' labels episodes desirable by advantage sign; use "
-                             "advantage = 'auto' or 'batch' (with 'group', single samples would all be undesirable)")
         if self.max_seq_len > self.batch_tokens:
             raise ValueError(f"train.batch_tokens ({self.batch_tokens}) must hold at least one episode of "
                              f"train.max_seq_len ({self.max_seq_len}) tokens: raise batch_tokens or lower max_seq_len")

@@ -32,9 +32,9 @@ def test_on_policy_the_correction_is_the_identity_and_the_loss_unchanged():
     # the per-token loss times the weight, aggregated over the corrected mask: the same loss
     from train.losses import LOSSES
 
-    per_token, aggregate = LOSSES["cispo"]
-    corrected = aggregate(per_token(logp, logp.detach(), adv, mask, LossConfig(epsilon_high=5.0)) * weight,
-                          new_mask, LossConfig())
+    cispo = LOSSES["cispo"]
+    corrected = cispo.aggregate(cispo.per_token(logp, logp.detach(), adv, mask, LossConfig(epsilon_high=5.0)) * weight,
+                                new_mask, LossConfig()) / cispo.count(new_mask, LossConfig())
     assert corrected.item() == pytest.approx(plain.item())
 
 

@@ -4,6 +4,7 @@ with masked padding and ratios far outside the clip range."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -77,8 +78,9 @@ def test_on_policy_every_ratio_is_one_and_the_gradient_is_the_policy_gradient(na
     assert torch.equal(torch.exp(logp - behavior), torch.ones(B, T))
     (grad,) = torch.autograd.grad(policy_loss(name, logp, behavior, adv, mask, cfg), logp)
     # the plain policy gradient -A * logp, aggregated the same way
-    aggregate = LOSSES[name][1]
-    (expected,) = torch.autograd.grad(aggregate(-adv.unsqueeze(1) * logp, mask, cfg), logp)
+    entry = LOSSES[name]
+    plain = entry.aggregate(-adv.unsqueeze(1) * logp, mask, cfg) / entry.count(mask, cfg)
+    (expected,) = torch.autograd.grad(plain, logp)
     torch.testing.assert_close(grad, expected, atol=1e-6, rtol=0)
 
 
@@ -118,12 +120,53 @@ def test_kto_loss_and_gradients_match_trl():
     ref_logp = (logp.detach() * mask).sum(-1) + torch.randn(B, generator=g)  # [B]
     kl_logps, ref_kl_logps = -torch.rand(B, generator=g) * 5, -torch.rand(B, generator=g) * 5
     cfg = LossConfig(kto_beta=0.3, kto_desirable_weight=1.0, kto_undesirable_weight=1.5)
-    adv = torch.where(label, 1.0, -1.0)  # binary feedback: desirable when the advantage is positive
-    ours = policy_loss("kto", logp, None, adv, mask, cfg, ref_logp=ref_logp,
-                       kl_ref=(kl_logps - ref_kl_logps).mean())
+    ours = policy_loss("kto", logp, None, torch.zeros(B), mask, cfg, label=torch.where(label, 1.0, -1.0),
+                       ref_logp=ref_logp, kl_ref=(kl_logps - ref_kl_logps).mean())
     (grad_ours,) = torch.autograd.grad(ours, logp)
     theirs = trl_kto_loss(logp, mask, label, ref_logp, kl_logps, ref_kl_logps, 0.3, 1.0, 1.5)
     (grad_theirs,) = torch.autograd.grad(theirs, logp)
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
     torch.testing.assert_close(grad_ours, grad_theirs, atol=1e-5, rtol=0)
     assert grad_ours[2, 4:].abs().sum() == 0  # padding: no gradient
+
+
+def test_kto_ties_carry_no_loss_and_are_not_counted():
+    """A reward of exactly 0 is neither desirable nor undesirable: it used to be pushed down."""
+    logp, _, _, mask = batch(1)
+    g = torch.Generator().manual_seed(5)
+    ref_logp = (logp.detach() * mask).sum(-1) + torch.randn(B, generator=g)
+    kw = dict(ref_logp=ref_logp, kl_ref=torch.tensor(0.3))
+    cfg = LossConfig(kto_beta=0.3)
+    with_tie = policy_loss("kto", logp, None, torch.zeros(B), mask, cfg, label=torch.tensor([1.0, -1.0, 0.0, 0.0]), **kw)
+    (grad,) = torch.autograd.grad(with_tie, logp)
+    assert grad[2:].abs().sum() == 0  # the ties: no gradient
+    first_two = policy_loss("kto", logp[:2], None, torch.zeros(2), mask[:2], cfg, label=torch.tensor([1.0, -1.0]),
+                            ref_logp=ref_logp[:2], kl_ref=torch.tensor(0.3))
+    assert with_tie.item() == pytest.approx(first_two.item())  # the mean is over the labelled two
+
+
+@pytest.mark.parametrize("r", [0.5, 1.0, 3.0, 8.0])
+def test_each_loss_sees_one_importance_correction(r):
+    """The effective per-token gradient weight d loss / d logp of one token, through the loop's
+    composition (losses.LOSSES + importance.correct): CISPO's is -sg(min(r, cap)) * A as in its
+    paper (it was also truncated at token_truncate = 2 and damped by 2/r above it); the
+    clipped surrogate with a negative advantage takes the token truncation: r * A -> min(r, C) * A
+    (and PPO's own clip below 1 - eps)."""
+    from pipeline.config import TrainConfig
+    from train.importance import correct
+    from train.loop import correction_config
+
+    cfg = TrainConfig(cispo_weight_cap=5.0, token_truncate=2.0, sequence_mask=None)
+    for name, adv, expected in (("cispo", 1.0, -min(r, 5.0)), ("cispo", -1.0, min(r, 5.0)),
+                                ("dapo", -1.0, 0.0 if r < 0.8 else min(r, 2.0))):  # below 1 - eps: PPO's clip
+        logp = torch.full((1, 1), -1.0, requires_grad=True)
+        behavior = logp.detach() - math.log(r)
+        mask = torch.ones(1, 1)
+        entry = LOSSES[name]
+        lcfg = LossConfig(epsilon_low=0.2, epsilon_high=5.0 if name == "cispo" else 0.28)
+        weight, new_mask, _ = correct(logp, behavior, mask, correction_config(entry, cfg))
+        per_token = entry.per_token(logp, behavior, torch.tensor([adv]), new_mask, lcfg) * weight
+        value = entry.aggregate(per_token, new_mask, lcfg) / entry.count(new_mask, lcfg)
+        (grad,) = torch.autograd.grad(value, logp)
+        # d/dlogp of the surrogate r*A is r*A (r = exp(logp - behavior)); CISPO's is its weight * A
+        assert grad.item() == pytest.approx(expected, rel=1e-5), (name, adv, r)

@@ -140,3 +140,47 @@ def test_every_loss_of_the_table_trains_in_the_loop(base_model, logged, loss, kl
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert any(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: the update moved it
     assert ("kl" in tracker.metrics[-1][1]) == (kl_coef > 0)
+
+
+@pytest.mark.parametrize("loss", ["cispo", "grpo", "dr_grpo", "dapo", "kto"])
+def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
+    """One optimizer step over 8 episodes as one micro-batch of 8 and as four of 2: the same
+    gradient (each micro-batch used to be normalised by itself, then divided by their number)."""
+    from train.importance import advantages
+    from train.loop import StepInputs, accumulate_step, correction_config, loss_config
+    from train.losses import get_loss
+
+    policy = load_policy(base_model, device="cpu")
+    episodes = []
+    for k, e in enumerate([e for e in logged[0] if len(e["completion_token_ids"]) >= 3][:8]):
+        n = 1 + k % 3  # completions of 1-3 tokens: packing changes the padding and the normalisers
+        ids = e["completion_token_ids"][:n]
+        episodes.append({**e, "completion_token_ids": ids, "completion": policy.tokenizer.decode(ids),
+                         "behavior_logprobs": e["behavior_logprobs"][:n]})
+    cfg = CFG.model_copy(update={"loss": loss, "kl_coef": 0.05 if loss == "kto" else 0.0})
+    torch.manual_seed(0)
+    model = attach_adapter(policy.model, cfg)
+    with torch.no_grad():  # LoRA B starts at zero; non-zero, every adapter weight gets a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    model.eval()  # no dropout: both runs see the same function
+    eps = tokenized(policy.tokenizer, episodes)
+    assert len({len(e.input_ids) for e in eps}) == 3 and all(e.behavior is not None for e in eps)
+    rewards = [1.0, -0.5, 0.25, 0.0, -1.0, 0.5, 1.0, -0.25]  # one KTO tie among them
+    inputs = StepInputs(advantages(rewards, ["all"] * 8), torch.tensor(rewards),
+                        torch.tensor([e.temperature for e in eps]), torch.zeros(8, dtype=torch.bool))
+    entry = get_loss(loss)
+    lcfg = loss_config(cfg, max(sum(e.loss_mask) for e in eps))
+
+    def gradient(micro):
+        model.zero_grad(set_to_none=True)
+        accumulate_step(model, eps, micro, inputs, entry, lcfg, correction_config(entry, cfg), cfg,
+                        policy.tokenizer.pad_token_id)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    whole = gradient([list(range(8))])
+    packed = gradient([[0, 1], [2, 3], [4, 5], [6, 7]])
+    assert any(g.abs().sum() > 0 for g in whole.values())
+    for name, g in whole.items():
+        torch.testing.assert_close(packed[name], g, atol=1e-6, rtol=1e-5, msg=name)

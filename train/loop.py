@@ -1,13 +1,19 @@
 """The training loop: tokenized, rewarded episodes -> an updated LoRA adapter.
 
     advantages  group-relative where a prompt was sampled several times, batch-relative otherwise
-    per optimizer step, for each of `grad_accum` micro-batches:
-        logp     = log pi_theta(target token)                             [B, T]
-        behavior = serving-time log mu(token)                             [B, T]
-        weight, mask = importance correction (truncation, sequence mask)  [B, T]
-        loss     = aggregate(per_token(logp, behavior, adv) * weight + kl_coef * KL_k3, mask)
-        (loss / grad_accum).backward()
+    per optimizer step (`grad_accum` micro-batches):
+        denominator = the loss's count (tokens, sequences, ...) over all the step's micro-batches
+        for each micro-batch:
+            logp     = log pi_theta(target token)                             [B, T]
+            behavior = serving-time log mu(token)                             [B, T]
+            weight, mask = importance correction the loss takes (losses.LOSSES) [B, T]
+            loss     = aggregate(per_token(logp, behavior, adv) * weight + kl_coef * KL_k3, mask)
+            (loss / denominator).backward()
     clip the gradient norm, AdamW step, log the step's metrics, checkpoint when due
+
+The denominator is the step's, not each micro-batch's: a token mean is over every token of the
+step and Dr. GRPO's constant counts every sequence of the step, so the gradient does not depend
+on how the episodes were packed into micro-batches.
 
 Episodes logged without behaviour log-probs (or with ones that could not be aligned) get them
 recomputed once, before the first step, from the policy the run starts from (the champion):
@@ -38,7 +44,7 @@ from train.batches import MicroBatch, collate, mismatched_pairs, pack
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.data import TokenizedEpisode
 from train.importance import CorrectionConfig, advantages, correct
-from train.losses import LOSSES, LossConfig
+from train.losses import Loss, LossConfig, get_loss
 from train.tracking import Tracker
 
 
@@ -62,6 +68,13 @@ def token_logprobs(model: Any, batch: MicroBatch, temperature: torch.Tensor) -> 
         probs = torch.softmax(logits, dim=-1)
         entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, T]
     return logp, entropy
+
+
+def correction_config(loss: Loss, cfg: TrainConfig) -> CorrectionConfig:
+    """The importance corrections `loss` takes (losses.LOSSES says which): one per loss, as its
+    paper defines it -- CISPO's weight cap is its own truncation, KTO takes none."""
+    return CorrectionConfig(token_truncate=cfg.token_truncate if loss.token_truncation else None, token_mask=None,
+                            sequence_truncate=None, sequence_mask=cfg.sequence_mask if loss.sequence_mask else None)
 
 
 def loss_config(cfg: TrainConfig, max_completion_tokens: int) -> LossConfig:
@@ -116,6 +129,116 @@ def set_behavior(episodes: list[TokenizedEpisode], missing: list[int], values: t
         episodes[i].behavior_note = "recomputed"
 
 
+def kto_labels(rewards: torch.Tensor) -> torch.Tensor:
+    """KTO's binary feedback from the rewards' sign: +1 desirable (reward > 0), -1 undesirable
+    (< 0), 0 for a reward of exactly 0 -- no signal either way: no loss, counted as a tie."""
+    return torch.sign(rewards)
+
+
+def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]],
+                       temperature: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """KTO's reference point z, estimated once per optimizer step on mismatched pairs of the
+    step's episodes (in id order, so it does not depend on how they were packed), in chunks of
+    the largest micro-batch. []"""
+    device = next(model.parameters()).device.type
+    order = sorted(i for index in micro for i in index)
+    pairs = mismatched_pairs(episodes, order)
+    chunk, total = max(len(index) for index in micro), torch.zeros((), device=device)
+    with torch.no_grad():
+        for start in range(0, len(pairs), chunk):
+            rows = list(range(start, min(start + chunk, len(pairs))))
+            batch = collate(pairs, rows, pad_id, device)
+            temp = temperature[torch.tensor(order[start:start + len(rows)], device=device)]
+            policy = (token_logprobs(model, batch, temp)[0] * batch.mask).sum(-1)
+            reference = (_reference_logprobs(model, batch, temp) * batch.mask).sum(-1)
+            total = total + (policy - reference).sum()
+    return total / len(pairs)
+
+
+@dataclass
+class StepInputs:
+    """What every micro-batch of a run needs besides its episodes (all [N], on the device)."""
+
+    adv: torch.Tensor
+    rewards: torch.Tensor
+    temperature: torch.Tensor
+    recomputed: torch.Tensor  # bool: behaviour log-probs recomputed for this episode
+
+
+def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]], inputs: StepInputs,
+                    loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
+                    pad_id: int) -> tuple[dict[str, float], int]:
+    """Forward and backward every micro-batch of one optimizer step (gradients accumulate in
+    the model); returns the step's summed metrics and its token count."""
+    device = next(model.parameters()).device.type
+    sums: dict[str, float] = {}
+
+    def add(name: str, value: float) -> None:
+        sums[name] = sums.get(name, 0.0) + value
+
+    batches = [collate(episodes, index, pad_id, device) for index in micro]
+    labels = [kto_labels(inputs.rewards[torch.tensor(index, device=device)]) for index in micro]
+    # the step's denominator before any backward pass: see the module docstring
+    denominator = sum(float(loss.count(b.mask, loss_cfg, label=lab)) for b, lab in zip(batches, labels))
+    denominator = max(denominator, 1.0)
+    step_tokens = max(sum(float(b.mask.sum()) for b in batches), 1.0)
+    z = kl_reference_point(model, episodes, micro, inputs.temperature, pad_id) if loss.reference else None
+    tokens = 0
+    for batch, index, label in zip(batches, micro, labels):
+        idx = torch.tensor(index, device=device)
+        temp, a = inputs.temperature[idx], inputs.adv[idx]  # [B], [B]
+        logp, entropy = token_logprobs(model, batch, temp)  # [B, T]
+        behavior = batch.behavior  # [B, T]
+        extra: dict[str, torch.Tensor] = {}
+        if loss.reference:
+            weight, mask, stats = torch.ones_like(logp), batch.mask, None  # KTO compares with the base, not mu
+            ref = _reference_logprobs(model, batch, temp)
+            extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
+            extra["kl_ref"] = z
+        else:
+            weight, mask, stats = correct(logp, behavior, batch.mask, correction)
+        if loss.labels:
+            extra["label"] = label
+            add("tie_sequences", float((label == 0).sum()))
+        per_token = loss.per_token(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
+        kl_term = None
+        if cfg.kl_coef > 0:
+            ref = _reference_logprobs(model, batch, temp)
+            kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
+            if loss.kl == "per_token":
+                per_token = per_token + cfg.kl_coef * kl_tok
+            else:  # not inside KTO's log-ratio sum: its own token mean over the step
+                kl_term = cfg.kl_coef * (kl_tok * mask).sum() / step_tokens
+            add("kl", float((kl_tok.detach() * mask).sum()))
+        value = loss.aggregate(per_token, mask, loss_cfg, adv=a, **extra) / denominator
+        if kl_term is not None:
+            value = value + kl_term
+        value.backward()
+
+        tokens += batch.tokens
+        add("loss", float(value.detach()))
+        add("mask_tokens", float(mask.sum()))
+        add("entropy", float((entropy * mask).sum()))
+        add("recomputed_behavior", float(inputs.recomputed[idx].sum()))
+        add("sequences", len(index))
+        with torch.no_grad():
+            log_r = (logp - behavior) * mask
+            add("kl_behavior", float(-log_r.sum()))  # k1 estimate of KL(mu || pi) per token
+            r = torch.exp(log_r)
+            if loss.clip == "weight_cap":
+                clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
+            else:
+                clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
+                           ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
+            add("clipped_tokens", float(clipped.sum()) if loss.clip is not None else 0.0)
+        if stats is not None:
+            add("truncated_tokens", stats.truncated_tokens)
+            add("masked_sequences", stats.masked_sequences)
+            sums["log_ratio_min"] = min(sums.get("log_ratio_min", 0.0), stats.log_ratio_min)
+            sums["log_ratio_max"] = max(sums.get("log_ratio_max", 0.0), stats.log_ratio_max)
+    return sums, tokens
+
+
 def train_policy(
     model: Any,
     episodes: list[TokenizedEpisode],
@@ -137,9 +260,8 @@ def train_policy(
     plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg)
     total_steps = math.ceil(len(plan) / cfg.grad_accum)
     loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes))
-    correction = CorrectionConfig(token_truncate=cfg.token_truncate, token_mask=None, sequence_truncate=None,
-                                  sequence_mask=cfg.sequence_mask)
-    per_token_fn, aggregate_fn = LOSSES[cfg.loss]
+    loss = get_loss(cfg.loss)
+    correction = correction_config(loss, cfg)
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
@@ -152,66 +274,13 @@ def train_policy(
         start, recomputed = 0, recompute_behavior(model, episodes, pad_id, cfg.batch_tokens, temperature)
     recomputed_flag = torch.zeros(len(episodes), dtype=torch.bool, device=device)
     recomputed_flag[missing] = True
+    inputs = StepInputs(adv, reward_t, temperature, recomputed_flag)
     model.train()
     result = LoopResult(steps=start, tokens=0, seconds=0.0, advantages=adv.tolist())
     for step in range(start, total_steps):
         t0 = time.perf_counter()
         micro = plan[step * cfg.grad_accum:(step + 1) * cfg.grad_accum]
-        sums: dict[str, float] = {}
-
-        def add(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + value
-
-        tokens = 0
-        for index in micro:
-            batch = collate(episodes, index, pad_id, device)
-            idx = torch.tensor(index, device=device)
-            temp, a = temperature[idx], adv[idx]  # [B], [B]
-            logp, entropy = token_logprobs(model, batch, temp)  # [B, T]
-            behavior = batch.behavior  # [B, T]
-            extra: dict[str, torch.Tensor] = {}
-            if cfg.loss == "kto":
-                weight, mask = torch.ones_like(logp), batch.mask  # KTO compares with the base, not mu
-                ref = _reference_logprobs(model, batch, temp)
-                extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
-                pairs = collate(mismatched_pairs(episodes, index), list(range(len(index))), pad_id, device)
-                with torch.no_grad():
-                    pol_kl = (token_logprobs(model, pairs, temp)[0] * pairs.mask).sum(-1)
-                    ref_kl = (_reference_logprobs(model, pairs, temp) * pairs.mask).sum(-1)
-                extra["kl_ref"] = (pol_kl - ref_kl).mean()  # the reference point z
-                stats = None
-            else:
-                weight, mask, stats = correct(logp, behavior, batch.mask, correction)
-            per_token = per_token_fn(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
-            if cfg.kl_coef > 0:
-                ref = _reference_logprobs(model, batch, temp)
-                kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
-                per_token = per_token + cfg.kl_coef * kl_tok
-                add("kl", float((kl_tok.detach() * mask).sum()))
-            loss = aggregate_fn(per_token, mask, loss_cfg, adv=a, **extra)
-            (loss / len(micro)).backward()
-
-            tokens += batch.tokens
-            add("loss", float(loss.detach()) / len(micro))
-            add("mask_tokens", float(mask.sum()))
-            add("entropy", float((entropy * mask).sum()))
-            add("recomputed_behavior", float(recomputed_flag[idx].sum()))
-            add("sequences", len(index))
-            with torch.no_grad():
-                log_r = (logp - behavior) * mask
-                add("kl_behavior", float(-log_r.sum()))  # k1 estimate of KL(mu || pi) per token
-                r = torch.exp(log_r)
-                if cfg.loss == "cispo":
-                    clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
-                else:
-                    clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
-                               ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
-                add("clipped_tokens", float(clipped.sum()) if cfg.loss != "kto" else 0.0)
-            if stats is not None:
-                add("truncated_tokens", stats.truncated_tokens)
-                add("masked_sequences", stats.masked_sequences)
-                sums["log_ratio_min"] = min(sums.get("log_ratio_min", 0.0), stats.log_ratio_min)
-                sums["log_ratio_max"] = max(sums.get("log_ratio_max", 0.0), stats.log_ratio_max)
+        sums, tokens = accumulate_step(model, episodes, micro, inputs, loss, loss_cfg, correction, cfg, pad_id)
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf"))
@@ -241,6 +310,8 @@ def train_policy(
         }
         if "kl" in sums:
             metrics["kl"] = sums["kl"] / n_tok
+        if "tie_sequences" in sums:
+            metrics["tie_sequences"] = sums["tie_sequences"]
         tracker.log_metrics(metrics, step=step + 1)
         result.history.append(metrics)
         result.steps, result.tokens, result.seconds = step + 1, result.tokens + tokens, result.seconds + seconds
