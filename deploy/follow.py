@@ -1,6 +1,13 @@
 """Following the registry: read model-update events from Kafka and act on each move of the
 aliases a follower asks for (the champion; the reference server also follows the canary).
 
+An event is only a wake-up. What to serve is read from the registry (`current`), never taken
+from the event: anyone who can write to the topic could otherwise make serving load any
+adapter, ungated, and an event delivered late (a repair after an outage, a replayed topic)
+would switch serving back to an older state. A registry that cannot be read when an event
+arrives is read again every `retry_s` until it answers. Versions must be plain registry ids
+(digits): a version becomes a path component of the adapter's download folder.
+
 Used by the reference server (deploy/serve.py: load the new adapter, swap) and by the vLLM hook
 (deploy/vllm.py: load it on a vLLM server under a versioned name, unload the old one). The
 follower seeks to the end of the topic *before* the caller reads the current champion from the
@@ -11,19 +18,39 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
 log = logging.getLogger("rtrl.deploy")
+_VERSION_ID = re.compile(r"[0-9]{1,18}")
+
+
+def current(registry: Any, alias: str) -> dict[str, Any]:
+    """What serving should do for `alias` now, from the registry, in the shape followers act on:
+    {"alias", "version" (None: cleared), "adapter_uri", "share" (a canary's)}."""
+    v = registry.alias(alias)
+    if v is None:
+        return {"alias": alias, "version": None, "adapter_uri": None, "share": 0.0}
+    if not _VERSION_ID.fullmatch(v.version):
+        raise ValueError(f"registry version {v.version!r} of {alias} is not a plain version id; not served")
+    update = {"alias": alias, "version": v.version, "adapter_uri": v.source}
+    if alias == "canary":
+        update["share"] = float(v.tags.get("rollout.share", 0.0))
+    return update
 
 
 class Follower:
     def __init__(self, bootstrap: str, topic: str, model_name: str,
-                 on_update: Callable[[dict[str, Any]], None], aliases: tuple[str, ...] = ("champion",)) -> None:
-        self.model_name, self.on_update, self.aliases = model_name, on_update, aliases
+                 on_update: Callable[[dict[str, Any]], None], resolve: Callable[[str], dict[str, Any]],
+                 aliases: tuple[str, ...] = ("champion",), retry_s: float = 5.0) -> None:
+        """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
+        self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
+        self.retry_s, self.stale, self.next_try = retry_s, set(), 0.0  # aliases to read again
         self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                                       consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
@@ -44,6 +71,8 @@ class Follower:
             for records in self.consumer.poll(timeout_ms=500).values():
                 for record in records:
                     self._handle(record.value)
+            if self.stale and time.monotonic() >= self.next_try:
+                self._apply()
         self.consumer.close()
 
     def _handle(self, raw: bytes) -> None:
@@ -52,13 +81,28 @@ class Follower:
         except ValueError:
             log.error("unreadable model-update event ignored", extra={"raw": raw[:200].decode(errors="replace")})
             return
-        if event.get("name") != self.model_name or event.get("alias") not in self.aliases:
+        if not isinstance(event, dict) or event.get("name") != self.model_name or event.get("alias") not in self.aliases:
             return
-        try:
-            self.on_update(event)
-        except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
-            log.error("model update not applied; still serving the previous version",
-                      extra={"version": event.get("version"), "error": f"{type(exc).__name__}: {exc}"})
+        self.stale.add(event["alias"])
+        self._apply()
+
+    def _apply(self) -> None:
+        """Read each stale alias from the registry and act on it; what fails is tried again."""
+        for alias in sorted(self.stale):
+            try:
+                update = self.resolve(alias)
+            except Exception as exc:  # noqa: BLE001 - registry away: read again in retry_s
+                self.next_try = time.monotonic() + self.retry_s
+                log.error("registry not read after a model-update event; trying again",
+                          extra={"alias": alias, "retry_s": self.retry_s, "error": f"{type(exc).__name__}: {exc}"})
+                return
+            self.stale.discard(alias)
+            try:
+                self.on_update(update)
+            except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
+                log.error("model update not applied; still serving the previous version",
+                          extra={"alias": alias, "version": update.get("version"),
+                                 "error": f"{type(exc).__name__}: {exc}"})
 
     def close(self) -> None:
         self.stop.set()

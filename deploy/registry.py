@@ -4,19 +4,28 @@
                          tagged with run, base model, spec version, data window; alias `candidate`
     record_decision      the gate's decision and every number, on the version and in the store
     promote(version)     `champion` -> version, the old champion -> `previous`; refuses without a
-                         recorded passing decision unless forced with a reason; the same version
-                         twice is a no-op
-    rollback([to])       `champion` back to `previous` (or a named version)
+                         recorded passing decision unless forced with a reason, and refuses a
+                         version an operator rolled back (forced: allowed); the same version
+                         twice is a no-op. `against`: the champion the decision was made
+                         against -- a cycle promotes only if that is still the champion
+    rollback([to])       `champion` back to `previous` (or a named version); `previous` then
+                         goes one promotion further back, so a second rollback goes to the
+                         version before that, never back to the one rolled back
     stage(version, share) `canary` -> version, serving `share` of requests (deploy/rollout.py);
                          needs a passing decision like promote; unstage() clears it,
                          withdraw_canary(version) only if it is that version; promoting the
                          canary's version clears it too
     repair()             finishes what a crash left: pending audit rows are checked against the
                          registry (done or not_applied), unpublished model-update events are sent
+                         -- only the newest move of each alias: an older one's event is stale
 
 Order of one move: audit row "pending" -> `previous` alias -> `champion` alias -> audit "done"
 -> model-update event -> published. If the registry is unreachable mid-way, `champion` has not
-moved (it is the last alias written), so serving never sees half a promotion.
+moved (it is the last alias written), so serving never sees half a promotion, and `previous`
+is put back, so the rollback target survives a failed promotion.
+
+A model-update event is a wake-up, not an order: it carries the move's sequence number (`seq`,
+the audit row's id), and followers (deploy/follow.py) read what to serve from the registry.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 CANDIDATE, CHAMPION, PREVIOUS, CANARY = "candidate", "champion", "previous", "canary"
+ANY = object()  # promote(against=ANY): whatever the champion is
 log = logging.getLogger("rtrl.deploy")
 
 
@@ -63,6 +73,11 @@ def _connection_failed(exc: MlflowException) -> bool:
 
 class RegistryError(RuntimeError):
     """The registry refused or could not be reached; the message says what to do."""
+
+
+class Superseded(RegistryError):
+    """An automatic promotion refused because people or events moved on: the version was rolled
+    back, or the champion it was decided against is no longer the champion."""
 
 
 @dataclass
@@ -203,9 +218,11 @@ class Registry:
         self.tag(version, {"online.passed": str(decision["passed"]).lower(),
                            "online.reasons": json.dumps([c["detail"] for c in decision["checks"]])})
 
-    def promote(self, version: str, actor: str, reason: str, force: bool = False) -> bool:
+    def promote(self, version: str, actor: str, reason: str, force: bool = False,
+                against: str | None | object = ANY) -> bool:
         """Move `champion` to `version`; False if it already is (a no-op). A canary of that
-        version is cleared: it serves everything now."""
+        version is cleared: it serves everything now. `against` (a cycle's promotion): the
+        champion its decision was made against; anything else is the champion now -> Superseded."""
         version = str(version)
         target = self.get(version)  # refuses an unknown version before anything is written
         current = self.alias(CHAMPION)
@@ -213,8 +230,16 @@ class Registry:
             self.withdraw_canary(version, actor, f"version {version} promoted")
             return False
         decision = self._require_passed(version, force, reason)
+        if not force:
+            undone = audit.rolled_back(self.engine, self.name, version)
+            if undone is not None:
+                raise Superseded(f"version {version} was rolled back by {undone.actor} at {undone.at:%Y-%m-%d %H:%M:%S}"
+                                 f" ({undone.reason}); `rtrl promote {version} --force --reason '...'` promotes it again")
+            if against is not ANY and (current.version if current else None) != against:
+                raise Superseded(f"version {version} was decided against champion {against}, but the champion is "
+                                 f"now {current.version if current else 'none'} (moved meanwhile): gate it again")
         why = reason or f"gate passed (decision {decision.id})"
-        self._move(CHAMPION, target, current, actor, why)
+        self._move(CHAMPION, target, current, actor, why, kind="promote", previous=current)
         self.withdraw_canary(version, actor, f"version {version} promoted")
         return True
 
@@ -229,7 +254,7 @@ class Registry:
             return False
         self._require_passed(version, False, reason)
         self.tag(version, {"rollout.share": share})  # read by a server starting while the canary is out
-        self._move(CANARY, target, current, actor, reason, share=share)
+        self._move(CANARY, target, current, actor, reason, share=share, kind="stage")
         return True
 
     def unstage(self, actor: str, reason: str) -> Version | None:
@@ -237,7 +262,7 @@ class Registry:
         current = self.alias(CANARY)
         if current is None:
             return None
-        self._move(CANARY, None, current, actor, reason)
+        self._move(CANARY, None, current, actor, reason, kind="withdraw")
         return current
 
     def withdraw_canary(self, version: str, actor: str, reason: str) -> bool:
@@ -245,7 +270,7 @@ class Registry:
         canary = self.alias(CANARY)
         if canary is None or canary.version != version:
             return False
-        self._move(CANARY, None, canary, actor, reason)
+        self._move(CANARY, None, canary, actor, reason, kind="withdraw")
         return True
 
     def _require_passed(self, version: str, force: bool, reason: str) -> Any:
@@ -264,44 +289,67 @@ class Registry:
         return decision
 
     def rollback(self, actor: str, reason: str, to: str | None = None) -> Version:
+        """`champion` back to `previous` (or `to`). The new `previous` is the champion the restored
+        version replaced when it was promoted, so rollbacks walk back through the promotions; the
+        version rolled back is not promoted again unless forced."""
         current = self.alias(CHAMPION)
         target = self.get(to) if to else self.alias(PREVIOUS)
+        if target is None or (current is not None and target.version == current.version and not to):
+            # `previous` missing, or equal to the champion (left so by an older version's failed
+            # promotion): the audit trail knows what the champion replaced
+            back = audit.promoted_from(self.engine, self.name, current.version) if current else None
+            target = self.get(back) if back else None
         if target is None:
             raise RegistryError(f"model {self.name} has no `previous` version to roll back to; "
                                 "name one with --to VERSION")
         if current is not None and current.version == target.version:
             raise RegistryError(f"version {target.version} is already the champion")
-        self._move(CHAMPION, target, current, actor, reason or "rollback")
+        back = audit.promoted_from(self.engine, self.name, target.version)
+        previous = self.get(back) if back and back != target.version else None
+        self._move(CHAMPION, target, current, actor, reason or "rollback", kind="rollback", previous=previous)
         return target
 
     def _move(self, alias: str, target: Version | None, current: Version | None, actor: str, reason: str,
-              share: float | None = None) -> None:
-        """`alias` -> target (None: cleared). Moving `champion` also moves `previous` first."""
+              share: float | None = None, kind: str | None = None, previous: Version | None = None) -> None:
+        """`alias` -> target (None: cleared). Moving `champion` also moves `previous` first (to
+        `previous`; None clears it), and puts it back if the champion then does not move."""
         move_id = audit.begin_move(self.engine, self.name, alias, current.version if current else None,
-                                   target.version if target else None, reason, actor, share=share)
+                                   target.version if target else None, reason, actor, share=share, kind=kind)
+        was_previous, previous_moved = None, False
         try:
-            if alias == CHAMPION and current is not None:
-                self._call("moving the previous alias",
-                           lambda: self.client.set_registered_model_alias(self.name, PREVIOUS, current.version))
-            if target is None:
-                self._call(f"clearing the {alias} alias",
-                           lambda: self.client.delete_registered_model_alias(self.name, alias))
-            else:
-                self._call(f"moving the {alias} alias",
-                           lambda: self.client.set_registered_model_alias(self.name, alias, target.version))
-        except RegistryError:
+            if alias == CHAMPION:
+                was_previous = self.alias(PREVIOUS)
+                if (previous.version if previous else None) != (was_previous.version if was_previous else None):
+                    self._set_alias(PREVIOUS, previous)
+                    previous_moved = True
+            self._set_alias(alias, target)
+        except RegistryError as exc:
             audit.complete_move(self.engine, move_id, "not_applied")
+            if previous_moved:
+                try:
+                    self._set_alias(PREVIOUS, was_previous)
+                except RegistryError as again:
+                    raise RegistryError(f"{exc}; `previous` was moved and could not be put back to "
+                                        f"{was_previous.version if was_previous else 'none'}: {again}") from None
             raise
         pause_point("promote.champion_moved")  # crash tests kill the process here: repair() finishes
         audit.complete_move(self.engine, move_id)
         self._publish(move_id, alias, target, share)
 
+    def _set_alias(self, alias: str, target: Version | None) -> None:
+        if target is None:
+            if self.alias(alias) is not None:
+                self._call(f"clearing the {alias} alias", lambda: self.client.delete_registered_model_alias(self.name, alias))
+        else:
+            self._call(f"moving the {alias} alias",
+                       lambda: self.client.set_registered_model_alias(self.name, alias, target.version))
+
     def _publish(self, move_id: int, alias: str, target: Version | None, share: float | None) -> bool:
         """Announce the move; a broker that is down leaves the row unpublished for repair()."""
         if self.publish is None:
             return False
-        event = {"type": "model_update", "name": self.name, "alias": alias, "version": None, "adapter_uri": None,
-                 "at": utcnow().isoformat() + "Z"}
+        event = {"type": "model_update", "name": self.name, "alias": alias, "seq": move_id, "version": None,
+                 "adapter_uri": None, "at": utcnow().isoformat() + "Z"}
         if target is not None:
             event.update(version=target.version, adapter_uri=target.source, base_model=target.tags.get("base_model"),
                          run_id=target.run_id)
@@ -311,7 +359,8 @@ class Registry:
             self.publish(event)
         except Exception as exc:  # noqa: BLE001 - kafka errors of every kind
             log.warning("model-update event not published; the next promote, rollback or gate retries it",
-                        extra={"move_id": move_id, "version": target.version, "error": f"{type(exc).__name__}: {exc}"})
+                        extra={"move_id": move_id, "alias": alias, "version": target.version if target else None,
+                               "error": f"{type(exc).__name__}: {exc}"})
             return False
         audit.mark_published(self.engine, move_id)
         return True
@@ -329,6 +378,11 @@ class Registry:
                             f"{'completed' if applied else 'never applied'}")
                 if not applied:
                     continue
+            newer = audit.superseded_by(self.engine, row)
+            if newer is not None:  # its event would undo the newer state on every follower
+                audit.mark_published(self.engine, row.id)
+                done.append(f"move {row.id}: event not sent, superseded by move {newer}")
+                continue
             target = self.get(row.to_version) if row.to_version is not None else None
             if self._publish(row.id, row.alias, target, row.share):
                 done.append(f"move {row.id}: model-update event published")

@@ -9,7 +9,12 @@ An OpenAI-compatible subset over the base model plus the champion adapter. Every
 carries the per-token log-probs of what was sampled (after temperature and top-p) and the
 version that produced it (`model` = "<name>:<version>", header X-Rtrl-Policy-Version); every
 request becomes an `interaction` event on Kafka with the same version as `policy_version`, so
-the loop can learn from it. Headers X-Request-Id, X-Session-Id and X-Tenant fill the event.
+the loop can learn from it. Headers X-Session-Id and X-Tenant fill the event.
+
+Request ids: the server chooses every request's id (`req-<uuid>`: the response's `id` and its
+X-Request-Id header; feedback names it). A client's own X-Request-Id is kept in the event as
+`client_request_id`, never used as the id: a client could otherwise pick which side of a
+canary answers it, or collide with another request's feedback.
 
 Swapping: a model-update event loads the new adapter and switches to it under the model lock.
 Generation holds the same lock, so a request in flight finishes on the version it started
@@ -138,7 +143,7 @@ class PolicyServer:
             self.runner.remove(victim)
 
     def complete(self, prompt: Any, req: _Sampling, headers: dict[str, str]) -> tuple[Any, str, str]:
-        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        request_id = f"req-{uuid.uuid4().hex}"  # routes the canary and joins feedback: never the client's
         with self.lock, self.latency.time():
             version = self.version
             if self.canary is not None and routes_to_canary(request_id, self.canary_share):
@@ -162,6 +167,8 @@ class PolicyServer:
                          "seed": req.seed},
             "latency_ms": round(gen.latency_ms, 3), "metadata": {"server": "rtrl-serve", "model": self.model_name},
         }
+        if headers.get("x-request-id"):
+            event["client_request_id"] = headers["x-request-id"][:256]
         try:
             self.emit(event)
         except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
@@ -200,7 +207,7 @@ def create_app(server: PolicyServer) -> FastAPI:
                              "logprobs": {"tokens": _tokens(gen), "token_logprobs": gen.logprobs,
                                           "token_ids": gen.token_ids}}],
                 "usage": {"completion_tokens": len(gen.token_ids)}}
-        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version})
+        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions")
     def chat(req: ChatRequest, request: Request) -> JSONResponse:
@@ -214,7 +221,7 @@ def create_app(server: PolicyServer) -> FastAPI:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
                              "finish_reason": _finish(gen, req), "logprobs": {"content": content}}],
                 "usage": {"completion_tokens": len(gen.token_ids)}}
-        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version})
+        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
 
     @app.get("/health")
     def health() -> dict[str, Any]:

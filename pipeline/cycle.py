@@ -43,7 +43,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from deploy import rollout
-from deploy.registry import CANARY, CHAMPION, Registry
+from deploy.registry import ANY, CANARY, CHAMPION, Registry, Superseded
 from deploy.stage import gate_run
 from deploy.suite import EMPTY, Suite
 from pipeline.config import Config, duration_s
@@ -209,8 +209,15 @@ def run_cycle(deps: CycleDeps) -> Any:
         if state == "promoting":
             version = get_cycle(deps.engine, cycle_id).candidate_version
             passed_what = "gate and canary passed" if deps.config.rollout.share > 0 else "gate passed"
-            timed("promote", lambda: deps.registry.promote(version, actor="automatic",
-                                                           reason=f"cycle {cycle_id}: {passed_what}"))
+            # decided against the champion of then: an operator's rollback or promotion meanwhile wins
+            decided = latest_decision(deps.engine, deps.registry.name, version)
+            try:
+                timed("promote", lambda: deps.registry.promote(
+                    version, actor="automatic", reason=f"cycle {cycle_id}: {passed_what}",
+                    against=decided.champion_version if decided is not None else ANY))
+            except Superseded as exc:
+                enter("rejected", promoted=0, reason=f"not promoted: {exc}")
+                return get_cycle(deps.engine, cycle_id)
             enter("done", promoted=1)
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": cycle_id})

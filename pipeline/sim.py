@@ -140,14 +140,17 @@ class Fleet:
                 break
             tick = time.monotonic()
             task = draw_task(self.rng)
-            request_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"
+            own_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"  # kept beside the server's
             try:
                 resp = session.post(f"{self.url}/v1/completions", timeout=60, headers={
-                    "X-Request-Id": request_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
+                    "X-Request-Id": own_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
                     "X-Tenant": self.tenant}, json={"prompt": task.prompt, "max_tokens": self.max_tokens,
                                                     "temperature": 1.0, "seed": self.rng.randrange(1 << 30)})
                 resp.raise_for_status()
-                output, version = resp.json()["choices"][0]["text"], resp.headers["X-Rtrl-Policy-Version"]
+                # feedback names the request by the id the server chose (its response's `id`)
+                body = resp.json()
+                request_id, output = body["id"], body["choices"][0]["text"]
+                version = resp.headers["X-Rtrl-Policy-Version"]
             except (requests.RequestException, KeyError, ValueError):
                 self.stats.failed += 1
                 self.stop.wait(1.0)

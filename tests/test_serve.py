@@ -19,7 +19,7 @@ import torch
 from kafka import KafkaConsumer
 
 from deploy.events import ModelUpdatePublisher
-from deploy.follow import Follower
+from deploy.follow import Follower, current
 from deploy.registry import Registry
 from deploy.rollout import routes_to_canary
 from deploy.tracking import MlflowTracker
@@ -106,7 +106,11 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
                 try:
                     resp = requests.post(f"{base_url}/v1/completions", headers={"X-Request-Id": rid}, timeout=30,
                                          json={"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "seed": i})
-                    (results if resp.status_code == 200 else failures).append((rid, prompt, resp))
+                    if resp.status_code == 200:  # the server chose the request's id; ours is kept beside it
+                        assert resp.headers["X-Request-Id"] == resp.json()["id"] != rid
+                        results.append((resp.json()["id"], prompt, resp))
+                    else:
+                        failures.append((rid, prompt, resp))
                 except requests.RequestException as exc:
                     failures.append((rid, prompt, exc))
                 i += 1
@@ -172,6 +176,7 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
                 ev = json.loads(rec.value)
                 events[ev["request_id"]] = ev
         consumer.close()
+        assert {ev["client_request_id"] for ev in events.values() if "client_request_id" in ev} >= {"c0-0", "c1-0"}
         for rid, _, resp in results:
             assert events[rid]["policy_version"] == resp.headers["X-Rtrl-Policy-Version"]
             assert events[rid]["behavior_logprobs"] == resp.json()["choices"][0]["logprobs"]["token_logprobs"]
@@ -215,7 +220,7 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
     FakeVllm.calls = []
     sync = VllmAdapterSync(f"http://127.0.0.1:{httpd.server_port}", r["name"], r["registry"].download, tmp_path / "dl")
     follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
-                        aliases=("champion", "canary")).start()
+                        lambda alias: current(r["registry"], alias), aliases=("champion", "canary")).start()
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
         wait_for(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
@@ -240,3 +245,24 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
         (load, f"{name}-v1"), (load, f"{name}-v2"), (unload, f"{name}-v1"),
         (load, f"{name}-v1"), (unload, f"{name}-v1"), (load, f"{name}-v1"), (unload, f"{name}-v2")]
     assert sync.current == f"{name}-v1" and sync.canary is None
+
+
+def test_follower_serves_what_the_registry_says_not_what_an_event_says(registered, kafka_bootstrap):
+    """A forged event (another adapter, a version that is a path) and a stale one (an older
+    version, as a late repair would send) both only wake the follower: it serves the registry's."""
+    r = registered
+    registry = r["registry"]
+    registry.promote("1", actor="test", reason="first", force=True)
+    registry.promote("2", actor="test", reason="second", force=True)
+    applied: list[dict] = []
+    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], applied.append,
+                        lambda alias: current(registry, alias), aliases=("champion", "canary")).start()
+    try:
+        for forged in ({"version": "../../../tmp/evil", "adapter_uri": "file:///tmp/evil"},
+                       {"version": "1", "adapter_uri": registry.get("1").source, "seq": 1}):
+            registry.publish({"type": "model_update", "name": r["name"], "alias": "champion", **forged})
+        wait_for(lambda: len(applied) >= 2, 30, "both events to be handled")
+    finally:
+        follower.close()
+    assert [(u["alias"], u["version"], u["adapter_uri"]) for u in applied] == [
+        ("champion", "2", registry.get("2").source)] * 2

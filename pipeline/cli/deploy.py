@@ -159,8 +159,16 @@ def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) ->
 @click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
 @pass_ctx
 def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, actor: str) -> None:
-    """Move `champion` back to the previous version (or --to VERSION); serving follows. With
-    --canary, withdraw a staged candidate instead (to promote it early: `rtrl promote VERSION`)."""
+    """Move `champion` back to the previous version (or --to VERSION); serving follows.
+
+    \b
+    Rollbacks walk back through the promotions: after v1 -> v2 -> v3, a rollback serves v2 and
+    a second one v1 (never v3 again); `previous` is then the version the restored one replaced.
+    The version rolled back is not promoted again by the daemon (a cycle that had decided to
+    promote it records it as rejected); `rtrl promote VERSION --force --reason ...` does.
+    A promotion that failed half way leaves `previous` as it was, so the target stays right.
+
+    With --canary, withdraw a staged candidate instead (to promote it early: `rtrl promote VERSION`)."""
     with _registry(ctx) as registry:
         if canary:
             withdrawn = registry.unstage(actor=actor, reason=reason)
@@ -189,7 +197,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     the canary's adapter is loaded on vLLM next to the champion's; the router in front of vLLM
     sends it its share."""
 
-    from deploy.follow import Follower
+    from deploy.follow import Follower, current as registry_state
     from deploy.registry import Registry, RegistryError
     from pipeline.logs import quiet_progress_bars
 
@@ -202,22 +210,21 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     def fetch(uri: str, dst: Path) -> Path:
         return registry.download(uri, dst)
 
+    def resolve(alias: str) -> dict:
+        return registry_state(registry, alias)
+
     try:
-        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None,
+        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None, resolve,
                             aliases=("champion", "canary"))
+        # what serving starts from, read like every later update (a staged rollout in progress
+        # has its share tagged on the canary's version)
+        current = [u for u in (resolve("champion"), resolve("canary")) if u["version"] is not None]
         champion = registry.alias("champion")
-        canary = registry.alias("canary")
-    except RegistryError as exc:
+    except (RegistryError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - kafka errors
         raise click.ClickException(f"cannot follow {config.kafka.model_updates_topic} on {config.bootstrap}: {exc}; "
                                    "is Kafka up (`rtrl kafka up`)?") from None
-    # what serving starts from, as the model-update events that put it there would say; a staged
-    # rollout in progress has its share tagged on the canary's version
-    current = [{"alias": "champion", "version": champion.version, "adapter_uri": champion.source}] if champion else []
-    if canary is not None:
-        current.append({"alias": "canary", "version": canary.version, "adapter_uri": canary.source,
-                        "share": float(canary.tags.get("rollout.share", 0.0))})
     if vllm_url:
         from deploy.vllm import VllmAdapterSync
 

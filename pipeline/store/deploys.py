@@ -3,8 +3,10 @@
 An alias move is written in three steps around the registry call:
     begin_move      a "pending" row (who, why, from, to) -- before the registry is touched
     complete_move   "done" once the registry moved, or "not_applied" if it did not
-    mark_published  once the model-update event is on Kafka
+    mark_published  once the model-update event is on Kafka (or when a newer move of the same
+                    alias superseded it before it could be sent: its event would be stale)
 A crash leaves "pending" rows or unpublished "done" rows; the registry repairs them on start.
+Each row's id is the move's sequence number: model-update events carry it as `seq`.
 """
 
 from __future__ import annotations
@@ -35,13 +37,46 @@ def latest_decision(engine: Engine, model_name: str, version: str) -> Any | None
 
 
 def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str | None,
-               reason: str, actor: str, share: float | None = None) -> int:
-    """`to_version` None clears the alias; `share`: a canary's share of requests."""
+               reason: str, actor: str, share: float | None = None, kind: str | None = None) -> int:
+    """`to_version` None clears the alias; `share`: a canary's share of requests; `kind`:
+    promote | rollback | stage | withdraw."""
     with engine.begin() as conn:
         return conn.execute(alias_moves.insert().values(
             model_name=model_name, alias=alias, from_version=from_version, to_version=to_version,
-            reason=reason, actor=actor, at=utcnow(), status="pending", share=share,
+            reason=reason, actor=actor, at=utcnow(), status="pending", share=share, kind=kind,
         )).inserted_primary_key[0]
+
+
+def promoted_from(engine: Engine, model_name: str, version: str) -> str | None:
+    """The champion `version` replaced when it was last promoted (not restored by a rollback):
+    where a rollback from `version` goes. None if it never was promoted, or replaced nothing."""
+    with engine.connect() as conn:
+        return conn.execute(select(alias_moves.c.from_version).where(and_(
+            alias_moves.c.model_name == model_name, alias_moves.c.alias == "champion",
+            alias_moves.c.to_version == version, alias_moves.c.status == "done",
+            (alias_moves.c.kind.is_(None)) | (alias_moves.c.kind != "rollback"),
+        )).order_by(alias_moves.c.id.desc()).limit(1)).scalar()
+
+
+def rolled_back(engine: Engine, model_name: str, version: str) -> Any | None:
+    """The rollback that took `version` off `champion`, if that is the last thing that happened
+    to it as champion (a later promotion, forced, makes it a champion again); else None."""
+    with engine.connect() as conn:
+        row = conn.execute(select(alias_moves).where(and_(
+            alias_moves.c.model_name == model_name, alias_moves.c.alias == "champion",
+            alias_moves.c.status == "done",
+            (alias_moves.c.from_version == version) | (alias_moves.c.to_version == version),
+        )).order_by(alias_moves.c.id.desc()).limit(1)).first()
+    return row if row is not None and row.kind == "rollback" and row.from_version == version else None
+
+
+def superseded_by(engine: Engine, move: Any) -> int | None:
+    """The id of a newer applied move of the same alias, if any: `move`'s event would be stale."""
+    with engine.connect() as conn:
+        return conn.execute(select(func.max(alias_moves.c.id)).where(and_(
+            alias_moves.c.model_name == move.model_name, alias_moves.c.alias == move.alias,
+            alias_moves.c.status == "done", alias_moves.c.id > move.id,
+        ))).scalar()
 
 
 def last_move_to(engine: Engine, model_name: str, alias: str, version: str) -> Any | None:

@@ -204,6 +204,7 @@ alias_moves = Table(
     Column("status", String(16), nullable=False, server_default="done"),
     Column("published_at", DateTime),  # when the model-update event went to Kafka
     Column("share", Float),  # `canary` moves: the share of requests the canary serves
+    Column("kind", String(16)),  # promote | rollback | stage | withdraw (None: written before 0009)
 )
 
 # Every gate decision with the numbers behind it (also tagged on the registry's model version).
