@@ -15,6 +15,9 @@ model's report as the champion -- it is what serves until the first promotion, s
 candidate must beat it like any other; "absolute" applies only the checks that need no
 champion (smoke, ess, absolute bounds, every regression item passing) and records the
 comparative ones as not applicable; "refuse" fails the gate so that a human promotes by hand.
+A champion (or, on a first deployment, the base model) that failed to generate cannot be
+compared with: the gate fails closed (check `champion_measured`) and every relative bound whose
+champion value is missing fails, rather than passing as not applicable.
 Nothing here touches a model, a store or a registry: the same inputs give the same decision.
 """
 
@@ -84,7 +87,9 @@ ADAPTER_COST_METRICS = ("smoke_latency_ms",)
 
 
 def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | None,
-                  no_baseline: str = "no champion to compare with") -> list[Check]:
+                  no_baseline: str = "no champion to compare with", champion_measured: bool = False) -> list[Check]:
+    """`champion_measured`: there is a champion, so a missing value of it is a failure to
+    measure (fail closed), not the absence of a baseline."""
     key = f"bound:{name}"
     if cand is None:
         return [Check(key, False, f"{name} was not measured for the candidate")]
@@ -99,6 +104,9 @@ def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | No
     for attr, change in changes:
         limit = getattr(bound, attr)
         if limit is None:
+            continue
+        if champ is None and champion_measured:
+            out.append(Check(key, False, f"{name} {attr}: not measured for the champion, nothing to compare with"))
             continue
         if champ is None:
             out.append(Check(key, True, f"{name} {attr}: {no_baseline}", applicable=False))
@@ -135,6 +143,10 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
     else:
         if first:
             checks.append(Check("first_deployment", True, "no champion: compared with the base model"))
+        if not champion.smoke_ok:
+            checks.append(Check("champion_measured", False, f"the {'base model' if first else 'champion'} failed to "
+                                f"generate ({champion.smoke_error}): no comparison is possible; fix it or promote "
+                                "by hand"))
         if comparison is None:
             checks.append(Check("improvement", False, "no comparison with the champion was measured"))
         else:
@@ -154,5 +166,6 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
                                         "the base model serves without an adapter (compared from the next deployment)"))
             continue
         champ = champion.metrics.get(name) if champion else None
-        checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), champ))
+        checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), champ,
+                                    champion_measured=champion is not None))
     return Decision(passed=all(c.passed for c in checks), checks=checks, first_deployment=first)

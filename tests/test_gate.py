@@ -172,3 +172,17 @@ def test_a_coverage_bound_rejects_a_candidate_the_log_covers_too_little_of():
     comparison = Comparison(Estimate(0.2, 0.1, 0.3), kl=0.1)
     assert decide(covered, champion, comparison, cfg).passed
     assert decide(uncovered, champion, comparison, cfg).reasons == ["coverage 0.5 (min 0.8)"]
+
+def test_a_champion_that_failed_to_generate_fails_the_gate_closed():
+    """Its metrics are missing: every relative check used to be 'not applicable' and pass."""
+    cfg = GateConfig(min_ess=1, bounds={"abstention_rate": Bound(max_increase=0.05),
+                                        "mean_length": Bound(max_rel_decrease=0.5)})
+    candidate = EvalReport("candidate", Estimate(0.5, 0.4, 0.6), ess=50,
+                           metrics={"abstention_rate": 0.9, "mean_length": 1.0})
+    broken = EvalReport("3", Estimate(float("nan"), float("nan"), float("nan")), ess=0.0, smoke_ok=False,
+                        smoke_error="CUDA error: out of memory")
+    for first in (False, True):  # the champion, or the base model of a first deployment
+        decision = decide(candidate, broken, Comparison(Estimate(0.2, 0.1, 0.3), 0.01), cfg, first=first)
+        failing = {c.name for c in decision.checks if not c.passed}
+        assert not decision.passed and {"champion_measured", "bound:abstention_rate", "bound:mean_length"} <= failing
+        assert any("out of memory" in r for r in decision.reasons)
