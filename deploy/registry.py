@@ -176,6 +176,11 @@ class Registry:
                         raise
         return final
 
+    def version_of_run(self, run_id: str) -> Version | None:
+        """The version already registered for training run `run_id` (its `rtrl.run_id` tag)."""
+        found = [v for v in self.list() if v.tags.get("rtrl.run_id") == run_id]
+        return found[0] if found else None
+
     # --- writing -------------------------------------------------------------------------
     def register(self, tracking_run_id: str, tags: dict[str, Any]) -> Version:
         """A new version from the run's `adapter` artifact, aliased `candidate`."""

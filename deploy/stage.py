@@ -74,7 +74,9 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     if not run.tracking_run_id:
         raise RegistryError(f"training run {run_id} has no MLflow run to register the adapter from")
     with watch("registry"):
-        version = registry.register(run.tracking_run_id, {
+        # a crash between registering and recording the decision left a version of this run:
+        # gate that one, not a second copy
+        version = registry.version_of_run(run_id) or registry.register(run.tracking_run_id, {
             "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
             "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
             "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",

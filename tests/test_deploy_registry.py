@@ -280,3 +280,31 @@ def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, r
     assert not result.decision.passed and not result.promoted
     assert any("cannot load the adapter" in r for r in result.decision.reasons), result.decision.reasons
     assert registry.alias(CHAMPION) is None and registry.get("1").tags["gate.passed"] == "false"
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # store-independent
+def test_a_crash_between_registering_and_deciding_does_not_register_the_run_twice(engine, reverse_base, tmp_path):
+    from pipeline.store.training import finish_run, start_run
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
+    bad = tmp_path / "adapter"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{")  # fails the smoke check quickly: the point is the registry
+    tracker.log_artifacts(bad, "adapter")
+    start_run(engine, run_id="r-1", tracking_run_id=tracker.run_id, spec_version=SPEC.version, loss="cispo",
+              base_model=str(reverse_base), base_revision="x", watermark_from=0, watermark_to=0, episodes=0)
+    finish_run(engine, "r-1", "finished", adapter_path=str(bad))
+    registry = Registry(tracking, f"policy-{uuid.uuid4().hex[:6]}", engine)
+    runner = PolicySet.load(reverse_base, device="cpu")
+    real = registry.record_decision
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    registry.record_decision = crash
+    with pytest.raises(KeyboardInterrupt):
+        gate_run(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE)
+    registry.record_decision = real
+    result = gate_run(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE)  # the resumed cycle
+    assert result.version.version == "1" and [v.version for v in registry.list()] == ["1"]
