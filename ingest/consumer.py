@@ -63,9 +63,9 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
     # lanes finishing their batches) but must not call back into the consumer's network API.
 
     def __init__(self, consumer: KafkaConsumer, engine: Engine, group_id: str,
-                 wait_stored: Callable[[], None], on_assigned: Callable[[], None]):
+                 wait_stored: Callable[[], None], on_assigned: Callable[[], None], start: str = "earliest"):
         self.consumer, self.engine, self.group_id = consumer, engine, group_id
-        self.wait_stored, self.on_assigned = wait_stored, on_assigned
+        self.wait_stored, self.on_assigned, self.start = wait_stored, on_assigned, start
 
     def on_partitions_revoked(self, revoked):
         # Store every batch in flight while we still own its partitions, so the next owner
@@ -75,14 +75,20 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned):
         offsets = stored_offsets(self.engine, self.group_id, {tp.topic for tp in assigned})
+        fresh = [tp for tp in assigned if (tp.topic, tp.partition) not in offsets]
         for tp in assigned:
             if (tp.topic, tp.partition) in offsets:
                 self.consumer.seek(tp, offsets[(tp.topic, tp.partition)])
-            # else: no stored position yet -> Kafka's committed offset, or the earliest
+        # no stored position: ingest.start, never Kafka's committed offset -- those belong to
+        # whatever store the group fed before (a new or restored store would skip that history).
+        # (Both seeks only mark the partition for an offset reset: no network call here.)
+        if fresh:
+            (self.consumer.seek_to_end if self.start == "latest" else self.consumer.seek_to_beginning)(*fresh)
         self.on_assigned()
         log.info(
             "partitions assigned",
-            extra={"partitions": sorted(map(tuple, assigned)), "stored_offsets": len(offsets)},
+            extra={"partitions": sorted(map(tuple, assigned)), "stored_offsets": len(offsets),
+                   "without_stored_offset": len(fresh), "start": self.start},
         )
 
 
@@ -146,7 +152,8 @@ def run_ingest(
         if stats.batches == 0:
             stats.started = last_data  # rates count from the first assignment, not the join
 
-    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned))
+    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned,
+                                                             start=icfg.start))
     log.info("ingest started", extra={"group_id": group_id, "topics": topics, "lanes": icfg.lanes})
     clean = False
     try:

@@ -79,6 +79,10 @@ class IngestConfig(_Section):
     max_event_bytes: int = Field(
         default=1_048_576, ge=256, description="larger records become dead letters"
     )
+    start: Literal["earliest", "latest"] = Field(
+        default="earliest", description="where a partition the store has no offset for starts: the beginning "
+        "of retention, or only what arrives from now (Kafka's committed offsets are never used: a new store "
+        "would silently skip what an older one consumed)")
 
 
 class RewardConfig(_Section):

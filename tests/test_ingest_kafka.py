@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from sqlalchemy import func, select
 
 from ingest.consumer import run_ingest
@@ -161,6 +161,45 @@ def test_nul_characters_never_halt_ingest(cfg, engine, topics, kafka_bootstrap):
     assert stored["nul-i-0"].output_text == "a\ufffdb" and '"a\\u0000b"' in stored["nul-i-0"].body
     assert "\\u0000" in stored["nul-i-1"].body and "\\u0000" in stored["nul-i-2"].output_tool_calls
     assert letter.reason == "schema_violation" and "\x00" not in letter.detail and letter.raw == encode(poison[3])
+
+
+def test_a_new_store_starts_at_the_beginning_not_at_kafkas_committed_offset(cfg, engine, topics, kafka_bootstrap):
+    """The group's offsets committed in Kafka belong to whatever store it fed before: a new (or
+    restored) store used to resume from them and silently skip that history."""
+    evs = [interaction(i, prefix="h") for i in range(30)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs])
+    # another store consumed everything under this group id and committed it to Kafka
+    done = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=cfg.ingest.group_id, enable_auto_commit=False)
+    parts = [TopicPartition(topics["interactions"], p) for p in done.partitions_for_topic(topics["interactions"])]
+    done.assign(parts)
+    done.seek_to_end(*parts)
+    done.commit({tp: OffsetAndMetadata(done.position(tp), "", -1) for tp in parts})
+    done.close()
+    assert ingest_until_idle(cfg, engine).events == 30 and count(engine, interactions) == 30
+
+
+def test_ingest_from_latest_takes_only_new_records(cfg, engine, topics, kafka_bootstrap):
+    produce(kafka_bootstrap, topics["interactions"], [encode(interaction(i, prefix="old")) for i in range(10)])
+    cfg.ingest.start = "latest"
+    stop = threading.Event()
+    stats: list = []
+    thread = threading.Thread(target=lambda: stats.append(run_ingest(cfg, engine, stop)))
+    thread.start()
+    sent = iter(range(10_000))
+
+    def send_new() -> int:
+        # records sent before ingest has its partitions may be skipped too (they are older than
+        # its start): keep sending a few until some arrive
+        produce(kafka_bootstrap, topics["interactions"], [encode(interaction(next(sent), prefix="new"))])
+        return count(engine, interactions)
+
+    try:
+        wait_for(send_new, 90, "new records to be stored", interval=0.5)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    stored = ids(engine, interactions)
+    assert stored and all(i.startswith("new-") for i in stored), stored
 
 
 def test_tombstone_record_is_a_dead_letter(cfg, engine, topics, kafka_bootstrap):

@@ -40,8 +40,12 @@ def _stop_on_signals() -> threading.Event:
               help="Stop after this many seconds without new records (useful for batch catch-up).")
 @click.option("--progress/--no-progress", default=None,
               help="Live display of events/s, lag and dead letters (default: when stdout is a terminal).")
+@click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default=None,
+              help="Where partitions the store has no offset for start: the beginning of retention (default, "
+                   "ingest.start) or only new records. Partitions the store has offsets for continue from them.")
 @pass_ctx
-def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progress: bool | None) -> None:
+def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progress: bool | None,
+           start: str | None) -> None:
     """Consume the event topics into the store, exactly once.
 
     Joins the consumer group `ingest.group_id`; several `rtrl ingest` processes share the
@@ -50,6 +54,8 @@ def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progr
     batch in hand and exits cleanly; a restart continues exactly where the store is.
     """
     cfg, engine = ctx.config, ctx.engine()
+    if start is not None:
+        cfg.ingest.start = start
     stop = _stop_on_signals()
     show = sys.stdout.isatty() if progress is None else progress
     display = IngestDisplay(enabled=show)
