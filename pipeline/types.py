@@ -128,6 +128,14 @@ def completion_parts(completion: Any) -> tuple[str, tuple]:
     return "\n".join(texts), tuple(calls)
 
 
+def prompt_key(prompt: Any) -> bytes:
+    """A prompt (text or messages) as canonical bytes: equal prompts, equal keys. Training groups
+    episodes by it; the held-out slice hashes it."""
+    import json
+
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+
+
 def expects_attempt(metadata: Any) -> bool:
     """`metadata.expects_attempt` of an interaction, true unless the producer says otherwise:
     whether an abstention (empty output, a clarifying question) is a failure to attempt."""

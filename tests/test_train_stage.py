@@ -140,16 +140,23 @@ def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_bas
 
 
 def test_the_held_out_slice_never_trains_and_is_what_the_gate_evaluates(engine, reverse_base, samples, tmp_path):
-    store(engine, task.as_events(samples, "h", BASE_TS))
+    events = task.as_events(samples, "h", BASE_TS)
+    store(engine, events)
     run_rewards(engine, SPEC, now=LATER)
-    held = {f"h-r-{i}" for i in range(len(samples)) if is_held_out(f"h-r-{i}", 30.0)}
+    served = {e["request_id"]: e for e in events if e["type"] == "interaction"}
+    held = {rid for rid, e in served.items() if is_held_out(rid, json.dumps(e), 30.0)}
     assert 0 < len(held) < len(samples)
     report = run_training(engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path,
                           MemoryTracker(), now=LATER)
     assert report.selection["held_out"] == len(held)
-    assert not held & {r.request_id for r in lineage(engine, report.run_id)}
+    trained = {r.request_id for r in lineage(engine, report.run_id)}
+    assert not held & trained
     evals = select_eval_episodes(engine, SPEC.version, 30.0, limit=len(samples))
     assert {r.request_id for r in evals} == held
+    # every prompt is asked twice: none of the held-out ones is trained on in its other request
+    # (by request id alone, most were)
+    prompts = lambda rids: {json.dumps(served[r]["prompt"]) for r in rids}  # noqa: E731
+    assert len(served) == 2 * len(prompts(served)) and not prompts(held) & prompts(trained)
     assert [r.ts for r in evals] == sorted((r.ts for r in evals), reverse=True)  # newest first
     assert len(select_eval_episodes(engine, SPEC.version, 30.0, limit=3)) == 3
 
@@ -184,7 +191,7 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     runner = CliRunner()
     assert runner.invoke(cli, ["reward", "run"], env=env).exit_code == 0
     dry = runner.invoke(cli, ["train", "run", "--dry-run"], env=env)
-    held = sum(is_held_out(e["request_id"], 10.0) for e in events if e["type"] == "interaction")
+    held = sum(is_held_out(e["request_id"], json.dumps(e), 10.0) for e in events if e["type"] == "interaction")
     assert dry.exit_code == 0 and f"selected: {len(samples) - held}" in dry.output, dry.output
 
     out = runner.invoke(cli, ["train", "run", "--epochs", "2"], env=env)
@@ -205,7 +212,8 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     assert [a.path for a in client.list_artifacts(mlrun.info.run_id, "episodes")] == ["episodes/episodes.jsonl"]
 
     shown = runner.invoke(cli, ["train", "show", run_id, "--episodes"], env=env)
-    trained = [e["request_id"] for e in events if e["type"] == "interaction" and not is_held_out(e["request_id"], 10.0)]
+    trained = [e["request_id"] for e in events
+               if e["type"] == "interaction" and not is_held_out(e["request_id"], json.dumps(e), 10.0)]
     assert shown.exit_code == 0 and all(f"  {r}\t" in shown.output for r in trained)
     missing = runner.invoke(cli, ["train", "run", "--base-model", "/nonexistent"], env=env)
     assert missing.exit_code != 0 and "/nonexistent" in missing.output

@@ -33,6 +33,7 @@ from pipeline.config import TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
 from pipeline.timing import Stopwatch
+from pipeline.types import prompt_key
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
 from train.loop import LoopResult, train_policy
@@ -120,7 +121,7 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
         out.temperature = float((ev.get("sampling") or {}).get("temperature") or 1.0)
         episodes.append(out)
         rows.append(row)
-        groups.append(hashlib.sha1(orjson.dumps(ev.get("prompt", ""), option=orjson.OPT_SORT_KEYS)).hexdigest())
+        groups.append(hashlib.sha1(prompt_key(ev.get("prompt", ""))).hexdigest())
     return episodes, rows, groups
 
 

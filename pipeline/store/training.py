@@ -6,8 +6,10 @@ the staleness cutoff, optionally of one tenant, outside the held-out slice, olde
 a limit. Everything left out is counted by reason, so a run can say why it trained on fewer
 episodes than the store holds.
 
-The held-out slice is fixed by a hash of the request id: those episodes never train, and the
-gate evaluates candidates on the most recent of them (select_eval_episodes).
+The held-out slice is fixed by a hash of the prompt: a prompt of the slice never trains, however
+often it is asked (split by request id, a repeated prompt was held out in some requests and
+trained on in others, and the gate measured memory, not generalisation). The gate evaluates
+candidates on the most recent held-out episodes (select_eval_episodes).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from typing import Any
 
 from sqlalchemy import Engine, and_, exists, func, select, update
 
+import orjson
+
 from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import cycles, interactions, rewards, training_episodes, training_runs
+from pipeline.types import prompt_key
 
 
 @dataclass
@@ -31,9 +36,20 @@ class Selection:
     counts: dict[str, int] = field(default_factory=dict)  # candidates, stale, other_tenant, over_limit
 
 
-def is_held_out(request_id: str, percent: float) -> bool:
-    """Whether an episode belongs to the slice kept out of training for evaluation."""
-    return zlib.crc32(request_id.encode()) % 10_000 < percent * 100
+def _in_slice(key: bytes, percent: float) -> bool:
+    return zlib.crc32(key) % 10_000 < percent * 100
+
+
+def is_held_out(request_id: str, body: str | bytes, percent: float) -> bool:
+    """Whether an episode (its request id and stored event body) belongs to the slice kept out
+    of training for evaluation: by its prompt (by request id if the body has none)."""
+    if not percent:
+        return False
+    try:
+        prompt = orjson.loads(body)["prompt"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return _in_slice(request_id.encode(), percent)
+    return _in_slice(prompt_key(prompt), percent)
 
 
 def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
@@ -67,7 +83,7 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
             if row.reward_id in seen:  # a producer sent two interactions for one request: the first counts
                 continue
             seen.add(row.reward_id)
-            if holdout_percent and is_held_out(row.request_id, holdout_percent):
+            if holdout_percent and is_held_out(row.request_id, row.body, holdout_percent):
                 held_out += 1
                 continue
             rows.append(row)
@@ -94,7 +110,7 @@ def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: flo
     out, seen = [], set()
     with engine.connect() as conn:
         for row in conn.execution_options(yield_per=1000).execute(stmt):
-            if row.request_id in seen or not is_held_out(row.request_id, holdout_percent):
+            if row.request_id in seen or not is_held_out(row.request_id, row.body, holdout_percent):
                 continue
             seen.add(row.request_id)
             out.append(row)
