@@ -39,6 +39,8 @@ class Runner(Protocol):
 
     def add(self, name: str, adapter: Any) -> None: ...
 
+    def renders(self, prompt: Any) -> bool: ...
+
     def remove(self, name: str) -> None: ...
 
     def compare(self, p: str | None, q: str | None,
@@ -118,13 +120,18 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     `champion_label`: the champion's name in the report (default: its adapter name, or "base");
     `watch`: gets the seconds spent generating and computing log-probs."""
     watch = watch or Stopwatch()
+    excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0}
+    # a held-out prompt the chat template refuses is the data's fault, not the policies': left
+    # out and counted (it used to fail the smoke check of both for as long as it sat in the window)
+    renderable = [e for e in episodes if runner.renders(e.prompt)]
+    excluded["unrenderable_prompts"] = len(episodes) - len(renderable)
+    episodes = renderable
     prompts = [e.prompt for e in generation_sample(episodes, generate_prompts)]
     with watch("generate"):
         cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
                                                  max_new_tokens, load_error)
         champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", prompts,
                                                    suite, abstention_patterns, max_new_tokens)
-    excluded = {"no_behavior_logprobs": 0, "misaligned": 0}
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
     kl = float("nan")

@@ -27,7 +27,7 @@ from pipeline.config import GateConfig, TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import get_run, select_eval_episodes
 from pipeline.timing import Stopwatch
-from pipeline.types import LoggedEpisode
+from pipeline.types import LoggedEpisode, sampling_temperature
 
 
 @dataclass
@@ -46,17 +46,25 @@ def adapter_name(version: Version | None) -> str | None:
 
 
 def logged_episode(request_id: str, body: str, reward: float) -> LoggedEpisode:
-    """A served interaction (its stored event body) and its reward, as evaluation reads it."""
+    """A served interaction (its stored event body) and its reward, as evaluation reads it;
+    ValueError if the body is not usable (not JSON, a sampling temperature that is no number)."""
     ev = orjson.loads(body)
     return LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""), ev.get("completion_token_ids"),
-                         ev.get("behavior_logprobs"), float((ev.get("sampling") or {}).get("temperature") or 1.0),
-                         float(reward))
+                         ev.get("behavior_logprobs"), sampling_temperature(ev.get("sampling")), float(reward))
 
 
-def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig) -> list[LoggedEpisode]:
+def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,
+                  gate: GateConfig) -> tuple[list[LoggedEpisode], dict[str, int]]:
+    """The held-out episodes to evaluate on, and how many were unusable (skipped, by reason)."""
     served_after = utcnow() - timedelta(seconds=train.staleness_s) if train.staleness_s else None
     rows = select_eval_episodes(engine, spec_version, train.holdout_percent, gate.eval_episodes, served_after)
-    return [logged_episode(row.request_id, row.body, row.reward) for row in rows]
+    out, unusable = [], {"unusable_events": 0}
+    for row in rows:
+        try:
+            out.append(logged_episode(row.request_id, row.body, row.reward))
+        except ValueError:  # orjson's decode error is one too
+            unusable["unusable_events"] += 1
+    return out, unusable
 
 
 def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
@@ -98,10 +106,11 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
         except Exception as exc:  # noqa: BLE001 - an adapter that does not load fails the smoke check
             load_error = f"{type(exc).__name__}: {exc}"
     with watch("select"):
-        episodes = eval_episodes(engine, spec_version, train, gate)
+        episodes, unusable = eval_episodes(engine, spec_version, train, gate)
     evaluation = evaluate(runner, candidate_name, champion_name, episodes, suite, gate, abstention_patterns,
                           gate.generate_prompts, gate.max_new_tokens, load_error=load_error,
                           champion_label=f"v{champion.version}" if champion else "base", watch=watch)
+    evaluation.excluded.update(unusable)
     if champion is None and gate.first_deployment == "base":
         # first deployment: the base model, which served until now, is the champion to beat
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate, first=True)

@@ -82,6 +82,35 @@ class _Envelope(BaseModel):
     request_id: Identifier
 
 
+class Sampling(BaseModel):
+    """How the completion was sampled, as far as later stages rely on it: the behaviour
+    log-probs were taken from this distribution. Numbers must be numbers; other keys are kept
+    (in the body) but not read."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
+    top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = None  # -1 or 0: off (vLLM's and transformers' conventions)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    seed: StrictInt | None = None
+
+
+def sampling_temperature(sampling: Any) -> float:
+    """The temperature an episode was sampled at, from its event's `sampling` (a dict as stored):
+    1.0 when not recorded, and for 0 (greedy: log-probs at temperature 1 are what a stage can
+    compare). ValueError when it is not a usable number (events stored before the contract
+    checked it): the episode is skipped and counted."""
+    value = (sampling or {}).get("temperature") if isinstance(sampling, dict) or sampling is None else None
+    if sampling is not None and not isinstance(sampling, dict):
+        raise ValueError(f"sampling is {type(sampling).__name__}, not an object")
+    if value is None or value == 0:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"sampling.temperature {value!r} is not a positive number")
+    return float(value)
+
+
 class InteractionEvent(_Envelope):
     """What the serving policy produced. `completion` is text, or for a multi-step agent
     trajectory a list of assistant and tool messages (only assistant tokens are trained)."""
@@ -95,7 +124,7 @@ class InteractionEvent(_Envelope):
     completion: Union[str, list[ChatMessage]]
     completion_token_ids: list[StrictInt] | None = None
     behavior_logprobs: list[FiniteFloat] | None = None
-    sampling: dict[str, Any] | None = None
+    sampling: Sampling | None = None
     latency_ms: FiniteFloat | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
 

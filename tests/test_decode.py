@@ -59,6 +59,10 @@ BAD = {
     "bool_schema_version": encode(interaction(1, schema_version=True)),
     "oversized": encode(interaction(1, size=MAX + 10)),
     "gzip_bytes": gzip.compress(encode(interaction(1))),
+    # what later stages trust: the behaviour log-probs' sampling settings must be numbers
+    "temperature_not_a_number": encode(interaction(1, sampling={"temperature": "auto"})),
+    "top_p_a_list": encode(interaction(1, sampling={"temperature": 0.7, "top_p": [0.9]})),
+    "negative_temperature": encode(interaction(1, sampling={"temperature": -1})),
 }
 EXPECTED = {
     "invalid_utf8": "invalid_utf8",
@@ -78,6 +82,9 @@ EXPECTED = {
     "bool_schema_version": "schema_violation",
     "oversized": "oversized",
     "gzip_bytes": "invalid_utf8",
+    "temperature_not_a_number": "schema_violation",
+    "top_p_a_list": "schema_violation",
+    "negative_temperature": "schema_violation",
 }
 
 

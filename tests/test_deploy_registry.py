@@ -308,3 +308,31 @@ def test_a_crash_between_registering_and_deciding_does_not_register_the_run_twic
     registry.record_decision = real
     result = gate_run(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE)  # the resumed cycle
     assert result.version.version == "1" and [v.version for v in registry.list()] == ["1"]
+
+
+def test_odd_held_out_episodes_are_left_out_and_counted_not_failing_the_gate(reverse_base, tmp_path):
+    """A held-out prompt the chat template refuses used to fail both policies' smoke check, and
+    served token ids outside the vocabulary the log-prob comparison, for as long as it stayed in
+    the window."""
+    import shutil
+
+    from deploy.evaluate import evaluate
+    from deploy.suite import EMPTY
+    from pipeline.types import LoggedEpisode
+    from tests.test_serve import make_adapter
+
+    base = tmp_path / "base"
+    shutil.copytree(reverse_base, base)
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}")
+    runner = PolicySet.load(base, device="cpu")
+    runner.add("cand", make_adapter(base, tmp_path / "adapter", seed=3))
+    prompts, _ = task.split()
+    good = [LoggedEpisode(f"g{i}", f"{p}>", p[::-1], None, [-1.0] * 3, 1.0, 1.0) for i, p in enumerate(prompts[:20])]
+    odd = [LoggedEpisode("role", [{"role": "developer", "content": "abc>"}], "cba", None, [-1.0] * 3, 1.0, 1.0),
+           LoggedEpisode("vocab", "abc>", "cba", [5, 10**6, 7], [-1.0] * 3, 1.0, 1.0)]
+    evaluation = evaluate(runner, "cand", None, good + odd, EMPTY, GATE, generate_prompts=40, max_new_tokens=3)
+    assert evaluation.candidate.smoke_ok and evaluation.champion.smoke_ok
+    assert evaluation.excluded["unrenderable_prompts"] == 1 and evaluation.excluded["misaligned"] == 1
+    assert evaluation.episodes == 20

@@ -5,6 +5,7 @@ selection (watermark, staleness, tenant), lineage, the adapter's manifest, count
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import timedelta
 
 import pytest
@@ -175,6 +176,40 @@ def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, sample
     assert report.data.skipped == {"empty_completion": 1, "no_assistant_tokens": 1}
     assert report.data.behavior.get("misaligned") == 1 and report.data.episodes == 9
     assert {r.request_id for r in lineage(engine, report.run_id)} >= {"x-r-102"}
+
+
+def store_unchecked(engine, ev: dict, body: str) -> None:
+    """`ev` stored with `body` as its text, past the contract: an event stored before the contract
+    checked what later stages trust (rows built as ingest builds them)."""
+    from pipeline.store.events import Rows, event_row
+    from pipeline.types import InteractionEvent, SourcePosition
+
+    rows = Rows()
+    rows.add_event(event_row(InteractionEvent.model_validate(ev), SourcePosition(source="t", partition=0, offset=0),
+                             body))
+    write_rows(engine, rows)
+
+
+def test_odd_episodes_are_skipped_and_counted_never_failing_the_run(engine, reverse_base, samples, tmp_path):
+    """One odd episode used to fail every cycle that selected it (until it aged out)."""
+    store(engine, task.as_events(samples[:8], "g", BASE_TS))
+    plain = dict(prompt="abc>", completion="cba", completion_token_ids=None, behavior_logprobs=None)
+    auto = interaction(200, prefix="o", **plain)
+    store_unchecked(engine, auto, json.dumps({**auto, "sampling": {"temperature": "auto"}}))
+    store(engine, [interaction(201, prefix="o", **{**plain, "completion_token_ids": [5, 10**6, 7]}),
+                   interaction(202, prefix="o", **{**plain, "prompt": [{"role": "developer", "content": "abc>"}]})]
+          + [feedback(i, prefix="o", kind="accepted") for i in (200, 201, 202)])
+    run_rewards(engine, SPEC, now=LATER)
+    # a chat template that refuses a role, as many real ones do
+    base = tmp_path / "base"
+    shutil.copytree(reverse_base, base)
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+    report = run_training(engine, cfg_for(base), SPEC.version, tmp_path, MemoryTracker(), now=LATER)
+    assert report.data.skipped == {"bad_sampling": 1, "token_ids_out_of_vocabulary": 1, "unrenderable": 1}
+    assert report.data.episodes == 8 and get_run(engine, report.run_id).summary["skipped"] == report.data.skipped
 
 
 def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine, reverse_base, samples, topics,

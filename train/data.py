@@ -9,8 +9,9 @@
                 count must match. Otherwise they are dropped for that episode and counted --
                 never misaligned silently.
 
-An episode with no assistant token (empty completion, a trajectory without an assistant turn)
-is skipped and counted.
+An episode that cannot be used is skipped and counted, never fails the run: no assistant token
+(empty completion, a trajectory without an assistant turn), served token ids outside the
+tokenizer's vocabulary (another model's ids), a prompt the chat template refuses to render.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from train.models import render_prompt
 class Skip(str, enum.Enum):
     EMPTY_COMPLETION = "empty_completion"
     NO_ASSISTANT_TOKENS = "no_assistant_tokens"
+    TOKEN_IDS_OUT_OF_VOCABULARY = "token_ids_out_of_vocabulary"
+    UNRENDERABLE = "unrenderable"  # the chat template (or the tokenizer) raised on it
+    BAD_SAMPLING = "bad_sampling"  # sampling.temperature not a usable number
 
 
 @dataclass
@@ -59,7 +63,19 @@ def tokenize_episode(tokenizer: Any, request_id: str, prompt: Any, completion: A
                      behavior_logprobs: list[float] | None = None,
                      stats: DataStats | None = None) -> TokenizedEpisode | Skip:
     stats = stats if stats is not None else DataStats()
+    try:
+        return _tokenize(tokenizer, request_id, prompt, completion, completion_token_ids, behavior_logprobs, stats)
+    except Exception:  # noqa: BLE001 - a template that raises on a role, odd content: this episode only
+        stats.count(stats.skipped, Skip.UNRENDERABLE.value)
+        return Skip.UNRENDERABLE
+
+
+def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, completion_token_ids: list[int] | None,
+              behavior_logprobs: list[float] | None, stats: DataStats) -> TokenizedEpisode | Skip:
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    if completion_token_ids and not all(0 <= t < len(tokenizer) for t in completion_token_ids):
+        stats.count(stats.skipped, Skip.TOKEN_IDS_OUT_OF_VOCABULARY.value)
+        return Skip.TOKEN_IDS_OUT_OF_VOCABULARY
     ids = list(encode(render_prompt(tokenizer, prompt)))
     mask = [0] * len(ids)
     if isinstance(completion, str):

@@ -64,6 +64,14 @@ class PolicySet:
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
 
+    def renders(self, prompt: Any) -> bool:
+        """Whether `prompt` can be rendered for this model (a chat template may refuse its roles)."""
+        try:
+            render_prompt(self.tokenizer, prompt)
+            return True
+        except Exception:  # noqa: BLE001 - whatever the template raises
+            return False
+
     def add(self, name: str, adapter: str | Path) -> None:
         """Load `adapter` under `name` (a ModelError names the path if it does not load)."""
         if name in self.names:
