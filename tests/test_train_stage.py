@@ -190,6 +190,25 @@ def store_unchecked(engine, ev: dict, body: str) -> None:
     write_rows(engine, rows)
 
 
+def test_a_backlog_larger_than_max_episodes_makes_progress_after_a_rejection(engine, reverse_base, samples,
+                                                                              tmp_path):
+    """30 rewarded episodes waiting, max_episodes 10. A candidate trained on a selection was
+    rejected (the champion, and so the watermark, stay): the next selection used to be the same
+    oldest 10 -- nothing new, skipped until they aged out -- whatever new traffic arrived."""
+    store(engine, task.as_events(samples[:30], "b", BASE_TS))
+    run_rewards(engine, SPEC, now=LATER)
+    cfg = cfg_for(reverse_base, max_episodes=10)
+    first = run_module.select(engine, cfg, SPEC.version, None, now=LATER)
+    assert first.counts["over_limit"] == 20 and len(first.rows) == 10
+    # (the rejected candidate trained on `first`); new traffic arrives
+    store(engine, task.as_events(samples[30:35], "c", BASE_TS + timedelta(hours=1)))
+    run_rewards(engine, SPEC, now=LATER)
+    second = run_module.select(engine, cfg, SPEC.version, None, now=LATER)
+    # the cycle trains again only on episodes the rejected run never saw: there are some
+    unseen = [r.request_id for r in second.rows if r.reward_id > first.watermark_to]
+    assert sorted(unseen) == sorted(f"c-r-{i}" for i in range(5)) and second.watermark_to > first.watermark_to
+
+
 def test_odd_episodes_are_skipped_and_counted_never_failing_the_run(engine, reverse_base, samples, tmp_path):
     """One odd episode used to fail every cycle that selected it (until it aged out)."""
     store(engine, task.as_events(samples[:8], "g", BASE_TS))

@@ -2,9 +2,15 @@
 
 Selection, in one sentence: rewards of one spec version created after the parent run's
 watermark (rewards.id grows as episodes ripen), whose interaction was served no earlier than
-the staleness cutoff, optionally of one tenant, outside the held-out slice, oldest first up to
-a limit. Everything left out is counted by reason, so a run can say why it trained on fewer
+the staleness cutoff, optionally of one tenant, outside the held-out slice, the newest up to a
+limit. Everything left out is counted by reason, so a run can say why it trained on fewer
 episodes than the store holds.
+
+Newest, not oldest: a backlog larger than the limit is not trained in full -- its older part is
+left out (`over_limit`) and the run's watermark moves past it. Taking the oldest kept the
+watermark behind every unread episode, but after a rejected candidate the next cycle selected
+the very same rows, saw nothing new and skipped, for as long as the backlog lasted (forever with
+no staleness limit). The newest episodes are also the ones closest to the serving policy.
 
 The held-out slice is fixed by a hash of the prompt: a prompt of the slice never trains, however
 often it is asked (split by request id, a repeated prompt was held out in some requests and
@@ -89,8 +95,8 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
             rows.append(row)
     over_limit = 0
     if limit is not None and len(rows) > limit:
-        # oldest first: the watermark then only moves past episodes a run has actually read
-        over_limit, rows = len(rows) - limit, rows[:limit]
+        # the newest (see the module docstring); in reward order still
+        over_limit, rows = len(rows) - limit, rows[len(rows) - limit:]
     counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant, "held_out": held_out,
               "over_limit": over_limit, "selected": len(rows)}
     watermark_to = max((r.reward_id for r in rows), default=since_reward_id)
