@@ -57,6 +57,39 @@ def test_late_feedback_updates_the_reward(engine):
     assert (third.computed, third.updated, third.unchanged) == (0, 0, 1)
 
 
+def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
+    """Ids are handed out at insert, not at commit: on PostgreSQL a lane's feedback row can
+    commit after a reward run has read a newer id another lane committed. Staleness by the newest
+    id then missed it for good. (On SQLite writers take turns, so ids follow commits; the case is
+    run there too, in commit order.)"""
+    from pipeline.store.events import Rows, event_row
+    from pipeline.types import FeedbackEvent, SourcePosition
+
+    def row(i: int, kind: str, value) -> Rows:
+        ev = fb(1, kind=kind, value=value, event_id=f"late-{i}")
+        rows = Rows()
+        rows.add_event(event_row(FeedbackEvent.model_validate(ev), SourcePosition(source="t", partition=i, offset=i),
+                                 encode(ev).decode()))
+        return rows
+
+    store(engine, interaction(1), fb(1, kind="accepted"))
+    run_rewards(engine, SPEC, now=LATER)
+    slow = engine.connect()
+    slow_txn = slow.begin()
+    late_row = {k: v for k, v in row(2, "persisted", False).feedback[0].items() if k != "type"}
+    if engine.dialect.name == "postgresql":  # lane A inserts (its id is taken now) and is slow to commit
+        slow.execute(tables.feedback.insert().values(**late_row, ingested_at=LATER))
+    write_rows(engine, row(3, "thumbs", 1))  # lane B commits a newer id
+    assert run_rewards(engine, SPEC, now=LATER).updated == 1  # reads accepted + thumbs
+    if engine.dialect.name != "postgresql":
+        slow.execute(tables.feedback.insert().values(**late_row, ingested_at=LATER))
+    slow_txn.commit()
+    slow.close()
+    late = run_rewards(engine, SPEC, now=LATER)
+    assert late.updated == 1 and stored_reward(engine, "ev-r-1", SPEC.version).feedback_count == 3
+    assert "signal.persisted" in stored_reward(engine, "ev-r-1", SPEC.version).components
+
+
 def test_a_run_served_since_reads_only_that_window(engine):
     # what a canary's check runs: the episodes served from its start, not the whole history
     store(engine, interaction(10), fb(10, kind="accepted"), interaction(3600), fb(3600, kind="rejected"),

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import Engine, String, and_, case, exists, func, null, select, true, type_coerce
+from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, type_coerce
 
 from pipeline.store.events import insert_ignore, utcnow
 from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
@@ -82,9 +82,8 @@ def iter_episode_chunks(
     request_id index. What the policy wrote comes from the columns ingest extracted; the
     interaction's body (its prompt: a judge's business) only `with_body`. Feedback bodies are
     read only for `payload_kinds` (None: all); the others come back as None. With
-    `only_stale`, episodes whose reward under `spec_version` already counts their newest
-    feedback are left in the store (counted, not read): an incremental run reads only what
-    changed. Interactions that arrive during the run are left to the next one. With
+    `only_stale`, episodes whose reward under `spec_version` already counts all their feedback
+    are left in the store (counted, not read): an incremental run reads only what changed. Interactions that arrive during the run are left to the next one. With
     `served_since`, the chunks start at the first interaction served from then on (found
     through the ts index; ids after it that were served earlier, arriving late, are read too).
     """
@@ -111,10 +110,19 @@ def iter_episode_chunks(
     stored = (select(rewards.c.last_feedback_id)
               .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
               .scalar_subquery())
-    newest = (select(func.max(feedback.c.id)).where(feedback.c.request_id == interactions.c.request_id)
-              .scalar_subquery())
-    # no reward yet (-1), or feedback newer than the newest it reflects
-    stale = func.coalesce(newest, 0) > func.coalesce(stored, -1)
+    # Stale: the episode has feedback its reward does not count. By count, not by the newest id:
+    # ids are handed out at insert, not at commit, so on PostgreSQL a feedback row committed late
+    # by one lane can carry a smaller id than one another lane committed before a reward run read
+    # it -- its reward's "newest id" then already covers the late row, which was missed for good.
+    # Feedback rows are never deleted, so any row committed after a run read the episode raises
+    # its count above the stored one, whatever its id.
+    stored_count = (select(rewards.c.feedback_count)
+                    .where(and_(rewards.c.request_id == interactions.c.request_id,
+                                rewards.c.spec_version == spec_version))
+                    .scalar_subquery())
+    count = select(func.count()).where(feedback.c.request_id == interactions.c.request_id).scalar_subquery()
+    # (no reward yet is tested first: a first run then never counts)
+    stale = or_(stored_count.is_(None), count != stored_count)
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
     columns = (interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String).label("ts"),
