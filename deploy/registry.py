@@ -97,6 +97,9 @@ class Registry:
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.uri, self.name, self.engine, self.publish = tracking_uri, model_name, engine, publish
         self.cache_dir = cache_dir
+        # a daemon's cycle sets its lease's fence: its decisions and moves are then recorded only
+        # while it holds the lease (the registry call follows the fenced audit row)
+        self.fence: Any = None
 
     # --- reading -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -205,7 +208,7 @@ class Registry:
     def record_decision(self, version: str, champion: str | None, run_id: str | None, decision: dict[str, Any],
                         report: dict[str, Any]) -> None:
         audit.record_decision(self.engine, self.name, version, champion, run_id, decision["passed"],
-                              {"decision": decision, **report})
+                              {"decision": decision, **report}, fence=self.fence)
         numbers = [{"check": c["name"], "value": round(c["value"], 6), "limit": c["limit"]}
                    for c in decision["checks"] if c["value"] is not None]
         # four tags (one registry call each); every number is in gate.numbers
@@ -219,7 +222,8 @@ class Registry:
         """A staged rollout's online decision (deploy/rollout.py): stored like a gate decision (the
         latest decision is what promote() goes by), with no run, and tagged on the version."""
         audit.record_decision(self.engine, self.name, version, champion, None, decision["passed"],
-                              {"decision": decision, "stage": "online", "cycle": cycle_id, "sides": sides})
+                              {"decision": decision, "stage": "online", "cycle": cycle_id, "sides": sides},
+                              fence=self.fence)
         self.tag(version, {"online.passed": str(decision["passed"]).lower(),
                            "online.reasons": json.dumps([c["detail"] for c in decision["checks"]])})
 
@@ -319,7 +323,8 @@ class Registry:
         """`alias` -> target (None: cleared). Moving `champion` also moves `previous` first (to
         `previous`; None clears it), and puts it back if the champion then does not move."""
         move_id = audit.begin_move(self.engine, self.name, alias, current.version if current else None,
-                                   target.version if target else None, reason, actor, share=share, kind=kind)
+                                   target.version if target else None, reason, actor, share=share, kind=kind,
+                                   fence=self.fence)
         was_previous, previous_moved = None, False
         try:
             if alias == CHAMPION:

@@ -13,7 +13,8 @@ With a staged rollout (`[rollout] share` > 0) a candidate that passed the gate g
 every `rollout.check_every`) resumes it, rewards what the canary served, and once both sides
 have enough requests lets deploy/rollout.py decide. No new candidate is trained meanwhile.
 
-Each state is written before its work starts. After a crash, `run_cycle` resumes the unfinished
+Each state is written before its work starts, fenced by the daemon's lease (pipeline/store/
+leases.py): a daemon whose lease another took over stops at its next write or training step. After a crash, `run_cycle` resumes the unfinished
 cycle from the state it reached, and every stage's work is idempotent when re-entered:
 
     rewarding   run_rewards is incremental
@@ -51,6 +52,7 @@ from pipeline.faults import pause_point
 from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
 from pipeline.store.deploys import last_move_to, latest_decision, online_rewards
 from pipeline.store.events import utcnow
+from pipeline.store.leases import Fence, LeaseLost
 from pipeline.store.training import finish_run, get_run, latest_finished_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
@@ -72,6 +74,9 @@ class CycleDeps:
     make_runner: Callable[[Path], Any]  # base model -> a deploy.evaluate.Runner (may be kept between cycles)
     suite: Suite = EMPTY
     owner: str | None = None  # the daemon running the cycle (recorded on the row)
+    # the daemon's lease fencing token: every state write (and, through the registry, every
+    # decision and alias move) happens only while the lease is still this one; None: unfenced
+    fence: Fence | None = None
 
 
 def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
@@ -111,12 +116,18 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
 
 
 def run_cycle(deps: CycleDeps) -> Any:
-    """Run one cycle, or finish the one a crash interrupted; returns its row. Never raises for
-    a failing stage: the cycle ends `failed` with the reason."""
+    """Run one cycle, or finish the one a crash interrupted; returns its row (None if the lease
+    was lost: the row is the new holder's). Never raises for a failing stage: the cycle ends `failed` with
+    the reason; a lost lease stops it where it is, for the new holder to resume."""
+    deps.registry.fence = deps.fence
     row = unfinished_cycle(deps.engine)
     if row is None:
         cycle_id = f"c-{uuid.uuid4().hex[:12]}"
-        create_cycle(deps.engine, cycle_id, deps.owner)
+        try:
+            create_cycle(deps.engine, cycle_id, deps.owner, fence=deps.fence)
+        except LeaseLost as exc:
+            log.warning("cycle not started: the lease is lost", extra={"error": str(exc)})
+            return None
         row = get_cycle(deps.engine, cycle_id)
     elif row.state != "canary":  # a canary waiting on traffic is not an interruption
         log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})
@@ -130,7 +141,7 @@ def run_cycle(deps: CycleDeps) -> Any:
         now = time.perf_counter()
         in_stage = now - stage_started if stage_started is not None else 0.0  # (training enters "training")
         timings["bookkeeping"] = round(untimed_before + now - t_cycle - timed_s - in_stage, 3)
-        set_cycle(deps.engine, cycle_id, state=state, timings=timings, **values)
+        set_cycle(deps.engine, cycle_id, fence=deps.fence, state=state, timings=timings, **values)
 
     def timed(stage: str, fn: Callable[[], Any]) -> Any:
         nonlocal timed_s, stage_started
@@ -219,9 +230,15 @@ def run_cycle(deps: CycleDeps) -> Any:
                 enter("rejected", promoted=0, reason=f"not promoted: {exc}")
                 return get_cycle(deps.engine, cycle_id)
             enter("done", promoted=1)
+    except LeaseLost as exc:  # another daemon holds the lease now: it resumes this cycle; write nothing
+        log.warning("cycle stopped: the lease was lost", extra={"cycle": cycle_id, "error": str(exc)})
+        return None
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": cycle_id})
-        enter("failed", reason=f"{type(exc).__name__}: {exc}")
+        try:
+            enter("failed", reason=f"{type(exc).__name__}: {exc}")
+        except LeaseLost:
+            log.warning("cycle failure not recorded: the lease was lost", extra={"cycle": cycle_id})
     finally:
         total = time.perf_counter() - t_cycle
         if total > deps.config.cycle.sla_s:
@@ -279,12 +296,28 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
     tracker.set_tags({"rtrl.cycle": cycle_id})
     try:
         run_training(deps.engine, cfg, deps.spec.version, runs_dir, tracker, parent, params={"cycle": cycle_id},
-                     run_id=run_id, selection=selection)
+                     run_id=run_id, selection=selection, on_step=_fence_check(deps))
     except NothingToTrain as exc:
         tracker.end("KILLED")
         enter("skipped", reason=str(exc))
         return None
     return run_id
+
+
+def _fence_check(deps: CycleDeps, every_s: float = 1.0) -> Callable[..., None] | None:
+    """A training step callback that stops a run whose daemon lost the lease (at most one store
+    read a second): a run can last hours, and the new holder is training the cycle again."""
+    if deps.fence is None:
+        return None
+    last = [time.monotonic()]
+
+    def check(*_: Any) -> None:
+        if time.monotonic() - last[0] >= every_s:
+            last[0] = time.monotonic()
+            with deps.engine.connect() as conn:
+                deps.fence.check(conn)
+
+    return check
 
 
 def _online_decision(deps: CycleDeps, cycle_id: str, version: str) -> tuple[bool, str] | None:

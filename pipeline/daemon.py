@@ -4,7 +4,9 @@
                 are shared by the group)
     lease       a job every ttl/3: renew the store's lease if we hold it, take it if it expired;
                 only the holder runs cycles, so a second daemon waits and takes over within
-                the lease's ttl when the first dies
+                the lease's ttl when the first dies. Each cycle carries the lease's fencing
+                token (its generation): a daemon that was paused past the ttl and lost the lease
+                stops its cycle at the next state write or training step
     cycle       APScheduler job on `cycle.every` (interval or cron): max_instances=1, coalesced,
                 with a misfire grace; runs pipeline/cycle.py's state machine if we hold the lease
     canary      with a staged rollout, a job every `rollout.check_every` that resumes a cycle
@@ -37,7 +39,7 @@ from pipeline.config import DURATION, Config, duration_s
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
 from pipeline.store.cycles import unfinished_cycle
 from pipeline.store.deploys import served_and_accepted
-from pipeline.store.leases import acquire, release
+from pipeline.store.leases import Fence, acquire, release
 from pipeline.store.training import get_run
 
 log = logging.getLogger("rtrl.daemon")
@@ -100,6 +102,7 @@ class Daemon:
         self.metrics = Metrics()
         self.stop = threading.Event()
         self.holds_lease = False
+        self.generation: int | None = None  # of the lease we hold: the fencing token of our cycles
         self.cycle_running = threading.Lock()
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.last_cycle: dict[str, Any] = {}
@@ -108,13 +111,15 @@ class Daemon:
     # --- jobs ----------------------------------------------------------------------------
     def heartbeat(self) -> None:
         try:
-            held = acquire(self.deps.engine, LEASE, self.owner, self.ttl)
+            generation = acquire(self.deps.engine, LEASE, self.owner, self.ttl)
         except Exception as exc:  # noqa: BLE001 - the store may be away; we just do not hold the lease
             log.error("lease heartbeat failed", extra={"error": str(exc)})
-            held = False
-        if held != self.holds_lease:
-            log.info("cycle lease " + ("taken" if held else "lost"), extra={"owner": self.owner})
-        self.holds_lease = held
+            generation = None
+        held = generation is not None
+        if held != self.holds_lease or generation != self.generation:
+            log.info("cycle lease " + ("taken" if held else "lost"), extra={"owner": self.owner,
+                                                                            "generation": generation})
+        self.holds_lease, self.generation = held, generation
         self.metrics.lease_held.set(1 if held else 0)
 
     def check_canary(self) -> None:
@@ -136,6 +141,7 @@ class Daemon:
             if only_canary and not self._canary_waiting():
                 return
             t0 = time.perf_counter()
+            self.deps.fence = Fence(LEASE, self.owner, self.generation)
             try:
                 row = run_cycle(self.deps)
             except Exception as exc:  # noqa: BLE001 - run_cycle records a failing stage; this is the store itself
@@ -147,6 +153,10 @@ class Daemon:
             seconds = time.perf_counter() - t0
         finally:
             self.cycle_running.release()
+        if row is None:  # the lease was lost: the new holder resumes the cycle
+            self.metrics.cycles.labels("lease_lost").inc()
+            self.last_cycle = {"state": "lease_lost"}
+            return
         if row.state == "canary":  # not finished: the canary is still being measured
             self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state,
                                "canary": row.candidate_version}

@@ -37,6 +37,29 @@ def test_the_lease_is_held_by_one_owner_until_it_expires_or_is_released(engine):
     assert acquire(engine, "cycle", "a", ttl_s=60)
 
 
+def test_the_lease_generation_fences_writes_of_a_holder_that_was_taken_over(engine, monkeypatch):
+    from pipeline.store import events
+    from pipeline.store.cycles import create_cycle, get_cycle, set_cycle
+    from pipeline.store.leases import Fence, LeaseLost
+
+    first = acquire(engine, "cycle", "a", ttl_s=0.2)
+    assert acquire(engine, "cycle", "a", ttl_s=0.2) == first  # renewing keeps the generation
+    fence_a = Fence("cycle", "a", first)
+    create_cycle(engine, "c-1", "a", fence=fence_a)
+    set_cycle(engine, "c-1", fence=fence_a, state="training")
+    # a is paused past its ttl; b takes over: a new generation
+    second = wait_for(lambda: acquire(engine, "cycle", "b", ttl_s=60), 10, "a's lease to expire", interval=0.05)
+    assert second == first + 1
+    with pytest.raises(LeaseLost, match="no longer held by a"):
+        set_cycle(engine, "c-1", fence=fence_a, state="evaluating")  # a wakes up and writes
+    assert get_cycle(engine, "c-1").state == "training"
+    set_cycle(engine, "c-1", fence=Fence("cycle", "b", second), state="evaluating")
+    # the database's clock decides, not a host's: a host an hour ahead cannot take b's live lease
+    ahead = events.utcnow() + timedelta(hours=1)
+    monkeypatch.setattr(events, "utcnow", lambda: ahead)
+    assert acquire(engine, "cycle", "c", ttl_s=60) is None and holder(engine, "cycle").owner == "b"
+
+
 def test_schedules_and_a_bad_schedule_is_refused():
     assert trigger("90s").interval == timedelta(seconds=90)
     assert trigger("4h").interval == timedelta(hours=4)

@@ -26,7 +26,7 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.store.events import utcnow
 from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
 from tests import reverse_task as task
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, free_port, wait_for
 from tests.factories import BASE_TS, served_now
 from tests.test_ingest_kafka import produce_events
 from train.models import load_policy
@@ -51,10 +51,15 @@ def _wait_for(predicate, timeout: float, what: str, procs=()):
     wait_for(check, timeout, what, interval=0.2)
 
 
-def _start(env: dict, tmp_path: Path, name: str, pause: str | None = None) -> subprocess.Popen:
-    """An `rtrl daemon` process; with `pause`, it freezes at that fault point (and says so in a file)."""
+def _start(env: dict, tmp_path: Path, name: str, pause: str | None = None,
+           pause_s: float | None = None) -> subprocess.Popen:
+    """An `rtrl daemon` process; with `pause`, it freezes at that fault point (and says so in a
+    file), forever or for `pause_s` seconds."""
     faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3"],
+    if pause_s is not None:
+        faults["RTRL_FAULT_PAUSE_S"] = str(pause_s)
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3",
+                             "--metrics-port", str(free_port())],
                             env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
                             stderr=subprocess.STDOUT)
 
@@ -266,3 +271,50 @@ max_wait = "1h"
     assert [(u["alias"], u["version"]) for u in _model_updates(kafka_bootstrap, updates_topic)] == [
         ("canary", "1"), ("champion", "1"), ("canary", None)]
 
+
+
+def test_a_daemon_that_lost_its_lease_mid_training_stops_and_the_cycle_completes_once(
+        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    """Daemon a is frozen mid-training (SIGSTOP: its heartbeats stop, as in a long GC pause or a
+    frozen VM) past the lease's ttl; daemon b takes the lease, resumes the cycle, marks a's run
+    failed, trains again, gates and promotes. Then a wakes up, still believing it holds the
+    lease: its next training step finds the lease's generation moved on and it stops -- no
+    second registration, decision or promotion from it."""
+    updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
+    ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = _config(tmp_path, reverse_base, tracking, gate="min_ess = 5\nmin_improvement = -1.0")
+    env = {**os.environ, **cfg_env, "RTRL_CONFIG": str(config), "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates_topic}
+    produce_events(kafka_bootstrap, topics, _events(reverse_base, "a", seed=8))
+
+    def cycles_now():
+        with engine.connect() as conn:
+            return conn.execute(select(cycles).where(cycles.c.state != "skipped")).all()
+
+    daemons = []
+    try:
+        a = _start(env, tmp_path, "a", pause="train.step", pause_s=2.0)
+        daemons.append(a)
+        _wait_for((tmp_path / "a.paused").exists, 240, "daemon a to reach a training step", [a])
+        a.send_signal(signal.SIGSTOP)
+        b = _start(env, tmp_path, "b")
+        daemons.append(b)
+        _wait_for(lambda: cycles_now()[0].state == "done", 300, "daemon b to finish the cycle", [b])
+        a.send_signal(signal.SIGCONT)
+        _wait_for(lambda: "cycle stopped: the lease was lost" in (tmp_path / "a.log").read_text(), 120,
+                  "daemon a to notice it lost the lease", [a])
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+                proc.wait(timeout=60)
+    [row] = cycles_now()
+    assert row.state == "done" and row.promoted == 1 and row.candidate_version == "1", row.reason
+    with engine.connect() as conn:
+        runs = dict(conn.execute(select(training_runs.c.run_id, training_runs.c.status)).all())
+        decisions = conn.execute(select(gate_decisions.c.run_id)).scalars().all()
+        moves = conn.execute(select(alias_moves.c.to_version, alias_moves.c.actor)).all()
+    assert sorted(runs.values()) == ["failed", "finished"] and runs[row.run_id] == "finished"
+    assert decisions == [row.run_id] and [m.to_version for m in moves] == ["1"]
+    assert [v.version for v in Registry(tracking, MODEL, engine).list()] == ["1"]

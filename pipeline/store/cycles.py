@@ -8,14 +8,17 @@ from typing import Any
 from sqlalchemy import Engine, select, update
 
 from pipeline.store.events import utcnow
+from pipeline.store.leases import Fence, LeaseLost
 from pipeline.store.tables import cycles, gate_decisions
 
 TERMINAL = ("done", "rejected", "skipped", "failed")
 
 
-def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None) -> None:
+def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None, fence: Fence | None = None) -> None:
     now = utcnow()
     with engine.begin() as conn:
+        if fence is not None:
+            fence.check(conn)
         conn.execute(cycles.insert().values(cycle_id=cycle_id, state="pending", timings={}, owner=owner,
                                             started_at=now, updated_at=now))
 
@@ -25,12 +28,19 @@ def get_cycle(engine: Engine, cycle_id: str) -> Any | None:
         return conn.execute(select(cycles).where(cycles.c.cycle_id == cycle_id)).first()
 
 
-def set_cycle(engine: Engine, cycle_id: str, **values: Any) -> None:
+def set_cycle(engine: Engine, cycle_id: str, fence: Fence | None = None, **values: Any) -> None:
+    """Update the cycle's row; with `fence`, only while the lease is still the fence's (else
+    LeaseLost, nothing written): the check is part of the update's own statement."""
     now = utcnow()
     if values.get("state") in TERMINAL:
         values["finished_at"] = now
+    where = [cycles.c.cycle_id == cycle_id]
     with engine.begin() as conn:
-        conn.execute(update(cycles).where(cycles.c.cycle_id == cycle_id).values(updated_at=now, **values))
+        if fence is not None:
+            where.append(fence.held(conn.dialect.name))
+        done = conn.execute(update(cycles).where(*where).values(updated_at=now, **values))
+        if fence is not None and done.rowcount == 0:
+            raise LeaseLost(fence.lost())
 
 
 def unfinished_cycle(engine: Engine) -> Any | None:

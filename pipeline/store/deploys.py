@@ -17,12 +17,15 @@ from typing import Any
 from sqlalchemy import Engine, and_, case, exists, func, select, update
 
 from pipeline.store.events import utcnow
+from pipeline.store.leases import Fence
 from pipeline.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
 
 
 def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,
-                    run_id: str | None, passed: bool, report: dict[str, Any]) -> int:
+                    run_id: str | None, passed: bool, report: dict[str, Any], fence: Fence | None = None) -> int:
     with engine.begin() as conn:
+        if fence is not None:
+            fence.check(conn)
         return conn.execute(gate_decisions.insert().values(
             model_name=model_name, candidate_version=candidate_version, champion_version=champion_version,
             run_id=run_id, passed=int(passed), report=report, decided_at=utcnow(),
@@ -37,10 +40,14 @@ def latest_decision(engine: Engine, model_name: str, version: str) -> Any | None
 
 
 def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str | None,
-               reason: str, actor: str, share: float | None = None, kind: str | None = None) -> int:
+               reason: str, actor: str, share: float | None = None, kind: str | None = None,
+               fence: Fence | None = None) -> int:
     """`to_version` None clears the alias; `share`: a canary's share of requests; `kind`:
-    promote | rollback | stage | withdraw."""
+    promote | rollback | stage | withdraw; `fence`: a daemon's move is recorded (and then made)
+    only while it holds the cycle lease."""
     with engine.begin() as conn:
+        if fence is not None:
+            fence.check(conn)
         return conn.execute(alias_moves.insert().values(
             model_name=model_name, alias=alias, from_version=from_version, to_version=to_version,
             reason=reason, actor=actor, at=utcnow(), status="pending", share=share, kind=kind,

@@ -186,6 +186,8 @@ leases = Table(
     Column("owner", String(256), nullable=False),
     Column("expires_at", DateTime, nullable=False),
     Column("heartbeat_at", DateTime, nullable=False),
+    # the fencing token: grows whenever the lease changes hands or is re-taken after expiring
+    Column("generation", BigInteger, nullable=False, server_default="0"),
 )
 
 alias_moves = Table(
