@@ -38,7 +38,11 @@ def cycle_deps(cfg, engine, reverse_base, tmp_path, tracking: str | None = None,
         **cfg.model_dump(), "state_dir": tmp_path / "state",
         "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,
                   "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 30.0},
-        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40, "max_kl": 5.0,
+        # the improvement bound off: these tests are about the cycle's mechanics (test_deploy_registry
+        # shows the gate passing a candidate that learned and refusing one that learned a hack).
+        # Held out by prompt, ~100 training episodes of the tiny task evaluated on prompts they never
+        # contained put a learned candidate's lower bound just below 0 (-0.16 to -0.003 in four runs)
+        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40, "max_kl": 5.0, "min_improvement": -1.0,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}}},
         "cycle": {"min_new_episodes": 20},
     })

@@ -229,6 +229,7 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
            "RTRL_TRAIN__LORA_R": "8", "RTRL_TRAIN__LORA_ALPHA": "16", "RTRL_TRAIN__HOLDOUT_PERCENT": "30",
            "RTRL_MLFLOW__TRACKING_URI": mlflow_server, "RTRL_MLFLOW__REGISTERED_MODEL": f"cli-{uuid.uuid4().hex[:6]}",
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "RTRL_GATE__MAX_NEW_TOKENS": "3", "RTRL_GATE__MIN_ESS": "5", "RTRL_GATE__MAX_KL": "5",
+           "RTRL_GATE__MIN_IMPROVEMENT": "-1",  # the commands are under test here, not the bound (see test_cycle)
            "RTRL_GATE__GENERATE_PROMPTS": "40", "USER": "ops-alice"}
     runner = CliRunner()
 
