@@ -39,12 +39,12 @@ class Runner(Protocol):
 
     def add(self, name: str, adapter: Any) -> None: ...
 
-    def renders(self, prompt: Any) -> bool: ...
+    def prompt_tokens(self, prompt: Any) -> int | None: ...
 
     def remove(self, name: str) -> None: ...
 
-    def compare(self, p: str | None, q: str | None,
-                episodes: list[Any]) -> tuple[list[float | None], list[float | None], float]: ...
+    def compare(self, p: str | None, q: str | None, episodes: list[Any],
+                max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]: ...
 
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64,
                  batch_size: int = 1, reuse: bool = False) -> list[Any]: ...
@@ -114,18 +114,31 @@ def _generate_report(runner: Runner, name: str | None, label: str, prompts: list
 def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[LoggedEpisode], suite: Suite,
              cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
              max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None,
-             champion_label: str | None = None, watch: Stopwatch | None = None) -> Evaluation:
+             champion_label: str | None = None, watch: Stopwatch | None = None,
+             max_seq_len: int | None = None) -> Evaluation:
     """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
     `load_error`: the candidate's adapter did not load (the smoke check fails with it);
     `champion_label`: the champion's name in the report (default: its adapter name, or "base");
-    `watch`: gets the seconds spent generating and computing log-probs."""
+    `watch`: gets the seconds spent generating and computing log-probs; `max_seq_len`: held-out
+    episodes whose prompt alone is longer are left out (training skips them too)."""
     watch = watch or Stopwatch()
-    excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0}
-    # a held-out prompt the chat template refuses is the data's fault, not the policies': left
-    # out and counted (it used to fail the smoke check of both for as long as it sat in the window)
-    renderable = [e for e in episodes if runner.renders(e.prompt)]
-    excluded["unrenderable_prompts"] = len(episodes) - len(renderable)
-    episodes = renderable
+    excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0, "empty_prompts": 0,
+                "too_long": 0}
+    # a held-out prompt the chat template refuses, or one too long to run, is the data's fault,
+    # not the policies': left out and counted (it used to fail the smoke check of both, or
+    # exhaust memory, for as long as it sat in the window)
+    usable_prompts = []
+    for e in episodes:
+        n = runner.prompt_tokens(e.prompt)
+        if n is None:
+            excluded["unrenderable_prompts"] += 1
+        elif n == 0:  # nothing to generate from (a model cannot run on zero tokens)
+            excluded["empty_prompts"] += 1
+        elif max_seq_len is not None and n > max_seq_len:
+            excluded["too_long"] += 1
+        else:
+            usable_prompts.append(e)
+    episodes = usable_prompts
     prompts = [e.prompt for e in generation_sample(episodes, generate_prompts)]
     with watch("generate"):
         cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
@@ -137,7 +150,8 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     kl = float("nan")
     if cand_report.smoke_ok:
         with watch("log_probs"):
-            champ_lp, cand_lp, kl = runner.compare(champion, candidate, usable)
+            champ_lp, cand_lp, kl = runner.compare(champion, candidate, usable, max_tokens=max_seq_len)
+        # "misaligned": no comparable log-prob (misaligned, out of vocabulary, too long: see compare)
         keep = [i for i, (a, b) in enumerate(zip(cand_lp, champ_lp)) if a is not None and b is not None]
         excluded["misaligned"] = len(usable) - len(keep)
         usable = [usable[i] for i in keep]

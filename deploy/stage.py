@@ -109,7 +109,8 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
         episodes, unusable = eval_episodes(engine, spec_version, train, gate)
     evaluation = evaluate(runner, candidate_name, champion_name, episodes, suite, gate, abstention_patterns,
                           gate.generate_prompts, gate.max_new_tokens, load_error=load_error,
-                          champion_label=f"v{champion.version}" if champion else "base", watch=watch)
+                          champion_label=f"v{champion.version}" if champion else "base", watch=watch,
+                          max_seq_len=train.max_seq_len)
     evaluation.excluded.update(unusable)
     if champion is None and gate.first_deployment == "base":
         # first deployment: the base model, which served until now, is the champion to beat

@@ -129,12 +129,20 @@ class InteractionEvent(_Envelope):
     metadata: dict[str, Any] | None = None
 
 
+def _feedback_value(value: Any) -> Any:
+    # beyond 1e15 a value is no outcome but a producer's bug, and SQLite's JSON functions print
+    # 15 significant digits: near the float limit the reward stage would read back infinity
+    if not isinstance(value, bool) and abs(value) > 1e15:
+        raise ValueError("must be at most 1e15 in magnitude")
+    return value
+
+
 class FeedbackEvent(_Envelope):
     """What happened after serving. `kind` is an open set (see FEEDBACK_KINDS_KNOWN)."""
 
     type: Literal["feedback"]
     kind: Identifier
-    value: Union[StrictBool, StrictInt, FiniteFloat]
+    value: Annotated[Union[StrictBool, StrictInt, FiniteFloat], AfterValidator(_feedback_value)]
     payload: dict[str, Any] | str | None = None
 
 

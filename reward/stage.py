@@ -94,13 +94,14 @@ class RewardRunReport:
     judge_deferred: int = 0  # ripe, but over the judge budget of this run
     changed_after_training: int = 0  # updated rewards of episodes a training run already used
     duplicate_interactions: int = 0  # more than one interaction for a request_id: the first counts
+    unusable: int = 0  # stored episodes whose feedback could not be read (stored before the contract refused it)
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "RewardRunReport") -> None:
         """Count another part of the same run (a worker's) into this report."""
         for name in ("episodes", "computed", "updated", "unchanged", "unripe", "judge_deferred",
-                     "changed_after_training", "duplicate_interactions", "value_sum"):
+                     "changed_after_training", "duplicate_interactions", "unusable", "value_sum"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for kind, n in other.ignored_kinds.items():
             self.ignored_kinds[kind] = self.ignored_kinds.get(kind, 0) + n
@@ -116,7 +117,8 @@ class RewardRunReport:
                 + (f"; {self.changed_after_training} changed after a training run used them"
                    if self.changed_after_training else "")
                 + (f"; {self.duplicate_interactions} duplicate interactions ignored (first one counts)"
-                   if self.duplicate_interactions else ""))
+                   if self.duplicate_interactions else "")
+                + (f"; {self.unusable} episodes skipped: their feedback could not be read" if self.unusable else ""))
 
 
 def run_rewards(
@@ -206,12 +208,18 @@ def score_part(
             report.episodes += len(chunk.interactions) + chunk.current
             report.unchanged += chunk.current  # up to date: counted, never read
             todo: list[tuple[Episode, int, bool]] = []  # episode, newest feedback id, first time
+            unusable = 0
             for row in chunk.interactions:
-                newest, feedback = feedback_rows(row)
-                ep = build_episode(row, feedback)
+                try:
+                    newest, feedback = feedback_rows(row)
+                    ep = build_episode(row, feedback)
+                except (ValueError, TypeError):  # orjson's decode error is a ValueError: one episode, not the run
+                    unusable += 1
+                    continue
                 if ripe(ep):  # row[8]: the last feedback id of the stored reward (None: none yet)
                     todo.append((ep, newest, row[8] is None))
-            report.unripe += len(chunk.interactions) - len(todo)
+            report.unusable += unusable
+            report.unripe += len(chunk.interactions) - unusable - len(todo)
             scores: dict[str, float] = {}
             if judge is not None:
                 scores, budget = _judge(engine, judge, [ep for ep, _, _ in todo], budget)

@@ -63,6 +63,7 @@ BAD = {
     "temperature_not_a_number": encode(interaction(1, sampling={"temperature": "auto"})),
     "top_p_a_list": encode(interaction(1, sampling={"temperature": 0.7, "top_p": [0.9]})),
     "negative_temperature": encode(interaction(1, sampling={"temperature": -1})),
+    "feedback_value_at_float_max": encode(feedback(1, value=1.7976931348623157e308)),
 }
 EXPECTED = {
     "invalid_utf8": "invalid_utf8",
@@ -85,6 +86,7 @@ EXPECTED = {
     "temperature_not_a_number": "schema_violation",
     "top_p_a_list": "schema_violation",
     "negative_temperature": "schema_violation",
+    "feedback_value_at_float_max": "schema_violation",
 }
 
 

@@ -319,3 +319,24 @@ def test_a_failed_write_stops_the_run_and_counts_only_what_was_stored(engine, mo
         assert len(conn.execute(select(tables.rewards.c.request_id)).all()) == 16
     monkeypatch.setattr(stage, "upsert_rewards", real)
     assert run_rewards(engine, SPEC, now=LATER, chunk=16).computed == 24  # the rest, next time
+
+
+def test_a_feedback_value_the_store_cannot_give_back_skips_its_episode_not_the_run(engine):
+    """A value at the float limit, stored before the contract refused it: SQLite's JSON prints
+    it with 15 digits, which reads back as infinity -- the run used to stop there."""
+    from pipeline.store.events import Rows, event_row
+    from pipeline.types import FeedbackEvent, SourcePosition
+
+    store(engine, interaction(1), fb(1, kind="accepted"), interaction(2), fb(2, kind="accepted"))
+    big = fb(2, kind="thumbs", value=1.0, event_id="big")
+    row = event_row(FeedbackEvent.model_validate(big),
+                    SourcePosition(source="t", partition=0, offset=999), encode(big).decode())
+    row["value"] = 1.7976931348623157e308
+    rows = Rows()
+    rows.add_event(row)
+    write_rows(engine, rows)
+    report = run_rewards(engine, SPEC, now=LATER)
+    if engine.dialect.name == "sqlite":
+        assert report.unusable == 1 and report.computed == 1 and "could not be read" in report.summary()
+    else:  # PostgreSQL prints floats exactly: the episode is read
+        assert report.unusable == 0 and report.computed == 2

@@ -64,13 +64,13 @@ class PolicySet:
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
 
-    def renders(self, prompt: Any) -> bool:
-        """Whether `prompt` can be rendered for this model (a chat template may refuse its roles)."""
+    def prompt_tokens(self, prompt: Any) -> int | None:
+        """How many tokens `prompt` is for this model; None if it cannot be rendered (a chat
+        template may refuse its roles)."""
         try:
-            render_prompt(self.tokenizer, prompt)
-            return True
-        except Exception:  # noqa: BLE001 - whatever the template raises
-            return False
+            return len(self.tokenizer(render_prompt(self.tokenizer, prompt), add_special_tokens=False).input_ids)
+        except Exception:  # noqa: BLE001 - whatever the template or the tokenizer raises
+            return None
 
     def add(self, name: str, adapter: str | Path) -> None:
         """Load `adapter` under `name` (a ModelError names the path if it does not load)."""
@@ -104,14 +104,17 @@ class PolicySet:
         self.model.set_adapter(name)
         return _Nothing()
 
-    def _tokenize(self, episodes: list[Any]) -> list[TokenizedEpisode | None]:
-        """None for an episode without assistant tokens, or whose logged behaviour log-probs do
-        not line up with its tokens (its sequence log-prob would not be comparable)."""
+    def _tokenize(self, episodes: list[Any], max_tokens: int | None = None) -> list[TokenizedEpisode | None]:
+        """None for an episode that cannot be used (tokenize_episode's skips: no assistant token,
+        served ids outside the vocabulary, a prompt the template refuses), is longer than
+        `max_tokens`, or whose logged behaviour log-probs do not line up with its tokens (its
+        sequence log-prob would not be comparable)."""
         out = []
         for e in episodes:
             t = tokenize_episode(self.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids)
             behavior = getattr(e, "behavior_logprobs", None)
-            if isinstance(t, TokenizedEpisode) and (behavior is None or len(behavior) == sum(t.loss_mask)):
+            if (isinstance(t, TokenizedEpisode) and (max_tokens is None or len(t.input_ids) <= max_tokens)
+                    and (behavior is None or len(behavior) == sum(t.loss_mask))):
                 t.temperature = e.temperature
                 out.append(t)
             else:
@@ -140,16 +143,16 @@ class PolicySet:
         return [next(it) if t is not None else None for t in toks]
 
     @torch.no_grad()
-    def compare(self, p: str | None, q: str | None,
-                episodes: list[LoggedEpisode]) -> tuple[list[float | None], list[float | None], float]:
+    def compare(self, p: str | None, q: str | None, episodes: list[LoggedEpisode],
+                max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]:
         """`sequence_logprobs` of `p` and of `q`, and the mean over completion tokens of KL(p || q)
         between their next-token distributions (what the gate needs). Each policy's distributions
         on an episode are remembered (see MEMO_BYTES): the champion, gated against one candidate
         after another on a held-out window that slides a little each cycle, is run only on the
-        episodes it has not seen."""
+        episodes it has not seen. Episodes it cannot use (see _tokenize) get None."""
         if p == q:
             raise ValueError(f"compare needs two different policies, got {p!r} twice")
-        toks = self._tokenize(episodes)
+        toks = self._tokenize(episodes, max_tokens)
         kept = [t for t in toks if t is not None]
         found = {name: self._completion_logprobs(name, kept) for name in (p, q)}  # name -> [(seq, [n, V])]
         total, tokens = 0.0, 0
