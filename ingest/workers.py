@@ -61,6 +61,8 @@ def store_batch(records: list[RawRecord], max_event_bytes: int, group_id: str | 
     except BaseException as exc:
         _lane["failed"] = repr(exc)
         raise
+    if result.refused:
+        batch.dead_by_reason["store_refused"] += result.refused
     return StoredBatch(batch.next_offsets, result, batch.dead_by_reason, batch.records)
 
 

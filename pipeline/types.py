@@ -47,6 +47,7 @@ class DeadLetterReason(str, enum.Enum):
     SCHEMA_VIOLATION = "schema_violation"
     UNSUPPORTED_SCHEMA_VERSION = "unsupported_schema_version"
     OVERSIZED = "oversized"
+    STORE_REFUSED = "store_refused"  # valid, but the store would not hold it (see store.events.write_rows)
 
 
 def _identifier(value: str) -> str:

@@ -163,6 +163,33 @@ def test_nul_characters_never_halt_ingest(cfg, engine, topics, kafka_bootstrap):
     assert letter.reason == "schema_violation" and "\x00" not in letter.detail and letter.raw == encode(poison[3])
 
 
+def test_an_event_the_store_refuses_is_a_dead_letter_not_a_halt(cfg, engine, topics, kafka_bootstrap):
+    """Any value the store will not hold (here a trigger refuses one event, as an operator's
+    constraint or a type the contract let through would) used to fail its batch at every retry:
+    ingest halted at that offset for good."""
+    from sqlalchemy import text
+
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.execute(text("CREATE TRIGGER refuse BEFORE INSERT ON interactions WHEN NEW.event_id LIKE 'bad-%' "
+                              "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"))
+        else:
+            conn.execute(text("CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN IF NEW.event_id LIKE 'bad-%' "
+                              "THEN RAISE EXCEPTION 'refused by a trigger' USING ERRCODE = '22023'; END IF; "
+                              "RETURN NEW; END $$ LANGUAGE plpgsql"))
+            conn.execute(text("CREATE TRIGGER refuse BEFORE INSERT ON interactions FOR EACH ROW "
+                              "EXECUTE FUNCTION refuse()"))
+    evs = [interaction(0, prefix="bad")] + [interaction(i, prefix="ok") for i in range(40)]
+    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs])
+    stats = ingest_until_idle(cfg, engine)
+    assert stats.events == 40 and stats.dead_letters == 1
+    assert set(ids(engine, interactions)) == {f"ok-i-{i}" for i in range(40)}
+    with engine.connect() as conn:
+        letter = conn.execute(select(dead_letters)).one()
+    assert letter.reason == "store_refused" and "refused by a trigger" in letter.detail and letter.raw == encode(evs[0])
+    assert sum(stored_offsets(engine, cfg.ingest.group_id).values()) == 41  # past the refused one
+
+
 def test_a_new_store_starts_at_the_beginning_not_at_kafkas_committed_offset(cfg, engine, topics, kafka_bootstrap):
     """The group's offsets committed in Kafka belong to whatever store it fed before: a new (or
     restored) store used to resume from them and silently skip that history."""

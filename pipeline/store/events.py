@@ -2,7 +2,8 @@
 
     event_row / dead_letter_row      pure: an event or dead letter -> an insert-ready dict
     output_columns                   pure: what the policy wrote -> an interaction's columns
-    write_rows(rows, next offsets)   one transaction, idempotent
+    write_rows(rows, next offsets)   one transaction, idempotent; a row the store refuses
+                                     becomes a dead letter (store_refused), never a failed batch
 
 Rows are plain dicts so that they can be built anywhere (ingest builds them in its worker
 processes) and written here.
@@ -16,6 +17,7 @@ stored rows cover.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,6 +26,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DataError, IntegrityError
 
 from pipeline.store.tables import (
     EVENT_TABLES,
@@ -35,6 +38,7 @@ from pipeline.store.tables import (
 )
 from pipeline.types import (
     DeadLetter,
+    DeadLetterReason,
     FeedbackEvent,
     InteractionEvent,
     SourcePosition,
@@ -43,6 +47,7 @@ from pipeline.types import (
 )
 
 _CHUNK = 500  # ids per IN (...) query
+log = logging.getLogger("rtrl.store")
 
 
 def utcnow() -> datetime:
@@ -74,6 +79,7 @@ class WriteResult:
     inserted: dict[str, int] = field(default_factory=lambda: {"interaction": 0, "feedback": 0})
     duplicates: int = 0
     dead_letters: int = 0
+    refused: int = 0  # events the store refused, written as dead letters (among `dead_letters`)
 
     @property
     def events(self) -> int:
@@ -214,7 +220,52 @@ def write_rows(
     next_offsets: dict[tuple[str, int], int] | None = None,
 ) -> WriteResult:
     """Store a batch's events, dead letters and (optionally) the consumer's next offsets in
-    one transaction. Rows already stored (same event_id / log position) are skipped."""
+    one transaction. Rows already stored (same event_id / log position) are skipped.
+
+    An event the store refuses (a value it cannot hold that the contract let through, a trigger
+    or constraint of the operator's) would fail the batch's transaction at every retry and halt
+    ingest at that offset for good. So a batch refused for its data is written again with each
+    such event as a dead letter (`store_refused`, the store's message as the detail): the other
+    events and the offsets commit, the refused one can be replayed once the cause is fixed. The
+    store being away (OperationalError) is not a refusal: it propagates, and ingest retries."""
+    try:
+        return _write_rows(engine, rows, group_id, next_offsets)
+    except (DataError, IntegrityError) as exc:
+        kept, refused = _split_refused(engine, rows)
+        if not refused:
+            raise  # not one event on its own: a fault of the batch, not of a record
+        log.warning("events the store refused are dead letters", extra={
+            "refused": len(refused), "error": f"{type(exc.orig).__name__}: {exc.orig}"[:500]})
+        kept.dead_letters.extend(refused)
+        result = _write_rows(engine, kept, group_id, next_offsets)
+        result.refused = len(refused)
+        return result
+
+
+def _split_refused(engine: Engine, rows: Rows) -> tuple[Rows, list[dict[str, Any]]]:
+    """Each event tried on its own (and rolled back): (the ones the store takes, dead-letter
+    rows of the ones it refuses). Only on the failure path: a transaction per event."""
+    kept, refused = Rows(dead_letters=list(rows.dead_letters)), []
+    for kind, table in EVENT_TABLES.items():
+        for row in getattr(rows, kind):
+            with engine.connect() as conn:
+                trial = conn.begin()
+                try:
+                    insert_ignore(conn, table, [row], ["event_id"], same={"ingested_at": utcnow()})
+                except (DataError, IntegrityError) as exc:
+                    refused.append(dead_letter_row(DeadLetter(
+                        reason=DeadLetterReason.STORE_REFUSED, detail=f"the store refused the event: {exc.orig}"[:2000],
+                        raw=row["body"].encode("utf-8", "surrogatepass"), source=row["source"],
+                        partition=row["partition"], offset=row["offset"])))
+                    continue
+                finally:
+                    trial.rollback()
+            kept.add_event(row)
+    return kept, refused
+
+
+def _write_rows(engine: Engine, rows: Rows, group_id: str | None,
+                next_offsets: dict[tuple[str, int], int] | None) -> WriteResult:
     now = utcnow()
     result = WriteResult()
     with engine.begin() as conn:
