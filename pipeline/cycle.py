@@ -14,8 +14,9 @@ every `rollout.check_every`) resumes it, rewards what the canary served, and onc
 have enough requests lets deploy/rollout.py decide. No new candidate is trained meanwhile.
 
 Each state is written before its work starts, fenced by the daemon's lease (pipeline/store/
-leases.py): a daemon whose lease another took over stops at its next write or training step. After a crash, `run_cycle` resumes the unfinished
-cycle from the state it reached, and every stage's work is idempotent when re-entered:
+leases.py): a daemon whose lease another took over stops at its next write or training step.
+After a crash, `run_cycle` resumes the unfinished cycle from the state it reached, and every
+stage's work is idempotent when re-entered:
 
     rewarding   run_rewards is incremental
     training    a finished training run recorded on the cycle is reused; one that died is
@@ -117,8 +118,8 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
 
 def run_cycle(deps: CycleDeps) -> Any:
     """Run one cycle, or finish the one a crash interrupted; returns its row (None if the lease
-    was lost: the row is the new holder's). Never raises for a failing stage: the cycle ends `failed` with
-    the reason; a lost lease stops it where it is, for the new holder to resume."""
+    was lost: the row is the new holder's). Never raises for a failing stage: the cycle ends
+    `failed` with the reason; a lost lease stops it where it is, for the new holder to resume."""
     deps.registry.fence = deps.fence
     row = unfinished_cycle(deps.engine)
     if row is None:
@@ -306,13 +307,14 @@ def _train(deps: CycleDeps, cycle_id: str, run_id: str | None, parent: Parent | 
 
 def _fence_check(deps: CycleDeps, every_s: float = 1.0) -> Callable[..., None] | None:
     """A training step callback that stops a run whose daemon lost the lease (at most one store
-    read a second): a run can last hours, and the new holder is training the cycle again."""
+    read a second, and always at the last step, before the run is recorded finished): a run can
+    last hours, and the new holder is training the cycle again."""
     if deps.fence is None:
         return None
     last = [time.monotonic()]
 
-    def check(*_: Any) -> None:
-        if time.monotonic() - last[0] >= every_s:
+    def check(step: int, total: int, *_: Any) -> None:
+        if step >= total or time.monotonic() - last[0] >= every_s:
             last[0] = time.monotonic()
             with deps.engine.connect() as conn:
                 deps.fence.check(conn)
