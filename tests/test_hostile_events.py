@@ -104,7 +104,7 @@ def policies(reverse_base, tmp_path_factory):
     return runner
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.data_too_large, HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies, data):
