@@ -124,9 +124,9 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     watch = watch or Stopwatch()
     excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0, "empty_prompts": 0,
                 "too_long": 0}
-    # a held-out prompt the chat template refuses, or one too long to run, is the data's fault,
-    # not the policies': left out and counted (it used to fail the smoke check of both, or
-    # exhaust memory, for as long as it sat in the window)
+    # a held-out prompt the chat template refuses, an empty one or one too long to run is the
+    # data's fault, not the policies': left out and counted, so that it fails neither policy's
+    # smoke check (nor exhausts memory) for as long as it sits in the window
     usable_prompts = []
     for e in episodes:
         n = runner.prompt_tokens(e.prompt)

@@ -17,6 +17,7 @@ This module imports only pydantic and the standard library: every stage may depe
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
@@ -102,9 +103,11 @@ def sampling_temperature(sampling: Any) -> float:
     1.0 when not recorded, and for 0 (greedy: log-probs at temperature 1 are what a stage can
     compare). ValueError when it is not a usable number (events stored before the contract
     checked it): the episode is skipped and counted."""
-    value = (sampling or {}).get("temperature") if isinstance(sampling, dict) or sampling is None else None
-    if sampling is not None and not isinstance(sampling, dict):
+    if sampling is None:
+        return 1.0
+    if not isinstance(sampling, dict):
         raise ValueError(f"sampling is {type(sampling).__name__}, not an object")
+    value = sampling.get("temperature")
     if value is None or value == 0:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -169,8 +172,6 @@ def completion_parts(completion: Any) -> tuple[str, tuple]:
 def prompt_key(prompt: Any) -> bytes:
     """A prompt (text or messages) as canonical bytes: equal prompts, equal keys. Training groups
     episodes by it; the held-out slice hashes it."""
-    import json
-
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 

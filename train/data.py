@@ -73,7 +73,7 @@ def tokenize_episode(tokenizer: Any, request_id: str, prompt: Any, completion: A
 def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, completion_token_ids: list[int] | None,
               behavior_logprobs: list[float] | None, stats: DataStats) -> TokenizedEpisode | Skip:
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    if completion_token_ids and not all(0 <= t < len(tokenizer) for t in completion_token_ids):
+    if completion_token_ids and not 0 <= min(completion_token_ids) <= max(completion_token_ids) < len(tokenizer):
         stats.count(stats.skipped, Skip.TOKEN_IDS_OUT_OF_VOCABULARY.value)
         return Skip.TOKEN_IDS_OUT_OF_VOCABULARY
     ids = list(encode(render_prompt(tokenizer, prompt)))

@@ -6,7 +6,8 @@
     release(name, owner)        give it up (expires now), if ours
     Fence(name, owner, gen)     the holder's fencing token: `held()` is a condition a write adds
                                 to its own statement, so the write happens only while the lease
-                                is still ours with the same generation (see fenced_rowcount)
+                                is still ours with the same generation; `check(conn)` raises
+                                LeaseLost inside a caller's transaction otherwise
 
 A daemon that dies stops renewing; another takes the lease once `expires_at` has passed and the
 generation grows. A daemon that was only paused (a long GC, a frozen VM, a store outage longer

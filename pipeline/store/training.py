@@ -7,14 +7,14 @@ limit. Everything left out is counted by reason, so a run can say why it trained
 episodes than the store holds.
 
 Newest, not oldest: a backlog larger than the limit is not trained in full -- its older part is
-left out (`over_limit`) and the run's watermark moves past it. Taking the oldest kept the
-watermark behind every unread episode, but after a rejected candidate the next cycle selected
-the very same rows, saw nothing new and skipped, for as long as the backlog lasted (forever with
-no staleness limit). The newest episodes are also the ones closest to the serving policy.
+left out (`over_limit`) and the run's watermark moves past it. Taking the oldest would keep the
+watermark behind every unread episode, but after a rejected candidate the next cycle would
+select the very same rows, see nothing new and skip, for as long as the backlog lasts (forever
+with no staleness limit). The newest episodes are also the ones closest to the serving policy.
 
 The held-out slice is fixed by a hash of the prompt: a prompt of the slice never trains, however
-often it is asked (split by request id, a repeated prompt was held out in some requests and
-trained on in others, and the gate measured memory, not generalisation). The gate evaluates
+often it is asked (split by request id, a repeated prompt would be held out in some requests
+and trained on in others, and the gate would measure memory, not generalisation). The gate evaluates
 candidates on the most recent held-out episodes (select_eval_episodes).
 """
 
