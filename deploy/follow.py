@@ -24,7 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
+
+from pipeline import kafka_client
+from pipeline.kafka_config import KafkaAccess
 
 log = logging.getLogger("rtrl.deploy")
 _VERSION_ID = re.compile(r"[0-9]{1,18}")
@@ -45,14 +48,14 @@ def current(registry: Any, alias: str) -> dict[str, Any]:
 
 
 class Follower:
-    def __init__(self, bootstrap: str, topic: str, model_name: str,
+    def __init__(self, access: KafkaAccess | str, topic: str, model_name: str,
                  on_update: Callable[[dict[str, Any]], None], resolve: Callable[[str], dict[str, Any]],
                  aliases: tuple[str, ...] = ("champion",), retry_s: float = 5.0) -> None:
         """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
         self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
         self.retry_s, self.stale, self.next_try = retry_s, set(), 0.0  # aliases to read again
-        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                      consumer_timeout_ms=500)
+        self.consumer = kafka_client.consumer(access, group_id=None, enable_auto_commit=False,
+                                              consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         self.consumer.assign(tps)

@@ -32,6 +32,7 @@ from sqlalchemy import Engine
 
 from ingest.batch import raw_records
 from ingest.workers import Lanes
+from pipeline import kafka_client
 from pipeline.config import Config
 from pipeline.store.events import stored_offsets
 
@@ -93,9 +94,9 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
 
 
 def make_consumer(cfg: Config, group_id: str | None, **overrides) -> KafkaConsumer:
-    """A consumer that hands us raw bytes; offsets are managed by rtrl, never auto-committed."""
+    """A consumer that hands us raw bytes; offsets are managed by rtrl, never auto-committed.
+    Raises kafka_client.KafkaAccessError (a KafkaError) naming the setting when it cannot connect."""
     params = dict(
-        bootstrap_servers=cfg.bootstrap.split(","),
         group_id=group_id,
         client_id=f"rtrl-{group_id or 'replay'}",
         enable_auto_commit=False,
@@ -108,7 +109,7 @@ def make_consumer(cfg: Config, group_id: str | None, **overrides) -> KafkaConsum
         heartbeat_interval_ms=max(cfg.ingest.session_timeout_ms // 3, 100),
     )
     params.update(overrides)
-    return KafkaConsumer(**params)
+    return kafka_client.consumer(cfg.kafka_access, **params)
 
 
 def run_ingest(

@@ -1,16 +1,16 @@
 """One validated config object: embedded defaults < TOML file < RTRL_* environment variables.
 
     [store]  url = "sqlite:///<state>/rtrl.db"
-    [kafka]  bootstrap = "127.0.0.1:19092"
+    [kafka]  bootstrap = "127.0.0.1:19092"   ([kafka.security]: TLS and SASL, pipeline/kafka_config.py)
     [ingest] group_id = "rtrl-ingest", batch_max_records = 2000, ...
     [train]  base_model = "/models/base", loss = "cispo", learning_rate = 1e-4, ...
     [mlflow] tracking_uri = "http://mlflow:5000" (default: a SQLite store in the state folder)
     [rollout] share = 0.1 (a passing candidate serves 10 % of requests before promotion)
 
 Environment overrides use the section and key joined by a double underscore, e.g.
-`RTRL_INGEST__GROUP_ID=workers`, plus the short forms `RTRL_STATE_DIR`, `RTRL_DB_URL` and
-`RTRL_KAFKA_BOOTSTRAP` that operators actually type. A bad value is refused at load time with
-the field and what is allowed.
+`RTRL_INGEST__GROUP_ID=workers`, plus the short forms `RTRL_STATE_DIR`, `RTRL_DB_URL`,
+`RTRL_KAFKA_BOOTSTRAP` and `RTRL_KAFKA_PASSWORD` that operators actually type. A bad value is
+refused at load time with the field and what is allowed; a secret written in the file is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.kafka_config import SECRET_FIELDS, KafkaAccess, KafkaConfig
 
 DEFAULT_STATE_DIR = Path.home() / ".rtrl"
 
@@ -38,26 +40,6 @@ class StoreConfig(_Section):
     url: str | None = Field(
         default=None, description="SQLAlchemy URL; default: a SQLite file in the state folder"
     )
-
-
-class KafkaConfig(_Section):
-    bootstrap: str | None = Field(
-        default=None, description="host:port list; default: the local broker `rtrl kafka up` runs"
-    )
-    port: int = Field(default=19092, ge=1024, le=65535, description="local broker client port")
-    controller_port: int = Field(default=19093, ge=1024, le=65535)
-    version: str = Field(default="4.3.1", description="org.apache.kafka:kafka_2.13 version")
-    heap: str = Field(default="512m", description="JVM heap of the local broker")
-    partitions: int = Field(default=4, ge=1, le=1024, description="default partitions per topic")
-    interactions_topic: str = "rtrl.interactions"
-    feedback_topic: str = "rtrl.feedback"
-    model_updates_topic: str = "rtrl.model-updates"
-
-    @model_validator(mode="after")
-    def _ports_differ(self) -> "KafkaConfig":
-        if self.port == self.controller_port:
-            raise ValueError("kafka.port and kafka.controller_port must differ")
-        return self
 
 
 class IngestConfig(_Section):
@@ -296,6 +278,11 @@ class Config(_Section):
         return self.kafka.bootstrap or f"127.0.0.1:{self.kafka.port}"
 
     @property
+    def kafka_access(self) -> KafkaAccess:
+        """What every Kafka client is built from (pipeline/kafka_client.py)."""
+        return KafkaAccess(self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s)
+
+    @property
     def ingest_topics(self) -> list[str]:
         return self.ingest.topics or [self.kafka.interactions_topic, self.kafka.feedback_topic]
 
@@ -304,6 +291,7 @@ _SHORT_ENV = {
     "RTRL_STATE_DIR": ("state_dir",),
     "RTRL_DB_URL": ("store", "url"),
     "RTRL_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
+    "RTRL_KAFKA_PASSWORD": ("kafka", "security", "password"),
 }
 
 
@@ -345,6 +333,11 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    written = [k for k in SECRET_FIELDS if k in data.get("kafka", {}).get("security", {})]
+    if written:
+        raise ConfigError(f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
+                          f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
+                          f"kafka.security.password_file")
     data = _merge(data, _env_overrides(environ))
     try:
         return Config.model_validate(data)

@@ -93,7 +93,7 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
     if config.train.base_model is not None:
         # at start, not in the middle of the first cycle (seconds of imports); a bad path fails here
         import_model_code(config.train.base_model)
-    publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
+    publisher = ModelUpdatePublisher(config.kafka_access, config.kafka.model_updates_topic)
     registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher,
                         cache_dir=config.state_dir / "cache" / "adapters")
     resident: dict[Path, PolicySet] = {}

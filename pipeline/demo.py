@@ -36,6 +36,7 @@ import requests
 from sqlalchemy import Engine, func, select
 
 from pipeline.config import Config
+from pipeline.kafka_config import security_env
 from pipeline.store.cycles import recent_cycles
 from pipeline.store.tables import feedback, gate_decisions, interactions, rewards
 from pipeline.store.training import get_run
@@ -212,7 +213,9 @@ def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 1
     """`rtrl serve` on a free port with this run's topics and registry; returns the process and
     its URL once /health answers."""
     port = _free_port()
-    env = {**os.environ, "RTRL_STATE_DIR": str(run_dir), "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_KAFKA")}  # the demo's broker only
+    env = {**inherited, **security_env(config.kafka.security, with_secrets=True),
+           "RTRL_STATE_DIR": str(run_dir), "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
            "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
            "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
@@ -269,7 +272,7 @@ def _run_fleet(config: Config, engine: Engine, url: str, daemon, cycles: int, me
     from deploy.events import EventSender
     from pipeline.sim import Fleet
 
-    feedback_sender = EventSender(config.bootstrap, config.kafka.feedback_topic, key="request_id")
+    feedback_sender = EventSender(config.kafka_access, config.kafka.feedback_topic, key="request_id")
     fleet = Fleet(url, feedback_sender, rate=rate, seed=seed)
     fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
     fleet_thread.start()
@@ -349,7 +352,8 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     run_dir.mkdir(parents=True)
     config = demo_config(state_dir, run_dir, naive, every, seed, tag=uuid.uuid4().hex[:8])
     broker = kafka_local.up(config, progress=say)
-    kafka_local.ensure_topics(broker.bootstrap, [config.kafka.interactions_topic, config.kafka.feedback_topic,
+    config.kafka.security = broker.access().security  # a local broker set up --secure: its users and CA
+    kafka_local.ensure_topics(config.kafka_access, [config.kafka.interactions_topic, config.kafka.feedback_topic,
                                                  config.kafka.model_updates_topic], config.kafka.partitions)
     store_db.upgrade(config.db_url)
     engine = store_db.make_engine(config.db_url)

@@ -6,6 +6,11 @@
     broker   java -Xmx<heap> kafka.Kafka server.properties, detached, pid in broker.pid
     ready    the log says "Kafka Server started" and the client port accepts connections
 
+`--secure` (decided when the storage is formatted, kept for its life): the client port is a
+SASL_SSL listener that requires a client certificate and a SCRAM or PLAIN login, the way a
+managed Kafka is set up (pipeline/kafka_secure.py makes the CA, the certificates and the users).
+The controller port stays plaintext, on 127.0.0.1 like everything here.
+
 Everything lives under the state folder, so `rtrl kafka down` and deleting the folder is a
 full reset. Nothing here listens on anything but 127.0.0.1.
 """
@@ -24,7 +29,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import kafka_secure
 from pipeline.config import Config
+from pipeline.kafka_config import KafkaAccess
 
 SLF4J_VERSION = "1.7.36"
 
@@ -82,6 +89,17 @@ class LocalBroker:
             pass
         return pid
 
+    @property
+    def secure(self) -> bool:
+        """Formatted with --secure: SASL_SSL on the client port."""
+        return (self.state / kafka_secure.MARKER).exists()
+
+    def access(self) -> KafkaAccess:
+        """How a client reaches this broker (its own users and CA when it is secure)."""
+        if not self.secure:
+            return KafkaAccess(self.bootstrap)
+        return KafkaAccess(self.bootstrap, kafka_secure.client_security(self.state))
+
     def accepting(self) -> bool:
         with socket.socket() as s:
             s.settimeout(0.5)
@@ -120,14 +138,15 @@ def ensure_jars(broker: LocalBroker, version: str, progress=print) -> None:
 
 def _properties(broker: LocalBroker) -> str:
     data = broker.state / "data"
+    client = "SASL_SSL" if broker.secure else "PLAINTEXT"
     return "\n".join([
         "process.roles=broker,controller",
         "node.id=1",
-        f"listeners=PLAINTEXT://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
-        f"advertised.listeners=PLAINTEXT://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
+        f"listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
+        f"advertised.listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
         "controller.listener.names=CONTROLLER",
-        "inter.broker.listener.name=PLAINTEXT",
-        "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        f"inter.broker.listener.name={client}",
+        f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{client}:{client}",
         f"controller.quorum.bootstrap.servers=127.0.0.1:{broker.controller_port}",
         f"log.dirs={data}",
         f"num.partitions={broker.partitions}",
@@ -139,6 +158,7 @@ def _properties(broker: LocalBroker) -> str:
         "share.coordinator.state.topic.min.isr=1",
         "group.initial.rebalance.delay.ms=0",
         "auto.create.topics.enable=true",
+        *(kafka_secure.broker_properties(broker.state) if broker.secure else []),
         "",
     ])
 
@@ -151,11 +171,18 @@ def _java(broker: LocalBroker, main: str, *args: str, heap: str | None = None) -
                   "-cp", f"{broker.libs}/*", main, *args]
 
 
-def up(cfg: Config, progress=print, timeout_s: float = 120.0) -> LocalBroker:
-    """Start the broker (fetching and formatting first if needed); return once it serves."""
+def up(cfg: Config, progress=print, timeout_s: float = 120.0, secure: bool = False) -> LocalBroker:
+    """Start the broker (fetching and formatting first if needed); return once it serves.
+    `secure` applies when the storage is formatted; a broker formatted plaintext stays so."""
     broker = LocalBroker.from_config(cfg)
+    formatted = (broker.state / "data" / "meta.properties").exists()
+    if secure and formatted and not broker.secure:
+        raise KafkaLocalError(
+            f"the broker under {broker.state} was set up without --secure, and stays so: to start it secure, "
+            f"`rtrl kafka down`, delete {broker.state} (its topics go with it) and `rtrl kafka up --secure`")
     if broker.pid() is not None and broker.accepting():
-        progress(f"kafka already running on {broker.bootstrap} (pid {broker.pid()})")
+        progress(f"kafka already running on {broker.bootstrap} (pid {broker.pid()}"
+                 f"{', SASL_SSL' if broker.secure else ''})")
         return broker
     if shutil.which("java") is None:
         raise KafkaLocalError("Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) to run the local Kafka broker")
@@ -167,17 +194,24 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0) -> LocalBroker:
                     f"port {port} on 127.0.0.1 is taken (a broker started with another state folder?): stop it with "
                     f"`RTRL_STATE_DIR=<its folder> rtrl kafka down`, or set kafka.port / kafka.controller_port")
     broker.state.mkdir(parents=True, exist_ok=True)
+    if secure and not formatted:
+        progress("making a CA, the broker's and a client's certificates (keytool) and SCRAM users")
+        kafka_secure.make_material(broker.state)
     props = broker.state / "server.properties"
     props.write_text(_properties(broker))
-    if not (broker.state / "data" / "meta.properties").exists():
+    props.chmod(0o600)  # a secure broker's holds its keystore and admin passwords
+    if not formatted:
         cluster_id = _cluster_id()
+        users = kafka_secure.scram_users(broker.state) if broker.secure else []
         fmt = subprocess.run(
-            _java(broker, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster_id, "-c", str(props)),
+            _java(broker, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster_id, "-c", str(props),
+                  *users),
             capture_output=True, text=True,
         )
         if fmt.returncode != 0:
             raise KafkaLocalError(f"formatting Kafka storage failed:\n{(fmt.stdout + fmt.stderr)[-2000:]}")
-    progress(f"starting kafka {cfg.kafka.version} on {broker.bootstrap} (logs: {broker.log_file})")
+    progress(f"starting kafka {cfg.kafka.version} on {broker.bootstrap}{' (SASL_SSL)' if broker.secure else ''} "
+             f"(logs: {broker.log_file})")
     with open(broker.log_file, "ab") as logf:
         proc = subprocess.Popen(
             _java(broker, "kafka.Kafka", str(props), heap=broker.heap),
@@ -234,12 +268,14 @@ def down(cfg: Config, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def ensure_topics(bootstrap: str, topics: list[str], partitions: int) -> None:
+def ensure_topics(access: KafkaAccess | str, topics: list[str], partitions: int) -> None:
     """Create the topics if they do not exist (idempotent)."""
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="rtrl-admin")
+    from pipeline import kafka_client
+
+    admin = kafka_client.admin(access, client_id="rtrl-admin")
     try:
         existing = set(admin.list_topics())
         new = [NewTopic(t, partitions, 1) for t in topics if t not in existing]

@@ -9,6 +9,10 @@ Every attribute `extra` put on the record reaches the line (the formatter takes 
 a standard LogRecord attribute), so no call can lose its fields by using the other style: a
 dict under `extra={"fields": {...}}` is spread into the line too. Field names must not clash
 with LogRecord's own (`msg`, `args`, `module`, ...): logging raises KeyError for those.
+
+Secrets handed to a library that may log them (the Kafka password: kafka-python's admin client
+logs its whole configuration at debug) are registered with `mask` and replaced by `***` in every
+line, whatever the level and whichever logger wrote it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,20 @@ from datetime import datetime, timezone
 
 # what every LogRecord has; anything else on a record came from `extra`
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+_SECRETS: set[str] = set()
+
+
+def mask(secret: str) -> None:
+    """Never write `secret` in a log line (as itself or as JSON escapes it)."""
+    if len(secret) >= 4:  # a shorter one would mask ordinary words, and is no secret anyway
+        _SECRETS.add(secret)
+        _SECRETS.add(json.dumps(secret)[1:-1])
+
+
+def _masked(line: str) -> str:
+    for secret in _SECRETS:
+        line = line.replace(secret, "***")
+    return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -40,7 +58,8 @@ class JsonFormatter(logging.Formatter):
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        line = json.dumps(out, default=str)
+        return _masked(line) if _SECRETS else line
 
 
 def setup_logging(level: str = "INFO") -> None:

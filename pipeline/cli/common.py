@@ -39,3 +39,14 @@ class Context:
 
 
 pass_ctx = click.make_pass_decorator(Context)
+
+
+def kafka_failure(config: Config, exc: BaseException, doing: str) -> click.ClickException:
+    """A command's error for a Kafka client that failed: the diagnosis when there is one (it
+    names the setting), else what failed where and what to check."""
+    from pipeline.kafka_client import KafkaAccessError
+
+    if isinstance(exc, KafkaAccessError):
+        return click.ClickException(f"cannot {doing}: {exc}")
+    return click.ClickException(f"cannot {doing} at {config.kafka_access.describe()}: {exc!r}; "
+                                "is the broker up (`rtrl kafka status`)?")

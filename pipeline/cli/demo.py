@@ -55,7 +55,7 @@ def sim(ctx: Context, url: str, rate: float, seed: int, duration_s: float | None
     from deploy.events import EventSender
     from pipeline.sim import Fleet
 
-    send = EventSender(ctx.config.bootstrap, ctx.config.kafka.feedback_topic, key="request_id")
+    send = EventSender(ctx.config.kafka_access, ctx.config.kafka.feedback_topic, key="request_id")
     fleet = Fleet(url, send, rate=rate, seed=seed)
     try:
         stats = fleet.run(duration_s=duration_s)

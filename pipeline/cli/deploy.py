@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.store.deploys import latest_decision, moves
 from pipeline.store.training import get_run, latest_finished_run
@@ -28,7 +28,7 @@ def _registry(ctx: Context):
     from deploy.registry import Registry, RegistryError
 
     config = ctx.config
-    publisher = ModelUpdatePublisher(config.bootstrap, config.kafka.model_updates_topic)
+    publisher = ModelUpdatePublisher(config.kafka_access, config.kafka.model_updates_topic)
     try:
         registry = Registry(config.tracking_uri, config.mlflow.registered_model, ctx.engine(), publisher)
         for line in registry.repair():
@@ -214,7 +214,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         return registry_state(registry, alias)
 
     try:
-        follower = Follower(config.bootstrap, config.kafka.model_updates_topic, name, lambda ev: None, resolve,
+        follower = Follower(config.kafka_access, config.kafka.model_updates_topic, name, lambda ev: None, resolve,
                             aliases=("champion", "canary"))
         # what serving starts from, read like every later update (a staged rollout in progress
         # has its share tagged on the canary's version)
@@ -223,8 +223,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     except (RegistryError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - kafka errors
-        raise click.ClickException(f"cannot follow {config.kafka.model_updates_topic} on {config.bootstrap}: {exc}; "
-                                   "is Kafka up (`rtrl kafka up`)?") from None
+        raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
     if vllm_url:
         from deploy.vllm import VllmAdapterSync
 
@@ -255,7 +254,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
     # the response waits until Kafka has the interaction event
-    emit = None if no_events else EventSender(config.bootstrap, config.kafka.interactions_topic, key="request_id",
+    emit = None if no_events else EventSender(config.kafka_access, config.kafka.interactions_topic, key="request_id",
                                               timeout_s=10.0)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
 

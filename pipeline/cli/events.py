@@ -14,7 +14,7 @@ from ingest.lag import KafkaError, partition_lag
 from ingest.ndjson import export_events
 from ingest.progress import IngestDisplay
 from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kafka
-from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.store.cycles import recent_cycles
 from pipeline.store.leases import holder
 from pipeline.store.events import dead_letters_by_reason, table_counts, utcnow
@@ -64,9 +64,7 @@ def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progr
             stats = run_ingest(cfg, engine, stop, on_batch=display.update,
                                max_records=max_records, idle_exit_s=idle_exit)
         except KafkaError as exc:
-            raise click.ClickException(
-                f"cannot consume from {cfg.bootstrap}: {exc!r}; is the broker up (`rtrl kafka status`)?"
-            ) from None
+            raise kafka_failure(cfg, exc, "consume") from None
     click.echo(f"ingested {stats.events} events ({stats.duplicates} duplicates skipped, "
                f"{stats.dead_letters} dead letters) in {stats.batches} batches")
 
@@ -119,7 +117,7 @@ def replay(ctx: Context, since, until, topics, path, dead_letters: bool, dry_run
         try:
             report = replay_from_kafka(cfg, engine, since, until, topics or None, dry_run=dry_run)
         except KafkaError as exc:
-            raise click.ClickException(f"cannot read from {cfg.bootstrap}: {exc!r}; is the broker up?") from None
+            raise kafka_failure(cfg, exc, "replay from Kafka") from None
     click.echo(("dry run: " if dry_run else "") + report.summary())
 
 
@@ -157,11 +155,11 @@ def status(ctx: Context) -> None:
     for c in recent_cycles(engine, 5):
         candidate = f" v{c.candidate_version}" if c.candidate_version else ""
         click.echo(f"  {c.started_at:%Y-%m-%d %H:%M:%S} {c.cycle_id} {c.state:<10}{candidate}  {c.reason or ''}"[:200])
-    click.echo(f"lag for group {cfg.ingest.group_id} at {cfg.bootstrap}:")
+    click.echo(f"lag for group {cfg.ingest.group_id} at {cfg.kafka_access.describe()}:")
     try:
         lags = partition_lag(cfg, engine, timeout_ms=5000)
     except KafkaError as exc:
-        click.echo(f"  broker unreachable ({type(exc).__name__}): start it with `rtrl kafka up`")
+        click.echo(f"  {kafka_failure(cfg, exc, 'read the lag').message}")
         return
     if not lags:
         click.echo("  no partitions (topics not created yet)")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import click
 
-from pipeline import kafka_local
+from kafka.errors import KafkaError
+
+from pipeline import kafka_local, kafka_secure
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.kafka_config import security_env
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
@@ -17,20 +20,31 @@ def kafka() -> None:
 
 
 @kafka.command()
+@click.option("--secure", is_flag=True,
+              help="A SASL_SSL listener (TLS with a client certificate, then a SCRAM/PLAIN login), as managed "
+                   "Kafka runs; chosen when the broker is first set up, and kept.")
 @pass_ctx
-def up(ctx: Context) -> None:
-    """Start the broker (fetch, format, start, wait until ready) and create the topics."""
+def up(ctx: Context, secure: bool) -> None:
+    """Start the broker (fetch, format, start, wait until ready) and create the topics.
+
+    With --secure, the settings rtrl's clients need are printed (never the password: it is in a
+    0600 file under the state folder).
+    """
     cfg = ctx.config
     try:
-        broker = kafka_local.up(cfg, progress=click.echo)
+        broker = kafka_local.up(cfg, progress=click.echo, secure=secure)
         kafka_local.ensure_topics(
-            broker.bootstrap,
+            broker.access(),
             [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic, cfg.kafka.model_updates_topic],
             cfg.kafka.partitions,
         )
-    except kafka_local.KafkaLocalError as exc:
+    except (kafka_local.KafkaLocalError, kafka_secure.KafkaSecureError, KafkaError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"kafka is up: bootstrap {broker.bootstrap}")
+    click.echo(f"kafka is up: bootstrap {broker.access().describe()}")
+    if broker.secure:
+        click.echo("clients connect with these settings (environment; or [kafka.security] in the config file):")
+        for name, value in security_env(broker.access().security).items():
+            click.echo(f"  export {name}={value}")
 
 
 @kafka.command()
@@ -50,4 +64,4 @@ def status(ctx: Context) -> None:
         click.echo("kafka: not running (start it with `rtrl kafka up`)")
         raise SystemExit(1)
     state = "serving" if broker.accepting() else "starting"
-    click.echo(f"kafka: {state}, pid {pid}, bootstrap {broker.bootstrap}, logs {broker.log_file}")
+    click.echo(f"kafka: {state}, pid {pid}, bootstrap {broker.access().describe()}, logs {broker.log_file}")

@@ -1,0 +1,286 @@
+"""Kafka security: `[kafka.security]` reaches every client, and `rtrl kafka up --secure` runs a
+broker like a managed one (SASL_SSL: TLS with a client certificate, then a SCRAM login).
+
+Against that broker: ingest and replay (SQLite and PostgreSQL), `rtrl serve`'s interaction
+events and a model-update round trip (a promotion published, followed by serving), and every
+wrong setting failing within seconds with a message that names it. Secrets never reach a
+printed config, `rtrl status` or a log line; the config file may not hold them."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from click.testing import CliRunner
+
+from deploy.events import EventSender, ModelUpdatePublisher
+from deploy.follow import Follower
+from deploy.registry import Registry
+from deploy.tracking import MlflowTracker
+from ingest.consumer import run_ingest
+from ingest.replay import replay_from_kafka
+from pipeline import kafka_client, kafka_secure
+from pipeline.cli import cli
+from pipeline.config import ConfigError, load_config
+from pipeline.kafka_config import KafkaAccess, KafkaSecurityConfig, security_env
+from pipeline.kafka_local import ensure_topics
+from pipeline.logs import JsonFormatter
+from pipeline.store import db as store_db
+from pipeline.store.events import table_counts
+from tests.conftest import REPO, free_port, wait_for
+from tests.factories import feedback, interaction
+
+# ---- the settings, without a broker ------------------------------------------------------
+
+
+def test_client_params_carry_tls_and_sasl(tmp_path):
+    ca, pw = tmp_path / "ca.pem", tmp_path / "pw"
+    ca.write_text("x")
+    pw.write_text("s3cret-from-file\n")
+    sec = KafkaSecurityConfig(protocol="SASL_SSL", ca_file=ca, sasl_mechanism="SCRAM-SHA-256", username="u",
+                              password_file=pw)
+    params = KafkaAccess("b1:9093, b2:9093", sec).client_params()
+    assert params == {"bootstrap_servers": ["b1:9093", "b2:9093"], "security_protocol": "SASL_SSL",
+                      "ssl_check_hostname": True, "ssl_cafile": str(ca), "ssl_certfile": None, "ssl_keyfile": None,
+                      "ssl_password": None, "sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": "u",
+                      "sasl_plain_password": "s3cret-from-file"}
+    assert KafkaAccess("b:1").client_params() == {"bootstrap_servers": ["b:1"], "security_protocol": "PLAINTEXT"}
+
+
+def test_the_password_comes_from_the_environment_and_is_never_shown(tmp_path):
+    cfg = load_config(environ={"RTRL_KAFKA__SECURITY__PROTOCOL": "SASL_SSL", "RTRL_KAFKA__SECURITY__USERNAME": "u",
+                               "RTRL_KAFKA_PASSWORD": "hunter2-hunter2"})
+    assert cfg.kafka_access.client_params()["sasl_plain_password"] == "hunter2-hunter2"
+    for shown in (repr(cfg), str(cfg.model_dump()), cfg.model_dump_json(), cfg.kafka_access.describe(),
+                  json.dumps(security_env(cfg.kafka.security))):
+        assert "hunter2" not in shown
+    assert security_env(cfg.kafka.security, with_secrets=True)["RTRL_KAFKA_PASSWORD"] == "hunter2-hunter2"
+
+
+@pytest.mark.parametrize("section, env, named", [
+    ('password = "x"', {}, "kafka.security.password must not be written in the config file"),
+    ('key_password = "x"', {}, "kafka.security.key_password must not be written"),
+    ('protocol = "SASL_SSL"', {}, "needs kafka.security.username"),
+    ('protocol = "SASL_SSL"\nusername = "u"', {}, "needs exactly one of RTRL_KAFKA_PASSWORD"),
+    ('protocol = "SSL"\nca_file = "/nonexistent/ca.pem"', {}, "kafka.security.ca_file: /nonexistent/ca.pem is not"),
+    ('ca_file = "/etc/hostname"', {}, "need protocol SSL or SASL_SSL"),
+    ('username = "u"', {"RTRL_KAFKA_PASSWORD": "x"}, "are for SASL_SSL or SASL_PLAINTEXT"),
+])
+def test_bad_security_settings_are_refused_at_load_naming_the_field(tmp_path, section, env, named):
+    path = tmp_path / "rtrl.toml"
+    path.write_text(f"[kafka.security]\n{section}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ=env)
+    assert named in str(err.value)
+
+
+def test_masked_secrets_never_reach_a_log_line():
+    kafka_client.logs.mask("p@ss\"word-123")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger(f"test.mask.{uuid.uuid4().hex}")
+    log.addHandler(handler)
+    log.warning("config %s", {"sasl_plain_password": "p@ss\"word-123"}, extra={"pw": "p@ss\"word-123"})
+    assert "word-123" not in out.getvalue() and out.getvalue().count("***") == 2
+
+
+# ---- against a secure broker --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    """`rtrl kafka up --secure` on free ports: its bootstrap, client settings and their environment."""
+    env = {"RTRL_STATE_DIR": str(tmp_path_factory.mktemp("secure-kafka")),
+           "RTRL_KAFKA__PORT": str(free_port()), "RTRL_KAFKA__CONTROLLER_PORT": str(free_port())}
+    up = CliRunner().invoke(cli, ["kafka", "up", "--secure"], env=env)
+    assert up.exit_code == 0, up.output
+    state = Path(env["RTRL_STATE_DIR"]) / "kafka"
+    password = (state / "secrets" / "rtrl").read_text().strip()
+    assert password not in up.output and "RTRL_KAFKA__SECURITY__PASSWORD_FILE" in up.output
+    bootstrap = f"127.0.0.1:{env['RTRL_KAFKA__PORT']}"
+    sec = kafka_secure.client_security(state)
+    try:
+        yield {"bootstrap": bootstrap, "security": sec, "access": KafkaAccess(bootstrap, sec, 5.0),
+               "env": {"RTRL_KAFKA_BOOTSTRAP": bootstrap, **security_env(sec)}, "password": password,
+               "broker_env": env}
+    finally:
+        CliRunner().invoke(cli, ["kafka", "down"], env=env)
+
+
+def _topics(access, *kinds: str) -> dict[str, str]:
+    names = {k: f"s-{uuid.uuid4().hex[:8]}.{k}" for k in kinds}
+    ensure_topics(access, list(names.values()), partitions=2)
+    return names
+
+
+@pytest.mark.kafka
+def test_ingest_and_replay_over_sasl_ssl(secure, db_url, tmp_path):
+    topics = _topics(secure["access"], "interactions", "feedback")
+    cfg = load_config(environ={**secure["env"], "RTRL_STATE_DIR": str(tmp_path), "RTRL_DB_URL": db_url,
+                               "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"],
+                               "RTRL_KAFKA__FEEDBACK_TOPIC": topics["feedback"],
+                               "RTRL_INGEST__GROUP_ID": f"g-{uuid.uuid4().hex[:8]}",
+                               "RTRL_INGEST__SESSION_TIMEOUT_MS": "6000"})
+    n, prefix = 60, uuid.uuid4().hex[:6]
+    for topic, events in ((topics["interactions"], [interaction(i, prefix=prefix) for i in range(n)]),
+                          (topics["feedback"], [feedback(i, prefix=prefix) for i in range(n)])):
+        send = EventSender(cfg.kafka_access, topic, key="request_id")
+        for ev in events:
+            send(ev)
+        send.close()
+    engine = store_db.make_engine(db_url)
+    try:
+        stats = run_ingest(cfg, engine, threading.Event(), max_records=2 * n, idle_exit_s=20)
+        assert (stats.events, stats.dead_letters) == (2 * n, 0)
+        counts = table_counts(engine)
+        assert (counts["interactions"], counts["feedback"]) == (n, n)
+        report = replay_from_kafka(cfg, engine)
+        assert report.already_stored == 2 * n and sum(report.new_events.values()) == 0
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.kafka
+def test_serving_events_and_a_model_update_round_trip_over_sasl_ssl(secure, reverse_base, tmp_path):
+    """A promotion published over SASL_SSL is followed by `rtrl serve` (itself a secure client),
+    whose interaction events come back over SASL_SSL naming the version that served them."""
+    from tests.test_serve import make_adapter
+
+    access = secure["access"]
+    topics = _topics(access, "updates", "interactions")
+    url, tracking = f"sqlite:///{tmp_path / 'rtrl.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store_db.upgrade(url)
+    engine = store_db.make_engine(url)
+    name = f"policy-{uuid.uuid4().hex[:6]}"
+    publisher = ModelUpdatePublisher(access, topics["updates"])
+    registry = Registry(tracking, name, engine, publisher)
+    for seed in (1, 2):
+        tracker = MlflowTracker(tracking, "secure-test", tmp_path / "artifacts")
+        tracker.log_artifacts(make_adapter(reverse_base, tmp_path / f"adapter-{seed}", seed), "adapter")
+        tracker.end("FINISHED")
+        registry.register(tracker.run_id, {"base_model": str(reverse_base)})
+    registry.promote("1", actor="test", reason="start", force=True)
+    port = free_port()
+    env = {**os.environ, **secure["env"], "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": url,
+           "RTRL_MLFLOW__TRACKING_URI": tracking, "RTRL_MLFLOW__REGISTERED_MODEL": name,
+           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": topics["updates"], "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"]}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model",
+                                 str(reverse_base)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+
+    def health():
+        try:
+            return requests.get(f"{base_url}/health", timeout=2).json()
+        except requests.ConnectionError:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            return None
+
+    def complete(i: int) -> str:
+        resp = requests.post(f"{base_url}/v1/completions", timeout=30,
+                             json={"prompt": "abc>", "max_tokens": 3, "temperature": 1.0, "seed": i})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["id"]
+
+    try:
+        assert wait_for(health, 120, "rtrl serve to start")["version"] == "1"
+        served = {complete(i): "1" for i in range(3)}
+        registry.promote("2", actor="test", reason="next", force=True)  # published over SASL_SSL
+        wait_for(lambda: health()["version"] == "2", 60, "serving to follow the promotion")
+        served.update({complete(i): "2" for i in range(3, 6)})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        publisher.close()
+        engine.dispose()
+    consumer = kafka_client.consumer(access, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=2000)
+    consumer.subscribe([topics["interactions"]])
+    events: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while len(events) < len(served) and time.monotonic() < deadline:
+        for rec in consumer:
+            ev = json.loads(rec.value)
+            events[ev["request_id"]] = ev["policy_version"]
+    consumer.close()
+    assert events == served
+    assert secure["password"] not in log_path.read_text()
+
+
+@pytest.mark.kafka
+def test_a_follower_over_sasl_ssl_acts_on_a_published_move(secure):
+    access = secure["access"]
+    topic = _topics(access, "updates")["updates"]
+    seen: list[dict] = []
+    follower = Follower(access, topic, "m", seen.append,
+                        resolve=lambda alias: {"alias": alias, "version": "7", "adapter_uri": "runs:/r/adapter"}).start()
+    try:
+        ModelUpdatePublisher(access, topic)({"type": "model_update", "name": "m", "alias": "champion", "version": "7"})
+        wait_for(lambda: seen, 30, "the follower to act on the move")
+    finally:
+        follower.close()
+    assert seen[0]["version"] == "7"
+
+
+def _broken(sec: KafkaSecurityConfig, tmp_path: Path, case: str) -> KafkaSecurityConfig:
+    wrong = tmp_path / "wrong-password"
+    wrong.write_text("not-the-password\n")
+    return {
+        "wrong password": lambda: sec.model_copy(update={"password_file": wrong}),
+        "wrong user": lambda: sec.model_copy(update={"username": "mallory"}),
+        "untrusted certificate": lambda: sec.model_copy(update={"ca_file": None}),
+        "no client certificate": lambda: sec.model_copy(update={"cert_file": None, "key_file": None}),
+        "plain text to a TLS port": lambda: KafkaSecurityConfig(),
+        "TLS without the SASL login": lambda: KafkaSecurityConfig(protocol="SSL", ca_file=sec.ca_file,
+                                                                  cert_file=sec.cert_file, key_file=sec.key_file),
+    }[case]()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("case, named", [
+    ("wrong password", "kafka.security.password_file"),
+    ("wrong user", "kafka.security.username 'mallory'"),
+    ("untrusted certificate", "kafka.security.ca_file"),
+    ("no client certificate", "kafka.security.cert_file"),
+    ("plain text to a TLS port", "kafka.security.protocol is PLAINTEXT: set it to SSL or SASL_SSL"),
+    ("TLS without the SASL login", "set it to SASL_SSL"),
+])
+def test_wrong_settings_fail_within_seconds_naming_the_setting(secure, tmp_path, case, named):
+    access = KafkaAccess(secure["bootstrap"], _broken(secure["security"], tmp_path, case), connect_timeout_s=3.0)
+    for make in (kafka_client.consumer, kafka_client.producer, kafka_client.admin):
+        started = time.monotonic()
+        with pytest.raises(kafka_client.KafkaAccessError) as err:
+            make(access)
+        # a bound against a hang (the timeout is 3 s; kafka-python alone waits 30 s), not a benchmark
+        assert time.monotonic() - started < 20
+        assert named in str(err.value), str(err.value)
+
+
+@pytest.mark.kafka
+def test_the_cli_names_the_setting_and_status_shows_no_secret(secure, tmp_path):
+    db = f"sqlite:///{tmp_path / 'rtrl.db'}"
+    store_db.upgrade(db)
+    env = {**secure["env"], "RTRL_STATE_DIR": str(tmp_path), "RTRL_DB_URL": db, "RTRL_KAFKA__CONNECT_TIMEOUT_S": "3"}
+    bad = CliRunner().invoke(cli, ["ingest", "--idle-exit", "1"], env={**env, "RTRL_KAFKA__SECURITY__PASSWORD_FILE":
+                                                                         str(_write(tmp_path / "pw", "nope"))})
+    assert bad.exit_code == 1 and "kafka.security.password_file" in bad.output, bad.output
+    status = CliRunner().invoke(cli, ["status"], env=env)
+    assert status.exit_code == 0, status.output
+    assert f"{secure['bootstrap']} (SASL_SSL, SCRAM-SHA-512 as rtrl)" in status.output and "total lag" in status.output
+    assert secure["password"] not in status.output
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
