@@ -138,6 +138,15 @@ def reverse_base(tmp_path_factory) -> Path:
     return reverse_task.make_base(tmp_path_factory.mktemp("reverse-base"))
 
 
+@pytest.fixture(scope="session")
+def bpe_base(tmp_path_factory) -> Path:
+    """A Qwen2-architecture model with a 32,768-token byte-level BPE and a ChatML/tool-call chat
+    template (`rtrl model init-tiny --tokenizer bpe`), random weights, built once."""
+    from train.models import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("bpe-base") / "model", arch="qwen2", tokenizer="bpe", vocab=32_768)
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     """Poll `predicate` until it returns something true (returned), or fail after `timeout` s."""
     deadline = time.monotonic() + timeout

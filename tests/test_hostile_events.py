@@ -14,6 +14,7 @@ tests/test_ingest_kafka.py; here hypothesis drives the content, many batches per
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from datetime import timedelta
 
@@ -104,7 +105,11 @@ def policies(reverse_base, tmp_path_factory):
     return runner
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
+# the suite runs a fixed set (CI must not fail on a draw); RTRL_HOSTILE_EXAMPLES=N explores N random ones
+EXPLORE = int(os.environ.get("RTRL_HOSTILE_EXAMPLES", "0"))
+
+
+@settings(max_examples=EXPLORE or 15, deadline=None, derandomize=not EXPLORE, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.data_too_large, HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies, data):

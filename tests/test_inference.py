@@ -63,3 +63,31 @@ def test_remembered_distributions_and_greedy_answers_equal_fresh_ones(tmp_path):
     # an adapter that leaves takes what was remembered of it
     resident.remove("a")
     assert all(key[0] != "a" for key in resident._memo) and all(key[0] != "a" for key in resident._greedy)
+
+
+def test_compare_on_a_32k_vocabulary_is_reduced_batch_by_batch(bpe_base, tmp_path):
+    """The gate's comparison holds at most one batch's [tokens, vocab] distributions (and the
+    bounded memo): the batch size is set by LOGITS_ELEMENTS, and the answers do not depend on it."""
+    import random
+
+    policies = PolicySet.load(bpe_base, device="cpu")
+    policies.add("cand", _adapter(bpe_base, tmp_path / "cand", 3))
+    rng, vocab = random.Random(0), len(policies.tokenizer)
+    specials = set(policies.tokenizer.all_special_ids)
+    episodes = []
+    for i in range(12):
+        ids = [t for t in (rng.randrange(vocab) for _ in range(60)) if t not in specials][:rng.randint(5, 40)]
+        prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question {i}"}]
+        episodes.append(LoggedEpisode(f"r{i}", prompt, policies.tokenizer.decode(ids), ids, temperature=0.8))
+    whole = policies.compare(None, "cand", episodes)
+
+    small = PolicySet(policies.policy)  # the same weights, memory of nothing, batches of 64 tokens
+    small.model, small.names = policies.model, policies.names
+    small.LOGITS_ELEMENTS, small.MEMO_BYTES = 64 * vocab, 0
+    batches, real = [], small._completion_logprobs
+    small._completion_logprobs = lambda name, part: batches.append(len(part)) or real(name, part)
+    batched = small.compare(None, "cand", episodes)
+    assert len(batches) > 2 * 4 and max(batches) <= 2  # at most two episodes of up to ~60 tokens a batch
+    for got, want in zip(batched[:2], whole[:2]):
+        assert all(abs(x - y) < 1e-3 for x, y in zip(got, want))
+    assert whole[2] > 0 and abs(batched[2] - whole[2]) < 1e-4 * max(1.0, whole[2])

@@ -5,7 +5,9 @@
     policies.sequence_logprobs("7", episodes)  [N] log pi(completion | prompt), at the serving temperature
     policies.compare("6", "7", episodes)       both policies' [N] log-probs and the mean KL(p_6 || p_7)
                                                per completion token, from one forward pass of each
-                                               (remembered: an episode seen before is not run again)
+                                               (remembered: an episode seen before is not run again),
+                                               batch by batch: memory is set by LOGITS_ELEMENTS and
+                                               MEMO_BYTES, not by the number of episodes
     policies.generate("7", prompts, ...)       text, token ids, per-token log-probs (after temperature)
 
 The name None is the base model with every adapter off. Adapters share the base weights: a
@@ -45,6 +47,13 @@ class PolicySet:
     # what compare() may keep of the policies' distributions: 0.8 MB for the demo's 400 held-out
     # episodes; at a large vocabulary and long completions it holds fewer and recomputes the rest
     MEMO_BYTES = 256 << 20
+    # what one batch's [B, T, V] logits may hold (128 MB in float32): 1024 tokens at a 32k
+    # vocabulary, 220 at Qwen's 152k. Every [.., V] tensor is reduced to per-token scalars
+    # before the next batch, so a forward pass costs a few of these whatever the episode count
+    LOGITS_ELEMENTS = 1 << 25
+
+    def _batch_tokens(self) -> int:
+        return max(64, self.LOGITS_ELEMENTS // self.policy.model.config.vocab_size)
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -126,7 +135,7 @@ class PolicySet:
         results: list[Any] = [None] * len(episodes)
         pad = self.tokenizer.pad_token_id
         with self._use(name):
-            for index in pack_by_length([len(e.input_ids) for e in episodes], 8192):
+            for index in pack_by_length([len(e.input_ids) for e in episodes], self._batch_tokens()):
                 batch = collate(episodes, index, pad, self.policy.device)
                 temp = torch.tensor([episodes[i].temperature for i in index], device=self.policy.device)
                 for row, value in zip(index, fn(batch, temp)):
@@ -154,14 +163,20 @@ class PolicySet:
             raise ValueError(f"compare needs two different policies, got {p!r} twice")
         toks = self._tokenize(episodes, max_tokens)
         kept = [t for t in toks if t is not None]
-        found = {name: self._completion_logprobs(name, kept) for name in (p, q)}  # name -> [(seq, [n, V])]
+        seqs: dict[str | None, list[float]] = {p: [0.0] * len(kept), q: [0.0] * len(kept)}
         total, tokens = 0.0, 0
-        for (_, logp_p), (_, logp_q) in zip(found[p], found[q]):
-            total += float((logp_p.exp() * (logp_p - logp_q)).sum())  # summed over its n tokens
-            tokens += logp_p.size(0)
+        # a batch at a time: both policies' [n, V] distributions of a batch's episodes are
+        # reduced to sequence log-probs and a KL sum before the next batch is run
+        for chunk in pack_by_length([len(t.input_ids) for t in kept], self._batch_tokens()):
+            part = [kept[i] for i in chunk]
+            for i, (seq_p, logp_p), (seq_q, logp_q) in zip(chunk, self._completion_logprobs(p, part),
+                                                           self._completion_logprobs(q, part)):
+                seqs[p][i], seqs[q][i] = seq_p, seq_q
+                total += float((logp_p.exp() * (logp_p - logp_q)).sum())  # summed over its n tokens
+                tokens += logp_p.size(0)
         out = {}
         for name in (p, q):
-            it = iter(seq for seq, _ in found[name])
+            it = iter(seqs[name])
             out[name] = [next(it) if t is not None else None for t in toks]
         return out[p], out[q], total / max(tokens, 1)
 
@@ -173,7 +188,7 @@ class PolicySet:
         missing = [i for i, v in enumerate(out) if v is None]
         pad = self.tokenizer.pad_token_id
         with self._use(name):
-            for index in pack_by_length([len(episodes[i].input_ids) for i in missing], 8192):
+            for index in pack_by_length([len(episodes[i].input_ids) for i in missing], self._batch_tokens()):
                 rows = [missing[j] for j in index]
                 batch = collate(episodes, rows, pad, self.policy.device)
                 temp = torch.tensor([episodes[i].temperature for i in rows], device=self.policy.device)

@@ -3,24 +3,20 @@
     load_policy(path)   model + tokenizer from a local directory (never a hub download), on
                         CUDA when available, CPU otherwise; bf16 where the device supports it
     render_prompt       a prompt (text, or chat messages) as the text the model continues
-    init_tiny(out)      a small Llama- or Qwen2-style model with a character-level tokenizer,
-                        built from a config and seeded: for tests and the demo
+    init_tiny(out)      a small Llama- or Qwen2-style model, built from a config and seeded, with
+                        a character-level tokenizer (the demo) or a byte-level BPE with a
+                        ChatML/tool-call chat template (train/tiny_tokenizers.py): for tests
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# A chat template for tokenizers that have none: "role: content" lines, then the assistant cue.
-SIMPLE_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
+from train.tiny_tokenizers import SIMPLE_CHAT_TEMPLATE, TOKENIZERS, bpe_tokenizer, char_tokenizer
 
 TINY_ARCHS = ("llama", "qwen2")
 
@@ -132,38 +128,33 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict]) -> str:
 
 
 def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
-              seed: int = 0) -> Path:
-    """Write a small randomly initialised model and a character-level tokenizer to `out`."""
+              seed: int = 0, tokenizer: str = "char", vocab: int = 32_768) -> Path:
+    """Write a small randomly initialised model and its tokenizer to `out` (`vocab`: the BPE's size)."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if arch not in TINY_ARCHS:
         raise ModelError(f"unknown tiny architecture {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
+    if tokenizer not in TOKENIZERS:
+        raise ModelError(f"unknown tokenizer {tokenizer!r}: choose one of {', '.join(TOKENIZERS)}")
     if hidden % heads:
         raise ModelError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
-    specials = ["<pad>", "<unk>", "<s>", "</s>"]
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # one token per character, whitespace and newlines included
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    if tokenizer == "bpe" and not 1_000 <= vocab <= 262_144:
+        raise ModelError(f"--vocab must be between 1000 and 262144 (got {vocab})")
+    tok = char_tokenizer() if tokenizer == "char" else bpe_tokenizer(vocab, seed)
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=True,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048 if tokenizer == "bpe" else 512,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = model_cls(config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    tok.save_pretrained(out)
     config_path = out / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # see _tokenizer_class

@@ -6,6 +6,7 @@ import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS
 from train.models import TINY_ARCHS, ModelError, init_tiny, load_policy
+from train.tiny_tokenizers import TOKENIZERS
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
@@ -19,15 +20,22 @@ def model() -> None:
 @click.option("--hidden", default=64, show_default=True, help="Hidden size.")
 @click.option("--layers", default=2, show_default=True, help="Transformer layers.")
 @click.option("--heads", default=4, show_default=True, help="Attention heads (must divide --hidden).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random initialisation.")
-def init_tiny_cmd(out: str, arch: str, hidden: int, layers: int, heads: int, seed: int) -> None:
-    """Make a small randomly initialised causal LM with a character-level tokenizer, from a
-    config (no download): for tests and the demo. Same seed, same weights."""
+@click.option("--seed", default=0, show_default=True, help="Seed of the random initialisation (and the BPE's text).")
+@click.option("--tokenizer", type=click.Choice(TOKENIZERS), default="char", show_default=True,
+              help="char: one token per character (the demo); bpe: a byte-level BPE trained here, with a "
+                   "ChatML chat template for system/user/assistant/tool turns and tool calls (Qwen2.5 convention).")
+@click.option("--vocab", default=32_768, show_default=True, help="Vocabulary size of --tokenizer bpe.")
+def init_tiny_cmd(out: str, arch: str, hidden: int, layers: int, heads: int, seed: int, tokenizer: str,
+                  vocab: int) -> None:
+    """Make a small randomly initialised causal LM and its tokenizer, from a config (no download):
+    for tests and the demo. It loads like a downloaded model (AutoTokenizer, AutoModelForCausalLM).
+    Same seed, same weights and merges."""
     try:
-        path = init_tiny(out, arch=arch, hidden=hidden, layers=layers, heads=heads, seed=seed)
+        path = init_tiny(out, arch=arch, hidden=hidden, layers=layers, heads=heads, seed=seed, tokenizer=tokenizer,
+                         vocab=vocab)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"wrote a tiny {arch} model to {path}")
+    click.echo(f"wrote a tiny {arch} model with a {tokenizer} tokenizer to {path}")
 
 
 @model.command()
