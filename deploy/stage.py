@@ -27,7 +27,7 @@ from pipeline.config import GateConfig, TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import get_run, select_eval_episodes
 from pipeline.timing import Stopwatch
-from pipeline.types import LoggedEpisode, sampling_temperature
+from pipeline.types import LoggedEpisode, sampling_params
 
 
 @dataclass
@@ -49,8 +49,10 @@ def logged_episode(request_id: str, body: str, reward: float) -> LoggedEpisode:
     """A served interaction (its stored event body) and its reward, as evaluation reads it;
     ValueError if the body is not usable (not JSON, a sampling temperature that is no number)."""
     ev = orjson.loads(body)
+    sampling = sampling_params(ev.get("sampling"))
     return LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""), ev.get("completion_token_ids"),
-                         ev.get("behavior_logprobs"), sampling_temperature(ev.get("sampling")), float(reward))
+                         ev.get("behavior_logprobs"), sampling.temperature, float(reward), sampling.top_p,
+                         sampling.top_k)
 
 
 def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,

@@ -98,21 +98,40 @@ class Sampling(BaseModel):
     seed: StrictInt | None = None
 
 
-def sampling_temperature(sampling: Any) -> float:
-    """The temperature an episode was sampled at, from its event's `sampling` (a dict as stored):
-    1.0 when not recorded, and for 0 (greedy: log-probs at temperature 1 are what a stage can
-    compare). ValueError when it is not a usable number (events stored before the contract
-    checked it): the episode is skipped and counted."""
+@dataclass(frozen=True)
+class SamplingParams:
+    """The distribution an episode's tokens were drawn from, as training and the gate recompute
+    it (train/sampling.py): temperature, then top-k (0: off), then top-p (1.0: off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def sampling_params(sampling: Any) -> SamplingParams:
+    """From an event's `sampling` (a dict as stored). Not recorded: temperature 1, no cut-off.
+    Temperature 0 (greedy) is read as plain temperature 1: a greedy server reports log-probs of
+    the untouched distribution. top_k <= 0 (vLLM's -1) is off. ValueError when a value is not
+    usable (events stored before the contract checked it): the episode is skipped and counted."""
     if sampling is None:
-        return 1.0
+        return SamplingParams()
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling is {type(sampling).__name__}, not an object")
     value = sampling.get("temperature")
     if value is None or value == 0:
-        return 1.0
+        return SamplingParams()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ValueError(f"sampling.temperature {value!r} is not a positive number")
-    return float(value)
+    top_p, top_k = sampling.get("top_p"), sampling.get("top_k")
+    if top_p is None:
+        top_p = 1.0
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"sampling.top_p {top_p!r} is not a number in (0, 1]")
+    if top_k is None:
+        top_k = 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"sampling.top_k {top_k!r} is not an integer")
+    return SamplingParams(float(value), float(top_p), max(int(top_k), 0))
 
 
 class InteractionEvent(_Envelope):
@@ -207,6 +226,8 @@ class LoggedEpisode:
     behavior_logprobs: list[float] | None = None
     temperature: float = 1.0
     reward: float = 0.0
+    top_p: float = 1.0  # with temperature: the distribution the tokens were drawn from (SamplingParams)
+    top_k: int = 0
 
 
 class SourcePosition(BaseModel):

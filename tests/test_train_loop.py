@@ -148,6 +148,7 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     gradient (each micro-batch used to be normalised by itself, then divided by their number)."""
     from train.importance import advantages
     from train.loop import StepInputs, accumulate_step, correction_config, loss_config
+    from train.sampling import SamplingRows
     from train.losses import get_loss
 
     policy = load_policy(base_model, device="cpu")
@@ -169,7 +170,7 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     assert len({len(e.input_ids) for e in eps}) == 3 and all(e.behavior is not None for e in eps)
     rewards = [1.0, -0.5, 0.25, 0.0, -1.0, 0.5, 1.0, -0.25]  # one KTO tie among them
     inputs = StepInputs(advantages(rewards, ["all"] * 8), torch.tensor(rewards),
-                        torch.tensor([e.temperature for e in eps]), torch.zeros(8, dtype=torch.bool))
+                        SamplingRows.of(eps), torch.zeros(8, dtype=torch.bool))
     entry = get_loss(loss)
     lcfg = loss_config(cfg, max(sum(e.loss_mask) for e in eps))
 

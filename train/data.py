@@ -29,7 +29,7 @@ class Skip(str, enum.Enum):
     NO_ASSISTANT_TOKENS = "no_assistant_tokens"
     TOKEN_IDS_OUT_OF_VOCABULARY = "token_ids_out_of_vocabulary"
     UNRENDERABLE = "unrenderable"  # the chat template (or the tokenizer) raised on it
-    BAD_SAMPLING = "bad_sampling"  # sampling.temperature not a usable number
+    BAD_SAMPLING = "bad_sampling"  # sampling.temperature/top_p/top_k not usable numbers
 
 
 @dataclass
@@ -39,7 +39,12 @@ class TokenizedEpisode:
     loss_mask: list[int]  # [L] 1 on the assistant's tokens
     behavior: list[float] | None  # [L] aligned with input_ids (0.0 off the mask), or None
     behavior_note: str  # "served_ids" | "retokenized" | "missing" | "misaligned"
-    temperature: float = 1.0  # the serving temperature the behaviour log-probs were taken at
+    temperature: float = 1.0  # the distribution the behaviour log-probs were taken from:
+    top_p: float = 1.0        # temperature, then top-k (0: off), then top-p (1.0: off),
+    top_k: int = 0            # as pipeline.types.SamplingParams
+
+    def sample_with(self, params: Any) -> None:
+        self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k
 
 
 @dataclass

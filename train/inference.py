@@ -32,6 +32,7 @@ from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import load_adapter
 from train.loop import token_logprobs
 from train.models import ModelError, Policy, load_policy, render_prompt
+from train.sampling import SamplingRows
 
 
 @dataclass
@@ -124,7 +125,7 @@ class PolicySet:
             behavior = getattr(e, "behavior_logprobs", None)
             if (isinstance(t, TokenizedEpisode) and (max_tokens is None or len(t.input_ids) <= max_tokens)
                     and (behavior is None or len(behavior) == sum(t.loss_mask))):
-                t.temperature = e.temperature
+                t.temperature, t.top_p, t.top_k = e.temperature, e.top_p, e.top_k
                 out.append(t)
             else:
                 out.append(None)
@@ -137,8 +138,8 @@ class PolicySet:
         with self._use(name):
             for index in pack_by_length([len(e.input_ids) for e in episodes], self._batch_tokens()):
                 batch = collate(episodes, index, pad, self.policy.device)
-                temp = torch.tensor([episodes[i].temperature for i in index], device=self.policy.device)
-                for row, value in zip(index, fn(batch, temp)):
+                sampling = SamplingRows.of([episodes[i] for i in index], self.policy.device)
+                for row, value in zip(index, fn(batch, sampling)):
                     results[row] = value
         return results
 
@@ -146,7 +147,7 @@ class PolicySet:
         """Sum of the completion's (assistant) token log-probs; None where an episode has none."""
         toks = self._tokenize(episodes)
         kept = [t for t in toks if t is not None]
-        sums = self._per_token(name, kept, lambda b, temp: (token_logprobs(self.model, b, temp)[0] * b.mask)
+        sums = self._per_token(name, kept, lambda b, sampling: (token_logprobs(self.model, b, sampling)[0] * b.mask)
                                .sum(-1).tolist())
         it = iter(sums)
         return [next(it) if t is not None else None for t in toks]
@@ -181,9 +182,10 @@ class PolicySet:
         return out[p], out[q], total / max(tokens, 1)
 
     def _completion_logprobs(self, name: str | None, episodes: list[TokenizedEpisode]) -> list[tuple[float, Any]]:
-        """Per episode: the completion's log-prob under `name`, and its log-distributions at the
-        completion's positions ([n, V], at the episode's temperature); remembered per policy."""
-        keys = [(name, e.request_id, e.temperature, hash(tuple(e.input_ids))) for e in episodes]
+        """Per episode: the completion's log-prob under `name` (as it was sampled: temperature,
+        top-k, top-p), and its log-distributions at the completion's positions ([n, V], at the
+        episode's temperature, for the KL); remembered per policy."""
+        keys = [(name, e.request_id, e.temperature, e.top_p, e.top_k, hash(tuple(e.input_ids))) for e in episodes]
         out: list[Any] = [self._memo.get(k) for k in keys]
         missing = [i for i, v in enumerate(out) if v is None]
         pad = self.tokenizer.pad_token_id
@@ -191,10 +193,11 @@ class PolicySet:
             for index in pack_by_length([len(episodes[i].input_ids) for i in missing], self._batch_tokens()):
                 rows = [missing[j] for j in index]
                 batch = collate(episodes, rows, pad, self.policy.device)
-                temp = torch.tensor([episodes[i].temperature for i in rows], device=self.policy.device)
+                sampling = SamplingRows.of([episodes[i] for i in rows], self.policy.device)
                 logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-                logp = torch.log_softmax(logits[:, :-1].float() / temp[:, None, None], -1)  # [B, T, V]
-                seqs = (logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.mask).sum(-1)  # [B]
+                logits = logits[:, :-1].float() / sampling.temperature[:, None, None]  # [B, T, V]
+                seqs = (sampling.logprobs(logits, batch.input_ids[:, 1:], batch.mask) * batch.mask).sum(-1)  # [B]
+                logp = torch.log_softmax(logits, -1)  # [B, T, V]
                 for b, (i, seq) in enumerate(zip(rows, seqs.tolist())):
                     out[i] = (seq, logp[b][batch.mask[b].bool()].cpu())  # [n, V]
                     self._remember(keys[i], out[i])

@@ -45,6 +45,7 @@ from train.checkpoint import load_checkpoint, save_checkpoint
 from train.data import TokenizedEpisode
 from train.importance import CorrectionConfig, advantages, correct
 from train.losses import Loss, LossConfig, get_loss
+from train.sampling import SamplingRows
 from train.tracking import Tracker
 
 
@@ -57,13 +58,12 @@ class LoopResult:
     history: list[dict[str, float]] = field(default_factory=list)  # one dict of metrics per step
 
 
-def token_logprobs(model: Any, batch: MicroBatch, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each target token [B, T], entropy of each position's distribution [B, T], no grad)."""
+def token_logprobs(model: Any, batch: MicroBatch, sampling: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target token [B, T] under the distribution it was sampled from -- see
+    train/sampling.py --, entropy of each position's distribution at its temperature [B, T], no grad)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()  # [B, T, V]
-    logits = logits / temperature[:, None, None]  # the distribution serving sampled from
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T, 1]
-    # gather minus logsumexp: never materialises a second [B, T, V] tensor of log-probs
-    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T]
+    logits = logits / sampling.temperature[:, None, None]
+    logp = sampling.logprobs(logits, batch.input_ids[:, 1:], batch.mask)  # [B, T]
     with torch.no_grad():
         probs = torch.softmax(logits, dim=-1)
         entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, T]
@@ -96,13 +96,13 @@ def plan_microbatches(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
     return plan[:needed] if needed else plan
 
 
-def _reference_logprobs(model: Any, batch: MicroBatch, temperature: torch.Tensor) -> torch.Tensor:
+def _reference_logprobs(model: Any, batch: MicroBatch, sampling: SamplingRows) -> torch.Tensor:
     with torch.no_grad(), model.disable_adapter():  # the base policy: the same weights, adapter off
-        return token_logprobs(model, batch, temperature)[0]
+        return token_logprobs(model, batch, sampling)[0]
 
 
 def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int, batch_tokens: int,
-                       temperature: torch.Tensor) -> torch.Tensor:
+                       sampling: SamplingRows) -> torch.Tensor:
     """Fill in behaviour log-probs of the episodes that have none, from `model` as it is now;
     returns them as one padded tensor [N_missing, L_max] (row k: the k-th such episode)."""
     missing = [i for i, e in enumerate(episodes) if e.behavior is None]
@@ -115,7 +115,7 @@ def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int
         for rows in pack([len(episodes[i].input_ids) for i in missing], batch_tokens, seed=0, epoch=0):
             index = [missing[k] for k in rows]
             batch = collate(episodes, index, pad_id, device)
-            logp = token_logprobs(model, batch, temperature[torch.tensor(index, device=device)])[0] * batch.mask
+            logp = token_logprobs(model, batch, sampling[torch.tensor(index, device=device)])[0] * batch.mask
             for row, k in enumerate(rows):
                 out[k, 1:logp.size(1) + 1] = logp[row].cpu()  # position t scores token t + 1
     model.train(was_training)
@@ -136,7 +136,7 @@ def kto_labels(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]],
-                       temperature: torch.Tensor, pad_id: int) -> torch.Tensor:
+                       sampling: SamplingRows, pad_id: int) -> torch.Tensor:
     """KTO's reference point z, estimated once per optimizer step on mismatched pairs of the
     step's episodes (in id order, so it does not depend on how they were packed), in chunks of
     the largest micro-batch. []"""
@@ -148,9 +148,9 @@ def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list
         for start in range(0, len(pairs), chunk):
             rows = list(range(start, min(start + chunk, len(pairs))))
             batch = collate(pairs, rows, pad_id, device)
-            temp = temperature[torch.tensor(order[start:start + len(rows)], device=device)]
-            policy = (token_logprobs(model, batch, temp)[0] * batch.mask).sum(-1)
-            reference = (_reference_logprobs(model, batch, temp) * batch.mask).sum(-1)
+            rows_sampling = sampling[torch.tensor(order[start:start + len(rows)], device=device)]
+            policy = (token_logprobs(model, batch, rows_sampling)[0] * batch.mask).sum(-1)
+            reference = (_reference_logprobs(model, batch, rows_sampling) * batch.mask).sum(-1)
             total = total + (policy - reference).sum()
     return total / len(pairs)
 
@@ -161,7 +161,7 @@ class StepInputs:
 
     adv: torch.Tensor
     rewards: torch.Tensor
-    temperature: torch.Tensor
+    sampling: SamplingRows
     recomputed: torch.Tensor  # bool: behaviour log-probs recomputed for this episode
 
 
@@ -182,17 +182,17 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
     denominator = sum(float(loss.count(b.mask, loss_cfg, label=lab)) for b, lab in zip(batches, labels))
     denominator = max(denominator, 1.0)
     step_tokens = max(sum(float(b.mask.sum()) for b in batches), 1.0)
-    z = kl_reference_point(model, episodes, micro, inputs.temperature, pad_id) if loss.reference else None
+    z = kl_reference_point(model, episodes, micro, inputs.sampling, pad_id) if loss.reference else None
     tokens = 0
     for batch, index, label in zip(batches, micro, labels):
         idx = torch.tensor(index, device=device)
-        temp, a = inputs.temperature[idx], inputs.adv[idx]  # [B], [B]
-        logp, entropy = token_logprobs(model, batch, temp)  # [B, T]
+        rows_sampling, a = inputs.sampling[idx], inputs.adv[idx]  # [B] each
+        logp, entropy = token_logprobs(model, batch, rows_sampling)  # [B, T]
         behavior = batch.behavior  # [B, T]
         extra: dict[str, torch.Tensor] = {}
         if loss.reference:
             weight, mask, stats = torch.ones_like(logp), batch.mask, None  # KTO compares with the base, not mu
-            ref = _reference_logprobs(model, batch, temp)
+            ref = _reference_logprobs(model, batch, rows_sampling)
             extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
             extra["kl_ref"] = z
         else:
@@ -203,7 +203,7 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
         per_token = loss.per_token(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
         kl_term = None
         if cfg.kl_coef > 0:
-            ref = _reference_logprobs(model, batch, temp)
+            ref = _reference_logprobs(model, batch, rows_sampling)
             kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
             if loss.kl == "per_token":
                 per_token = per_token + cfg.kl_coef * kl_tok
@@ -256,7 +256,7 @@ def train_policy(
     device = next(model.parameters()).device.type
     adv = advantages(rewards, groups, mode=cfg.advantage).to(device)  # [N]
     reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # [N]
-    temperature = torch.tensor([e.temperature for e in episodes], dtype=torch.float32, device=device)  # [N]
+    sampling = SamplingRows.of(episodes, device)  # [N] each: what each episode was sampled with
     plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg)
     total_steps = math.ceil(len(plan) / cfg.grad_accum)
     loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes))
@@ -271,10 +271,10 @@ def train_policy(
         recomputed = extra.get("recomputed_behavior", torch.zeros(0, 1))
         set_behavior(episodes, missing, recomputed)
     else:
-        start, recomputed = 0, recompute_behavior(model, episodes, pad_id, cfg.batch_tokens, temperature)
+        start, recomputed = 0, recompute_behavior(model, episodes, pad_id, cfg.batch_tokens, sampling)
     recomputed_flag = torch.zeros(len(episodes), dtype=torch.bool, device=device)
     recomputed_flag[missing] = True
-    inputs = StepInputs(adv, reward_t, temperature, recomputed_flag)
+    inputs = StepInputs(adv, reward_t, sampling, recomputed_flag)
     model.train()
     result = LoopResult(steps=start, tokens=0, seconds=0.0, advantages=adv.tolist())
     for step in range(start, total_steps):

@@ -33,7 +33,7 @@ from pipeline.config import TrainConfig
 from pipeline.store.events import utcnow
 from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
 from pipeline.timing import Stopwatch
-from pipeline.types import prompt_key, sampling_temperature
+from pipeline.types import prompt_key, sampling_params
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
 from train.loop import LoopResult, train_policy
@@ -112,7 +112,7 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
             report.unreadable += 1
             continue
         try:
-            temperature = sampling_temperature(ev.get("sampling"))
+            sampling = sampling_params(ev.get("sampling"))
         except ValueError:
             report.data.count(report.data.skipped, Skip.BAD_SAMPLING.value)
             continue
@@ -123,7 +123,7 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
         if len(out.input_ids) > cfg.max_seq_len:
             report.too_long += 1
             continue
-        out.temperature = temperature
+        out.sample_with(sampling)
         episodes.append(out)
         rows.append(row)
         groups.append(hashlib.sha1(prompt_key(ev.get("prompt", ""))).hexdigest())
