@@ -25,8 +25,8 @@ def test_a_trajectory_trains_only_on_assistant_tokens(tokenizer):
     tokens = [tokenizer.decode([t]) for t in ep.input_ids]
     trained = "".join(t for t, m in zip(tokens, ep.loss_mask) if m)
     context = "".join(t for t, m in zip(tokens, ep.loss_mask) if not m)
-    assert trained == 'ls[{"name":"sh","arguments":"{}"}]done'
-    assert context == "user: list\nassistant: \ntool: a.py b.py\nuser: and?\nassistant: \n"
+    assert trained == 'ls[{"name": "sh", "arguments": "{}"}]done'  # as the chat template writes it
+    assert context == "user: list\nassistant: \ntool: a.py b.py\nuser: and?\nassistant: "
     # token by token: every character of the tool result and the user turn is masked
     joined = "".join(tokens)
     start = joined.index("a.py b.py")
@@ -53,3 +53,33 @@ def test_empty_completion_and_no_assistant_turn_are_counted_skips(tokenizer):
     assert tokenize_episode(tokenizer, "e", "p", "", stats=stats) is Skip.EMPTY_COMPLETION
     assert tokenize_episode(tokenizer, "t", "p", [{"role": "tool", "content": "x"}], stats=stats) is Skip.NO_ASSISTANT_TOKENS
     assert stats.skipped == {"empty_completion": 1, "no_assistant_tokens": 1} and stats.episodes == 0
+
+
+def test_a_trajectory_is_rendered_by_the_chat_template_turn_by_turn(bpe_base):
+    """On a ChatML model: the prompt is what serving rendered, each assistant turn (its tool
+    call and end-of-turn token included) carries loss, tool results and headers are context."""
+    from train.models import render_prompt
+
+    tok = load_policy(bpe_base).tokenizer
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "where is the config?"}]
+    traj = [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "found: rtrl.toml"},
+        {"role": "assistant", "content": "It is rtrl.toml."},
+    ]
+    ep = tokenize_episode(tok, "r", prompt, traj)
+    served_prompt = tok(render_prompt(tok, prompt), add_special_tokens=False).input_ids
+    assert ep.input_ids[:len(served_prompt)] == served_prompt and not any(ep.loss_mask[:len(served_prompt)])
+    spans, current = [], []
+    for t, m in zip(ep.input_ids, ep.loss_mask):
+        if m:
+            current.append(t)
+        elif current:
+            spans.append(tok.decode(current))
+            current = []
+    spans += [tok.decode(current)] if current else []
+    assert spans == ['<tool_call>\n{"name": "search", "arguments": {"q": "config"}}\n</tool_call><|im_end|>',
+                     "It is rtrl.toml.<|im_end|>"]
+    whole = tok.apply_chat_template(prompt + traj, tokenize=False)
+    assert tok.decode(ep.input_ids) + "\n" == whole  # nothing lost or added but the template's last newline

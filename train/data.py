@@ -2,8 +2,10 @@
 
     prompt      rendered (chat template for messages) and tokenized: context, mask 0
     completion  text: the served tokens (completion_token_ids) when logged, else re-tokenized;
-                trajectory: assistant turns carry loss (mask 1, their tool calls included),
-                tool and user turns are context (mask 0) -- only assistant tokens are trained
+                trajectory (after chat messages): the whole conversation through the chat
+                template (train.models.render_turns), assistant turns carry loss (mask 1, their
+                tool calls and end-of-turn token included), the template's headers, tool results
+                and user turns are context (mask 0) -- only what the policy wrote is trained
     behaviour   serving-time log-probs, one per assistant token. Used only when they align:
                 with the served token ids, their count must match; without ids, the re-tokenized
                 count must match. Otherwise they are dropped for that episode and counted --
@@ -21,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.models import render_prompt
+from train.models import render_prompt, render_turns
 
 
 class Skip(str, enum.Enum):
@@ -92,6 +94,16 @@ def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, com
         ids += completion_ids
         mask += [1] * len(completion_ids)
         note = "served_ids" if served is not None else "retokenized"
+    elif isinstance(prompt, list) and tokenizer.chat_template is not None:
+        # a trajectory after chat messages: every turn through the chat template, as serving
+        # renders the conversation for the next call
+        turns = [m for m in completion if isinstance(m, dict)] if isinstance(completion, list) else []
+        ids, mask = [], []
+        for text, mine in render_turns(tokenizer, prompt, turns):
+            piece = encode(text)
+            ids += piece
+            mask += [int(mine)] * len(piece)
+        note = "retokenized"
     else:
         opened = True  # the prompt's generation cue already opened the first assistant turn
         for msg in completion if isinstance(completion, list) else ():
