@@ -86,7 +86,22 @@ class TrainConfig(_Section):
     epochs: int = Field(default=1, ge=1, le=1000)
     max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; default: all epochs")
     batch_tokens: int = Field(default=8192, ge=16, description="token budget of one micro-batch (padded)")
-    grad_accum: int = Field(default=1, ge=1, le=1024, description="micro-batches per optimizer step")
+    grad_accum: int = Field(default=1, ge=1, le=1024, description="micro-batches per optimizer step (per process)")
+    nproc: int = Field(
+        default=1, ge=1, le=64,
+        description="data-parallel training processes (torch.distributed.run; NCCL on GPUs, gloo on CPUs): a step "
+                    "is grad_accum micro-batches in each")
+    ddp_timeout_s: float = Field(default=300.0, gt=0, description="a rank stuck this long in a collective fails the run")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="where training, the gate and the judge run (auto: CUDA when there is one); "
+                                    "bf16 weights where the device supports them, float32 LoRA parameters")
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute activations in the backward pass: less memory, ~30 % more compute")
+
+    @property
+    def torch_device(self) -> str | None:
+        """`device` as the model loaders take it (None: CUDA when there is one)."""
+        return None if self.device == "auto" else self.device
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     max_seq_len: int = Field(default=2048, ge=8, description="longer episodes are skipped and counted")
     seed: int = 0

@@ -104,7 +104,7 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
         base = Path(base).resolve()
         if base not in resident:
             resident.clear()
-            resident[base] = PolicySet.load(base)
+            resident[base] = PolicySet.load(base, device=config.train.torch_device)
         return resident[base]
 
     return CycleDeps(

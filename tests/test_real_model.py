@@ -38,7 +38,7 @@ from tests.test_ingest_kafka import produce_events
 from train.batches import collate
 from train.data import tokenize_episode
 from train.inference import PolicySet
-from train.loop import token_logprobs
+from train.logprobs import token_logprobs
 from train.models import load_policy
 from train.sampling import SamplingRows
 

@@ -14,7 +14,7 @@ from train.batches import collate
 from train.data import tokenize_episode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
-from train.loop import token_logprobs
+from train.logprobs import token_logprobs
 from train.models import load_policy
 from train.sampling import SamplingRows, sampled_logprobs
 

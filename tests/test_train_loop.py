@@ -185,3 +185,31 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     assert any(g.abs().sum() > 0 for g in whole.values())
     for name, g in whole.items():
         torch.testing.assert_close(packed[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bf16_weights_train_float32_lora_and_checkpointing_gives_the_same_gradient(base_model, logged):
+    from train.lora import set_gradient_checkpointing
+    from train.logprobs import token_logprobs
+    from train.sampling import SamplingRows
+
+    # bf16 weights (what CUDA loads): the LoRA parameters the optimizer updates stay float32
+    half = attach_adapter(load_policy(base_model, device="cpu", dtype=torch.bfloat16).model, CFG)
+    trainable = [p for p in half.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    assert any(p.dtype == torch.bfloat16 for p in half.parameters() if not p.requires_grad)
+
+    policy = load_policy(base_model, device="cpu")
+    torch.manual_seed(0)
+    model = attach_adapter(policy.model, CFG.model_copy(update={"lora_dropout": 0.0}))
+    eps = tokenized(policy.tokenizer, logged[0][:8])
+    batch = collate(eps, list(range(8)), policy.tokenizer.pad_token_id, "cpu")
+    grads = []
+    for on in (False, True):
+        set_gradient_checkpointing(model, on)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        (token_logprobs(model, batch, SamplingRows.of(eps))[0] * batch.mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert getattr(model.base_model.model, "is_gradient_checkpointing", False)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=1e-6)

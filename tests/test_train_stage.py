@@ -248,7 +248,8 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     held = sum(is_held_out(e["request_id"], json.dumps(e), 10.0) for e in events if e["type"] == "interaction")
     assert dry.exit_code == 0 and f"selected: {len(samples) - held}" in dry.output, dry.output
 
-    out = runner.invoke(cli, ["train", "run", "--epochs", "2"], env=env)
+    # in two data-parallel processes (one-process runs: every other training test)
+    out = runner.invoke(cli, ["train", "run", "--epochs", "2", "--nproc", "2"], env=env)
     assert out.exit_code == 0, out.output
     run_id = next(line.split()[1] for line in out.output.splitlines() if line.startswith("run "))
     row = get_run(engine, run_id)

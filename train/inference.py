@@ -30,7 +30,7 @@ from pipeline.types import LoggedEpisode
 from train.batches import collate, pack_by_length
 from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import load_adapter
-from train.loop import token_logprobs
+from train.logprobs import token_logprobs
 from train.models import ModelError, Policy, load_policy, render_prompt
 from train.sampling import SamplingRows
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ from train.batches import MicroBatch, collate, mismatched_pairs, pack
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.data import TokenizedEpisode
 from train.importance import CorrectionConfig, advantages, correct
+from train.logprobs import recompute_behavior, reference_logprobs, set_behavior, token_logprobs
 from train.losses import Loss, LossConfig, get_loss
+from train.replicas import Replicas
 from train.sampling import SamplingRows
 from train.tracking import Tracker
 
@@ -56,18 +59,6 @@ class LoopResult:
     seconds: float
     advantages: list[float]
     history: list[dict[str, float]] = field(default_factory=list)  # one dict of metrics per step
-
-
-def token_logprobs(model: Any, batch: MicroBatch, sampling: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each target token [B, T] under the distribution it was sampled from -- see
-    train/sampling.py --, entropy of each position's distribution at its temperature [B, T], no grad)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()  # [B, T, V]
-    logits = logits / sampling.temperature[:, None, None]
-    logp = sampling.logprobs(logits, batch.input_ids[:, 1:], batch.mask)  # [B, T]
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, T]
-    return logp, entropy
 
 
 def correction_config(loss: Loss, cfg: TrainConfig) -> CorrectionConfig:
@@ -85,48 +76,16 @@ def loss_config(cfg: TrainConfig, max_completion_tokens: int) -> LossConfig:
     )
 
 
-def plan_microbatches(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
-    """Episode indices of every micro-batch of the run, in order: epochs until max_steps is covered."""
+def plan_microbatches(lengths: list[int], cfg: TrainConfig, world: int = 1) -> list[list[int]]:
+    """Episode indices of every micro-batch of the run, in order: epochs until max_steps is
+    covered (a step is grad_accum micro-batches on each of `world` replicas)."""
     plan: list[list[int]] = []
     epoch = 0
-    needed = cfg.max_steps * cfg.grad_accum if cfg.max_steps else None
+    needed = cfg.max_steps * cfg.grad_accum * world if cfg.max_steps else None
     while epoch < cfg.epochs or (needed and len(plan) < needed):
         plan += pack(lengths, cfg.batch_tokens, cfg.seed, epoch)
         epoch += 1
     return plan[:needed] if needed else plan
-
-
-def _reference_logprobs(model: Any, batch: MicroBatch, sampling: SamplingRows) -> torch.Tensor:
-    with torch.no_grad(), model.disable_adapter():  # the base policy: the same weights, adapter off
-        return token_logprobs(model, batch, sampling)[0]
-
-
-def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int, batch_tokens: int,
-                       sampling: SamplingRows) -> torch.Tensor:
-    """Fill in behaviour log-probs of the episodes that have none, from `model` as it is now;
-    returns them as one padded tensor [N_missing, L_max] (row k: the k-th such episode)."""
-    missing = [i for i, e in enumerate(episodes) if e.behavior is None]
-    device = next(model.parameters()).device.type
-    width = max((len(episodes[i].input_ids) for i in missing), default=1)
-    out = torch.zeros(len(missing), width)
-    was_training = model.training
-    model.eval()  # no dropout: these stand for what serving computed
-    with torch.no_grad():
-        for rows in pack([len(episodes[i].input_ids) for i in missing], batch_tokens, seed=0, epoch=0):
-            index = [missing[k] for k in rows]
-            batch = collate(episodes, index, pad_id, device)
-            logp = token_logprobs(model, batch, sampling[torch.tensor(index, device=device)])[0] * batch.mask
-            for row, k in enumerate(rows):
-                out[k, 1:logp.size(1) + 1] = logp[row].cpu()  # position t scores token t + 1
-    model.train(was_training)
-    set_behavior(episodes, missing, out)
-    return out
-
-
-def set_behavior(episodes: list[TokenizedEpisode], missing: list[int], values: torch.Tensor) -> None:
-    for k, i in enumerate(missing):
-        episodes[i].behavior = values[k, :len(episodes[i].input_ids)].tolist()
-        episodes[i].behavior_note = "recomputed"
 
 
 def kto_labels(rewards: torch.Tensor) -> torch.Tensor:
@@ -150,7 +109,7 @@ def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list
             batch = collate(pairs, rows, pad_id, device)
             rows_sampling = sampling[torch.tensor(order[start:start + len(rows)], device=device)]
             policy = (token_logprobs(model, batch, rows_sampling)[0] * batch.mask).sum(-1)
-            reference = (_reference_logprobs(model, batch, rows_sampling) * batch.mask).sum(-1)
+            reference = (reference_logprobs(model, batch, rows_sampling) * batch.mask).sum(-1)
             total = total + (policy - reference).sum()
     return total / len(pairs)
 
@@ -167,76 +126,113 @@ class StepInputs:
 
 def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]], inputs: StepInputs,
                     loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
-                    pad_id: int) -> tuple[dict[str, float], int]:
-    """Forward and backward every micro-batch of one optimizer step (gradients accumulate in
-    the model); returns the step's summed metrics and its token count."""
+                    pad_id: int, step_micro: list[list[int]] | None = None, world: int = 1,
+                    stand_in: bool = False) -> tuple[dict[str, float], int]:
+    """Forward and backward `micro`, this process's micro-batches of one optimizer step
+    (gradients accumulate in the model); returns their summed metrics and token count.
+    `step_micro`: every replica's micro-batches of the step (the denominator and KTO's reference
+    point are the step's); `world` replicas average their gradients (DistributedDataParallel),
+    so each scales its share by `world` to sum them; a `stand_in` batch only joins that average."""
+    device = next(model.parameters()).device.type
+    sums: dict[str, float] = {}
+    step_micro = step_micro or micro
+
+    def add(name: str, value: float) -> None:
+        sums[name] = sums.get(name, 0.0) + value
+
+    def labels_of(index: list[int]) -> torch.Tensor:
+        return kto_labels(inputs.rewards[torch.tensor(index, device=device)])
+
+    # the step's denominator before any backward pass: see the module docstring
+    step_batches = [collate(episodes, index, pad_id, device) for index in step_micro]
+    denominator = sum(float(loss.count(b.mask, loss_cfg, label=labels_of(index)))
+                      for b, index in zip(step_batches, step_micro))
+    denominator = max(denominator, 1.0)
+    step_tokens = max(sum(float(b.mask.sum()) for b in step_batches), 1.0)
+    z = kl_reference_point(model, episodes, step_micro, inputs.sampling, pad_id) if loss.reference else None
+    batches = [collate(episodes, index, pad_id, device) for index in micro]
+    tokens = 0
+    for k, (batch, index) in enumerate(zip(batches, micro)):
+        label = labels_of(index)
+        # replicas exchange gradients once, after their last micro-batch of the step
+        sync = nullcontext() if world == 1 or k == len(micro) - 1 else model.no_sync()
+        with sync:
+            part = _micro_step(model, batch, index, label, inputs, loss, loss_cfg, correction, cfg, z,
+                               denominator, step_tokens, scale=0.0 if stand_in else float(world))
+        if stand_in:
+            continue
+        tokens += batch.tokens
+        for name, value in part.items():
+            if name == "log_ratio_min":
+                sums[name] = min(sums.get(name, 0.0), value)
+            elif name == "log_ratio_max":
+                sums[name] = max(sums.get(name, 0.0), value)
+            else:
+                add(name, value)
+    return sums, tokens
+
+
+def _micro_step(model: Any, batch: MicroBatch, index: list[int], label: torch.Tensor, inputs: StepInputs,
+                loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
+                z: torch.Tensor | None, denominator: float, step_tokens: float, scale: float) -> dict[str, float]:
+    """One micro-batch's forward and backward (its loss times `scale`); returns its metric sums."""
     device = next(model.parameters()).device.type
     sums: dict[str, float] = {}
 
     def add(name: str, value: float) -> None:
         sums[name] = sums.get(name, 0.0) + value
 
-    batches = [collate(episodes, index, pad_id, device) for index in micro]
-    labels = [kto_labels(inputs.rewards[torch.tensor(index, device=device)]) for index in micro]
-    # the step's denominator before any backward pass: see the module docstring
-    denominator = sum(float(loss.count(b.mask, loss_cfg, label=lab)) for b, lab in zip(batches, labels))
-    denominator = max(denominator, 1.0)
-    step_tokens = max(sum(float(b.mask.sum()) for b in batches), 1.0)
-    z = kl_reference_point(model, episodes, micro, inputs.sampling, pad_id) if loss.reference else None
-    tokens = 0
-    for batch, index, label in zip(batches, micro, labels):
-        idx = torch.tensor(index, device=device)
-        rows_sampling, a = inputs.sampling[idx], inputs.adv[idx]  # [B] each
-        logp, entropy = token_logprobs(model, batch, rows_sampling)  # [B, T]
-        behavior = batch.behavior  # [B, T]
-        extra: dict[str, torch.Tensor] = {}
-        if loss.reference:
-            weight, mask, stats = torch.ones_like(logp), batch.mask, None  # KTO compares with the base, not mu
-            ref = _reference_logprobs(model, batch, rows_sampling)
-            extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
-            extra["kl_ref"] = z
-        else:
-            weight, mask, stats = correct(logp, behavior, batch.mask, correction)
-        if loss.labels:
-            extra["label"] = label
-            add("tie_sequences", float((label == 0).sum()))
-        per_token = loss.per_token(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
-        kl_term = None
-        if cfg.kl_coef > 0:
-            ref = _reference_logprobs(model, batch, rows_sampling)
-            kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
-            if loss.kl == "per_token":
-                per_token = per_token + cfg.kl_coef * kl_tok
-            else:  # not inside KTO's log-ratio sum: its own token mean over the step
-                kl_term = cfg.kl_coef * (kl_tok * mask).sum() / step_tokens
-            add("kl", float((kl_tok.detach() * mask).sum()))
-        value = loss.aggregate(per_token, mask, loss_cfg, adv=a, **extra) / denominator
-        if kl_term is not None:
-            value = value + kl_term
-        value.backward()
+    idx = torch.tensor(index, device=device)
+    rows_sampling, a = inputs.sampling[idx], inputs.adv[idx]  # [B] each
+    logp, entropy = token_logprobs(model, batch, rows_sampling)  # [B, T]
+    behavior = batch.behavior  # [B, T]
+    extra: dict[str, torch.Tensor] = {}
+    if loss.reference:
+        weight, mask, stats = torch.ones_like(logp), batch.mask, None  # KTO compares with the base, not mu
+        ref = reference_logprobs(model, batch, rows_sampling)
+        extra["ref_logp"] = (ref * mask).sum(-1)  # [B]
+        extra["kl_ref"] = z
+    else:
+        weight, mask, stats = correct(logp, behavior, batch.mask, correction)
+    if loss.labels:
+        extra["label"] = label
+        add("tie_sequences", float((label == 0).sum()))
+    per_token = loss.per_token(logp, behavior, a, mask, loss_cfg) * weight  # [B, T]
+    kl_term = None
+    if cfg.kl_coef > 0:
+        ref = reference_logprobs(model, batch, rows_sampling)
+        kl_tok = torch.exp(ref - logp) - (ref - logp) - 1  # [B, T], k3 >= 0
+        if loss.kl == "per_token":
+            per_token = per_token + cfg.kl_coef * kl_tok
+        else:  # not inside KTO's log-ratio sum: its own token mean over the step
+            kl_term = cfg.kl_coef * (kl_tok * mask).sum() / step_tokens
+        add("kl", float((kl_tok.detach() * mask).sum()))
+    value = loss.aggregate(per_token, mask, loss_cfg, adv=a, **extra) / denominator
+    if kl_term is not None:
+        value = value + kl_term
+    (value * scale).backward()
 
-        tokens += batch.tokens
-        add("loss", float(value.detach()))
-        add("mask_tokens", float(mask.sum()))
-        add("entropy", float((entropy * mask).sum()))
-        add("recomputed_behavior", float(inputs.recomputed[idx].sum()))
-        add("sequences", len(index))
-        with torch.no_grad():
-            log_r = (logp - behavior) * mask
-            add("kl_behavior", float(-log_r.sum()))  # k1 estimate of KL(mu || pi) per token
-            r = torch.exp(log_r)
-            if loss.clip == "weight_cap":
-                clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
-            else:
-                clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
-                           ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
-            add("clipped_tokens", float(clipped.sum()) if loss.clip is not None else 0.0)
-        if stats is not None:
-            add("truncated_tokens", stats.truncated_tokens)
-            add("masked_sequences", stats.masked_sequences)
-            sums["log_ratio_min"] = min(sums.get("log_ratio_min", 0.0), stats.log_ratio_min)
-            sums["log_ratio_max"] = max(sums.get("log_ratio_max", 0.0), stats.log_ratio_max)
-    return sums, tokens
+    add("loss", float(value.detach()))
+    add("mask_tokens", float(mask.sum()))
+    add("entropy", float((entropy * mask).sum()))
+    add("recomputed_behavior", float(inputs.recomputed[idx].sum()))
+    add("sequences", len(index))
+    with torch.no_grad():
+        log_r = (logp - behavior) * mask
+        add("kl_behavior", float(-log_r.sum()))  # k1 estimate of KL(mu || pi) per token
+        r = torch.exp(log_r)
+        if loss.clip == "weight_cap":
+            clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
+        else:
+            clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
+                       ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
+        add("clipped_tokens", float(clipped.sum()) if loss.clip is not None else 0.0)
+    if stats is not None:
+        add("truncated_tokens", stats.truncated_tokens)
+        add("masked_sequences", stats.masked_sequences)
+        sums["log_ratio_min"] = min(sums.get("log_ratio_min", 0.0), stats.log_ratio_min)
+        sums["log_ratio_max"] = max(sums.get("log_ratio_max", 0.0), stats.log_ratio_max)
+    return sums
 
 
 def train_policy(
@@ -250,15 +246,19 @@ def train_policy(
     checkpoint_dir: Path | None = None,
     resume_from: Path | None = None,
     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+    replicas: Replicas = Replicas(),
 ) -> LoopResult:
     """Train the (peft-wrapped) `model` in place. `resume_from` is a checkpoint directory whose
-    adapter the caller has loaded into `model`; the optimizer, RNG and step come from it."""
+    adapter the caller has loaded into `model`; the optimizer, RNG and step come from it.
+    Under torch.distributed (train/distributed.py) `model` is the DistributedDataParallel
+    wrapper and `replicas` says which rank this is; only the main rank logs and checkpoints."""
     device = next(model.parameters()).device.type
     adv = advantages(rewards, groups, mode=cfg.advantage).to(device)  # [N]
     reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # [N]
     sampling = SamplingRows.of(episodes, device)  # [N] each: what each episode was sampled with
-    plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg)
-    total_steps = math.ceil(len(plan) / cfg.grad_accum)
+    plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg, replicas.world)
+    per_step = cfg.grad_accum * replicas.world  # micro-batches of one optimizer step, over every replica
+    total_steps = math.ceil(len(plan) / per_step)
     loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes))
     loss = get_loss(cfg.loss)
     correction = correction_config(loss, cfg)
@@ -279,8 +279,11 @@ def train_policy(
     result = LoopResult(steps=start, tokens=0, seconds=0.0, advantages=adv.tolist())
     for step in range(start, total_steps):
         t0 = time.perf_counter()
-        micro = plan[step * cfg.grad_accum:(step + 1) * cfg.grad_accum]
-        sums, tokens = accumulate_step(model, episodes, micro, inputs, loss, loss_cfg, correction, cfg, pad_id)
+        micro = plan[step * per_step:(step + 1) * per_step]
+        mine, stand_in = replicas.mine(micro)
+        sums, tokens = accumulate_step(model, episodes, mine, inputs, loss, loss_cfg, correction, cfg, pad_id,
+                                       step_micro=micro, world=replicas.world, stand_in=stand_in)
+        sums, tokens = replicas.merge(sums, tokens)
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf"))
@@ -312,12 +315,15 @@ def train_policy(
             metrics["kl"] = sums["kl"] / n_tok
         if "tie_sequences" in sums:
             metrics["tie_sequences"] = sums["tie_sequences"]
-        tracker.log_metrics(metrics, step=step + 1)
+        if replicas.main:
+            tracker.log_metrics(metrics, step=step + 1)
         result.history.append(metrics)
         result.steps, result.tokens, result.seconds = step + 1, result.tokens + tokens, result.seconds + seconds
         if checkpoint_dir is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(checkpoint_dir / f"step-{step + 1}", model, optimizer, step + 1,
-                            extra={"recomputed_behavior": recomputed})
+            if replicas.main:  # every replica holds the same weights and optimizer state
+                save_checkpoint(checkpoint_dir / f"step-{step + 1}", getattr(model, "module", model), optimizer,
+                                step + 1, extra={"recomputed_behavior": recomputed})
+            replicas.barrier()
         pause_point("train.step")  # crash tests kill the process here
         if on_step:
             on_step(step + 1, total_steps, metrics)

@@ -80,7 +80,17 @@ def _files_stamp(path: Path) -> tuple:
     return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file()))
 
 
-def resident_base(path: str | Path) -> Policy:
+def set_gradient_checkpointing(model: Any, on: bool) -> None:
+    """Recompute activations in the backward pass (non-reentrant: LoRA's frozen inputs need no
+    grad-enabling hook), or stop doing so."""
+    inner = getattr(getattr(model, "base_model", model), "model", model)  # PeftModel -> LoraModel -> the LM
+    if on:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif getattr(inner, "is_gradient_checkpointing", False):
+        inner.gradient_checkpointing_disable()
+
+
+def resident_base(path: str | Path, device: str | None = None) -> Policy:
     """load_policy(path), kept loaded for the next training run of this process: a daemon trains
     from the same base every cycle, and loading it is the whole model read from disk (seconds to
     minutes on a large base). Each run attaches its adapter in place and must `release` it."""
@@ -88,10 +98,11 @@ def resident_base(path: str | Path) -> Policy:
     key, stamp = str(path.resolve()), _files_stamp(path) if path.is_dir() else ()
     held = _RESIDENT.get(key)
     # reused only as loaded: a run that died before its release() left its adapter attached
-    if held is not None and held[0] == stamp and not hasattr(held[1].model, "peft_config"):
+    if (held is not None and held[0] == stamp and not hasattr(held[1].model, "peft_config")
+            and device in (None, held[1].device)):
         return held[1]
     _RESIDENT.clear()  # never two bases in memory
-    policy = load_policy(path)
+    policy = load_policy(path, device=device)
     _RESIDENT[key] = (stamp, policy)
     return policy
 
@@ -101,6 +112,7 @@ def release(model: Any) -> None:
     in place, their weights untouched -- LoRA trains only the adapter). A base that cannot be
     restored is forgotten, and the next run loads it afresh."""
     try:
+        set_gradient_checkpointing(model, False)
         model.unload()
     except Exception:  # noqa: BLE001 - whatever went wrong, that base is not to be reused
         _RESIDENT.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -35,7 +36,9 @@ from pipeline.store.training import Selection, finish_run, record_lineage, selec
 from pipeline.timing import Stopwatch
 from pipeline.types import prompt_key, sampling_params
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
-from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter
+from train.distributed import run_distributed
+from train.lora import (attach_adapter, load_adapter, release, resident_base, save_adapter,
+                        set_gradient_checkpointing)
 from train.loop import LoopResult, train_policy
 from train.models import ModelError, load_policy, set_cpu_threads
 from train.tracking import Tracker
@@ -153,7 +156,8 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
     set_cpu_threads(cfg.cpu_threads)
     with watch("load"):
         # kept loaded: read from disk by this process's first run only
-        policy = resident_base(cfg.base_model) if cfg.keep_base_loaded else load_policy(cfg.base_model)
+        policy = (resident_base(cfg.base_model, cfg.torch_device) if cfg.keep_base_loaded
+                  else load_policy(cfg.base_model, device=cfg.torch_device))
     with watch("tokenize"):
         episodes, rows, groups = tokenize_selection(policy.tokenizer, selection, cfg, report)
     if not episodes:
@@ -164,6 +168,7 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
     torch.manual_seed(cfg.seed)
     with watch("load"):
         model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
+    set_gradient_checkpointing(model, cfg.gradient_checkpointing)
 
     run_id = report.run_id = run_id or uuid.uuid4().hex
     run_dir = report.run_dir = runs_dir / run_id
@@ -187,10 +192,20 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
             })
         rewards = [float(r.reward) for r in rows]
         with watch("loop"):  # the steps, plus recomputed behaviour and checkpoints
-            report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker, policy.tokenizer.pad_token_id,
-                                       checkpoint_dir=run_dir / "checkpoints", on_step=on_step)
+            if cfg.nproc > 1:  # in cfg.nproc processes (train/distributed.py), from the same start
+                start = parent.adapter if parent else save_adapter(model, run_dir / "start")
+                report.loop, trained = run_distributed(run_dir / "ddp", policy.path, start, episodes, rewards, groups,
+                                                       cfg, tracker, checkpoint_dir=run_dir / "checkpoints",
+                                                       on_step=on_step)
+            else:
+                report.loop = train_policy(model, episodes, rewards, groups, cfg, tracker,
+                                           policy.tokenizer.pad_token_id, checkpoint_dir=run_dir / "checkpoints",
+                                           on_step=on_step)
         with watch("save"):
-            report.adapter = save_adapter(model, run_dir / "adapter")
+            if cfg.nproc > 1:
+                report.adapter = Path(shutil.copytree(trained, run_dir / "adapter", dirs_exist_ok=True))
+            else:
+                report.adapter = save_adapter(model, run_dir / "adapter")
             manifest = {"run_id": run_id, "watermark": selection.watermark_to, "spec_version": spec_version,
                         "loss": cfg.loss, "base_model": str(policy.path), "base_revision": policy.revision,
                         "parent_run_id": parent.run_id if parent else None, "episodes": len(episodes)}

@@ -67,7 +67,7 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     try:
         suite_path = suite or config.gate.suite
         suite_obj = load_suite(suite_path) if suite_path else EMPTY
-        runner = PolicySet.load(config.train.base_model or run.base_model)
+        runner = PolicySet.load(config.train.base_model or run.base_model, device=config.train.torch_device)
     except (SuiteError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
     from reward.analysis import audit

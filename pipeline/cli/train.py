@@ -71,6 +71,9 @@ def _selection_lines(report) -> list[str]:
 @click.option("--max-steps", type=int, help="train.max_steps")
 @click.option("--learning-rate", type=float, help="train.learning_rate")
 @click.option("--tenant", help="Only this tenant's episodes (train.tenant).")
+@click.option("--nproc", type=click.IntRange(1, 64),
+              help="train.nproc: data-parallel processes (torch.distributed.run; gloo on CPU, NCCL on GPUs).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="train.device")
 @click.option("--dry-run", is_flag=True, help="Print the data selection only; load and write nothing.")
 @SPEC_OPTION
 @pass_ctx
