@@ -4,6 +4,13 @@ TRL's GRPOTrainer, on the same model, the same episodes, the same LoRA and the s
     .venv/bin/python benchmarks/train.py                     # CPU figures (docs/benchmarks.md)
     .venv/bin/python benchmarks/train.py --hidden 512 --layers 8 --steps 12   # a bigger model
     .venv/bin/python benchmarks/train.py --variants rtrl --busy-cores 1 --threads 1   # a shared CPU
+    python benchmarks/train.py --shape qwen2-0.5b --device cuda --steps 8 --repeats 1   # on a GPU (bf16)
+    python benchmarks/train.py --shape qwen2-0.5b --device cuda --variants rtrl-ddp --nproc 2  # two GPUs
+
+`--shape qwen2-0.5b` is Qwen2-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864,
+151,936 embedding rows) with random weights; on CUDA it loads in bf16 (LoRA parameters float32).
+`rtrl-ddp` is rtrl's loop in `--nproc` data-parallel processes (train.nproc, torch.distributed.run);
+its tokens/s counts every rank's tokens.
 
 `--busy-cores N` keeps N other processes spinning while the variants run (serving next to the
 daemon, as in the demo); `--threads N` is `train.cpu_threads` (torch's intra-op threads).
@@ -182,12 +189,32 @@ def run_trl(policy, eps, cfg, args) -> tuple[float, int]:
     return sum(steps), len(steps) * args.batch * (args.prompt + args.completion)
 
 
-VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl}
+def run_rtrl_ddp(policy, eps, cfg, args) -> tuple[float, int]:
+    from train.distributed import run_distributed
+    from train.lora import save_adapter
+    from train.tracking import MemoryTracker
+
+    tok = [tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
+           for i, e in enumerate(eps)]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = save_adapter(attach_adapter(policy.model, cfg), Path(tmp) / "start")
+        ddp_cfg = cfg.model_copy(update={"nproc": args.nproc, "device": args.device})
+        result, _ = run_distributed(Path(tmp) / "job", Path(args.model), start, tok, [e["reward"] for e in eps],
+                                    [e["group"] for e in eps], ddp_cfg, MemoryTracker())
+    steps = result.history[1:]
+    per_step = args.batch * (args.prompt + args.completion)
+    return sum(per_step / m["tokens_per_s"] for m in steps), per_step * len(steps)
+
+
+VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl, "rtrl-ddp": run_rtrl_ddp}
+SHAPES = {"tiny": {}, "qwen2-0.5b": {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2,
+                                      "intermediate": 4864, "model_vocab": 151_936}}
 
 
 def child(args) -> None:
     set_cpu_threads(args.threads)
-    policy = load_policy(args.model)
+    policy = load_policy(args.model, device=None if args.device == "auto" else args.device)
     eps = episodes(args.episodes, args.prompt, args.completion)
     cfg = config(args)
     if policy.device == "cuda":
@@ -211,6 +238,10 @@ def main() -> None:
     ap.add_argument("--variants", default="bare,rtrl,trl")
     ap.add_argument("--threads", type=int, help="torch threads (train.cpu_threads); default: one per core")
     ap.add_argument("--busy-cores", type=int, default=0, help="other processes kept spinning meanwhile")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                    help="tiny: init_tiny at --hidden/--layers; qwen2-0.5b: Qwen2-0.5B's shape, random weights")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--nproc", type=int, default=2, help="processes of the rtrl-ddp variant")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--episodes", type=int, help=argparse.SUPPRESS)
@@ -229,13 +260,14 @@ def main() -> None:
 
 def run_variants(args) -> dict[str, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny(Path(tmp) / "model", hidden=args.hidden, layers=args.layers, heads=4, seed=0)
+        shape = {"hidden": args.hidden, "layers": args.layers, "heads": 4, **SHAPES[args.shape]}
+        model = init_tiny(Path(tmp) / "model", seed=0, **shape)
         results: dict[str, list[dict]] = {}
         for _ in range(args.repeats):
             for variant in args.variants.split(","):
                 cmd = [sys.executable, __file__, "--only", variant, "--model", str(model),
                        *(f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "prompt", "completion", "batch",
-                                                            "steps", "episodes"))]
+                                                            "steps", "episodes", "device", "nproc"))]
                 cmd += [f"--threads={args.threads}"] if args.threads else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
                 if out.returncode:
@@ -246,7 +278,7 @@ def run_variants(args) -> dict[str, list[dict]]:
 
 def report(args, results: dict[str, list[dict]]) -> None:
     med = {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in results.items()}
-    print(f"model: hidden {args.hidden}, layers {args.layers}; {args.batch} episodes x "
+    print(f"model: {args.shape} (hidden {args.hidden}, layers {args.layers} when tiny); {args.batch} episodes x "
           f"{args.prompt + args.completion} tokens per step; {args.steps} steps (first excluded); "
           f"device {next(iter(med.values()))['device']}; median of {args.repeats}; "
           f"threads {args.threads or torch.get_num_threads()}; {args.busy_cores} busy core(s)")

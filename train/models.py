@@ -160,8 +160,10 @@ def render_turns(tokenizer: Any, prompt: list[dict], turns: list[dict]) -> list[
 
 
 def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
-              seed: int = 0, tokenizer: str = "char", vocab: int = 32_768) -> Path:
-    """Write a small randomly initialised model and its tokenizer to `out` (`vocab`: the BPE's size)."""
+              seed: int = 0, tokenizer: str = "char", vocab: int = 32_768, kv_heads: int | None = None,
+              intermediate: int | None = None, model_vocab: int | None = None) -> Path:
+    """Write a small randomly initialised model and its tokenizer to `out` (`vocab`: the BPE's
+    size; `model_vocab`: embedding rows, when more than the tokenizer has, as real models pad them)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -176,8 +178,9 @@ def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: in
     tok = char_tokenizer() if tokenizer == "char" else bpe_tokenizer(vocab, seed)
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048 if tokenizer == "bpe" else 512,
+        vocab_size=max(len(tok), model_vocab or 0), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+        max_position_embeddings=2048 if tokenizer == "bpe" else 512,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )
