@@ -59,18 +59,27 @@ def _one_process(base, start, episodes, eps, cfg, out):
     return result, save_adapter(model, out)
 
 
-def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path):
+@pytest.mark.parametrize("per_rank, steps, batch_tokens", [(1, 3, 256), (2, None, 40)])
+def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per_rank, steps, batch_tokens):
+    """grad_accum 1 per rank for 3 steps; and 2 per rank over a whole epoch, whose last step has
+    fewer micro-batches than 2 x 2 (the ranks run different numbers of them)."""
     base, start, episodes, eps = setup
-    cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": 3, "batch_tokens": 256,
-                                 "learning_rate": 1e-2, "base_model": base})
-    one, one_dir = _one_process(base, start, episodes, fresh(eps), cfg.model_copy(update={"grad_accum": 2}), tmp_path / "one")
+    cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": steps, "batch_tokens": batch_tokens,
+                                 "max_seq_len": min(64, batch_tokens), "learning_rate": 1e-2, "base_model": base, "grad_accum": per_rank})
+    if steps is None:
+        from train.loop import plan_microbatches
+
+        assert len(plan_microbatches([len(e.input_ids) for e in eps], cfg, 2)) % 4 in (1, 3)
+    one, one_dir = _one_process(base, start, episodes, fresh(eps), cfg.model_copy(update={"grad_accum": 2 * per_rank}),
+                                tmp_path / "one")
     tracker = MemoryTracker()
     seen = []
     two, two_dir = run_distributed(tmp_path / "job", base, start, fresh(eps), [e["reward"] for e in episodes],
                                    [e["group"] for e in episodes], cfg.model_copy(update={"nproc": 2}), tracker,
                                    on_step=lambda step, total, m: seen.append((step, total)))
-    assert two.steps == one.steps == 3 and two.tokens == one.tokens
-    assert [s for s, _ in tracker.metrics] == [1, 2, 3] and seen == [(1, 3), (2, 3), (3, 3)]
+    assert two.steps == one.steps and two.tokens == one.tokens
+    assert [s for s, _ in tracker.metrics] == list(range(1, one.steps + 1))
+    assert seen == [(k, one.steps) for k in range(1, one.steps + 1)]
     for (_, m1), m2 in zip(tracker.metrics, one.history):  # the step's metrics are over both ranks
         assert abs(m1["loss"] - m2["loss"]) < 1e-5 and m1["recomputed_behavior_frac"] == m2["recomputed_behavior_frac"]
     a, b, s = _lora(one_dir), _lora(two_dir), _lora(start)

@@ -138,7 +138,9 @@ def worker(job_dir: Path) -> None:
         policy = load_policy(job["base_model"], device=device)
         model = load_adapter(policy.model, job["start"], trainable=True)
         set_gradient_checkpointing(model, cfg.gradient_checkpointing)
-        ddp = DistributedDataParallel(model, device_ids=[local] if cuda else None)
+        # no buffer broadcast: a LoRA model's buffers never change, and ranks may run different
+        # numbers of forward passes in a step (a last step shorter than grad_accum x N)
+        ddp = DistributedDataParallel(model, device_ids=[local] if cuda else None, broadcast_buffers=False)
         episodes = [TokenizedEpisode(**e) for e in job["episodes"]]
         tracker: Tracker = _FileTracker(job_dir / "metrics.jsonl") if rank == 0 else MemoryTracker()
         result = train_policy(ddp, episodes, job["rewards"], job["groups"], cfg, tracker, policy.tokenizer.pad_token_id,
