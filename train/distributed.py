@@ -63,13 +63,15 @@ def run_distributed(job_dir: Path, base_model: Path, start_adapter: Path, episod
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}",
            "--max-restarts=0", "--log-dir", str(logs), "--redirects", "3", "-m", "train.distributed", str(job_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.nproc))}
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher_log = job_dir / "launcher.log"  # a file, not a pipe: nobody reads a pipe while the ranks run
+    with launcher_log.open("w") as out:
+        launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     total = math.ceil(len(plan_microbatches([len(e.input_ids) for e in episodes], cfg, cfg.nproc))
                       / (cfg.grad_accum * cfg.nproc))
     metrics_file, seen, last_progress = job_dir / "metrics.jsonl", 0, time.monotonic()
     while launcher.poll() is None:
         time.sleep(0.2)  # polling the ranks' progress file, with a deadline below
-        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        lines = _complete_lines(metrics_file)
         for line in lines[seen:]:
             step, metrics = json.loads(line)
             tracker.log_metrics(metrics, step=step)
@@ -84,16 +86,22 @@ def run_distributed(job_dir: Path, base_model: Path, start_adapter: Path, episod
         seen = len(lines)
         if time.monotonic() - last_progress > cfg.ddp_timeout_s + 60:
             launcher.kill()
-    output = launcher.stdout.read() if launcher.stdout else ""
+    output = launcher_log.read_text(errors="replace")
     if launcher.returncode != 0 or not (job_dir / "result.json").exists():
         raise DistributedTrainingError(
             f"data-parallel training in {cfg.nproc} processes failed (launcher exit code {launcher.returncode}); "
             f"the ranks' last lines:\n{_tail_logs(logs, output)}")
-    for line in (metrics_file.read_text().splitlines() if metrics_file.exists() else [])[seen:]:
+    for line in _complete_lines(metrics_file)[seen:]:
         step, metrics = json.loads(line)
         tracker.log_metrics(metrics, step=step)
     result = LoopResult(**json.loads((job_dir / "result.json").read_text()))
     return result, job_dir / "adapter"
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The lines rank 0 has finished writing (a line being written has no newline yet)."""
+    text = path.read_text() if path.exists() else ""
+    return text[:text.rfind("\n") + 1].splitlines()
 
 
 def _tail_logs(logs: Path, launcher_output: str, lines: int = 15) -> str:
