@@ -17,6 +17,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from pipeline.chat import render_prompt
 from reward.signals import Episode
 from reward.spec import JudgeSpec
 
@@ -43,14 +44,17 @@ class Judge:
         self.spec = spec
         self.version = judge_version(spec)
         self._model = self._tokenizer = None
+        self._chat = False  # set when the model is loaded: whether it has a chat template to ask in
 
     def _load(self) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.spec.device == "auto" else self.spec.device
+        dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         try:
             tok = AutoTokenizer.from_pretrained(self.spec.model, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(self.spec.model, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(self.spec.model, local_files_only=True, dtype=dtype)
         except (OSError, ValueError) as exc:
             raise JudgeError(f"cannot load judge model {self.spec.model}: {exc}") from None
         tok.padding_side = "left"  # the answer position is then the last one in every row
@@ -66,11 +70,17 @@ class Judge:
         if ids[0] == ids[1]:
             raise JudgeError(f"judge answers {self.spec.yes!r} and {self.spec.no!r} map to one token")
         self._answer_ids = torch.tensor(ids)
-        self._device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = device
+        self._chat = self.spec.chat and tok.chat_template is not None
         self._model, self._tokenizer = model.to(self._device).eval(), tok
 
     def prompt(self, ep: Episode) -> str:
-        return self.spec.template.format(prompt=ep.prompt_text, completion=ep.text)
+        """The question (the spec's template), in a user turn of the judge's chat template when
+        it has one: an instruction-tuned judge is asked the way it was trained to be."""
+        if self._model is None:
+            self._load()
+        question = self.spec.template.format(prompt=ep.prompt_text, completion=ep.text)
+        return render_prompt(self._tokenizer, [{"role": "user", "content": question}]) if self._chat else question
 
     def score(self, episodes: list[Episode]) -> list[float]:
         import torch
@@ -80,8 +90,8 @@ class Judge:
         out: list[float] = []
         for start in range(0, len(episodes), self.spec.batch_size):
             texts = [self.prompt(ep) for ep in episodes[start : start + self.spec.batch_size]]
-            enc = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                                  max_length=self.spec.max_tokens).to(self._device)
+            enc = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.spec.max_tokens,
+                                  add_special_tokens=not self._chat).to(self._device)  # a template writes its own
             with torch.no_grad():
                 logits = self._model(**enc).logits[:, -1, :]  # [B, V] at the answer position
             pair = logits[:, self._answer_ids.to(self._device)].float()  # [B, 2]: yes, no

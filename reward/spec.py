@@ -114,6 +114,10 @@ class JudgeSpec(_Strict):
     budget: int = Field(default=1000, ge=0, description="new judge calls per run; the rest wait")
     batch_size: int = Field(default=8, ge=1, le=256)
     max_tokens: int = Field(default=1024, ge=16, description="longer inputs keep their end")
+    chat: bool = Field(default=True, description="a judge model with a chat template is asked in a user turn, "
+                                                 "rendered by it (pipeline/chat.py), as serving renders prompts")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="as train.device: CUDA when there is one, bf16 where it has it")
 
     @field_validator("template")
     @classmethod

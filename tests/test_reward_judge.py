@@ -73,3 +73,13 @@ def test_rewards_with_a_judge_are_cached_and_budgeted(engine, tiny_model, monkey
 def test_missing_judge_model_is_a_clear_error(tmp_path):
     with pytest.raises(JudgeError, match=str(tmp_path / "nope")):
         Judge(JudgeSpec(model=str(tmp_path / "nope")))
+
+
+def test_a_judge_with_a_chat_template_is_asked_in_a_user_turn(bpe_base):
+    ep = Episode(request_id="1", ts=LATER, policy_version="1", text="return a + b", prompt_text="add a and b")
+    chat = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no"))
+    asked = chat.prompt(ep)
+    assert asked.startswith("<|im_start|>system\n") and "<|im_start|>user\nRequest:\nadd a and b" in asked
+    assert asked.endswith("<|im_start|>assistant\n") and 0 < chat.score([ep])[0] < 1
+    plain = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no", chat=False))
+    assert plain.prompt(ep).startswith("Request:\nadd a and b") and plain.version != chat.version

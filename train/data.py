@@ -3,7 +3,7 @@
     prompt      rendered (chat template for messages) and tokenized: context, mask 0
     completion  text: the served tokens (completion_token_ids) when logged, else re-tokenized;
                 trajectory (after chat messages): the whole conversation through the chat
-                template (train.models.render_turns), assistant turns carry loss (mask 1, their
+                template (pipeline.chat.render_turns), assistant turns carry loss (mask 1, their
                 tool calls and end-of-turn token included), the template's headers, tool results
                 and user turns are context (mask 0) -- only what the policy wrote is trained
     behaviour   serving-time log-probs, one per assistant token. Used only when they align:
@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.models import render_prompt, render_turns
+from pipeline.chat import render_prompt, render_turns
 
 
 class Skip(str, enum.Enum):

@@ -31,7 +31,8 @@ from train.batches import collate, pack_by_length
 from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import load_adapter
 from train.logprobs import token_logprobs
-from train.models import ModelError, Policy, load_policy, render_prompt
+from pipeline.chat import render_prompt
+from train.models import ModelError, Policy, load_policy
 from train.sampling import SamplingRows
 
 

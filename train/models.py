@@ -3,6 +3,7 @@
     load_policy(path)   model + tokenizer from a local directory (never a hub download), on
                         CUDA when available, CPU otherwise; bf16 where the device supports it
     render_prompt       a prompt (text, or chat messages) as the text the model continues
+                        (pipeline/chat.py: the one rendering serving, training, the gate and the judge share)
     init_tiny(out)      a small Llama- or Qwen2-style model, built from a config and seeded, with
                         a character-level tokenizer (the demo) or a byte-level BPE with a
                         ChatML/tool-call chat template (train/tiny_tokenizers.py): for tests
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.chat import render_prompt, render_turns  # noqa: F401 - re-exported
 from train.tiny_tokenizers import SIMPLE_CHAT_TEMPLATE, TOKENIZERS, bpe_tokenizer, char_tokenizer
 
 TINY_ARCHS = ("llama", "qwen2")
@@ -118,45 +120,6 @@ def _tokenizer_class(path: Path):
     except (FileNotFoundError, json.JSONDecodeError):
         declared = None
     return PreTrainedTokenizerFast if declared == "PreTrainedTokenizerFast" else AutoTokenizer
-
-
-def render_prompt(tokenizer: Any, prompt: str | list[dict]) -> str:
-    """Text prompts are used as they are; chat messages go through the chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
-
-def render_turns(tokenizer: Any, prompt: list[dict], turns: list[dict]) -> list[tuple[str, bool]]:
-    """A conversation (`prompt` messages, then the episode's assistant, tool and user `turns`)
-    as the chat template renders it, cut into (text, written by the policy) segments: the first
-    is exactly what serving rendered for the prompt (`render_prompt`); each assistant turn -- its
-    content and tool calls, up to and including the end-of-turn token -- is the policy's; the
-    template's text around them (the next turn's header, tool results, user turns) is context.
-
-    Cut by rendering the conversation up to each assistant turn with the generation prompt and
-    through it without, and taking differences; a template for which these are not prefixes of
-    each other cannot be cut this way: ValueError (the episode is skipped and counted)."""
-    messages = list(prompt)
-    segments: list[tuple[str, bool]] = []
-    done = ""
-    for turn in turns:
-        if turn.get("role") != "assistant":
-            messages.append(turn)
-            continue
-        before = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        messages.append(turn)
-        through = tokenizer.apply_chat_template(messages, tokenize=False)
-        if not before.startswith(done) or not through.startswith(before):
-            raise ValueError("the chat template does not render a conversation's turns as prefixes of each other")
-        written = through[len(before):]
-        # the turn ends with the end-of-turn token the policy wrote; what the template puts after
-        # it (a newline) is context. A template without one: trailing newlines are context
-        eos = tokenizer.eos_token or ""
-        end = written.rfind(eos) + len(eos) if eos and eos in written else len(written.rstrip("\n"))
-        segments += [(before[len(done):], False), (written[:end], True)]
-        done = before + written[:end]
-    return [(text, mine) for text, mine in segments if text]
 
 
 def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
