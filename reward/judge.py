@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.chat import render_prompt
 from reward.signals import Episode
-from reward.spec import JudgeSpec
+from reward.spec import LATER_JUDGE_FIELDS, JudgeSpec
 
 
 class JudgeError(RuntimeError):
@@ -33,7 +33,9 @@ def judge_version(spec: JudgeSpec) -> str:
     except FileNotFoundError:
         raise JudgeError(f"judge model {model_dir} has no config.json: is it a Hugging Face model directory?") from None
     weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
-    digest = hashlib.sha256(spec.model_dump_json().encode() + config + json.dumps(weights).encode())
+    # fields added later count only when set, so an upgrade keeps existing judges' cached scores
+    unset = {name for name, default in LATER_JUDGE_FIELDS.items() if getattr(spec, name) == default}
+    digest = hashlib.sha256(spec.model_dump_json(exclude=unset).encode() + config + json.dumps(weights).encode())
     return f"judge@{digest.hexdigest()[:12]}"
 
 
@@ -51,10 +53,9 @@ class Judge:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.spec.device == "auto" else self.spec.device
-        dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         try:
             tok = AutoTokenizer.from_pretrained(self.spec.model, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(self.spec.model, local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(self.spec.model, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise JudgeError(f"cannot load judge model {self.spec.model}: {exc}") from None
         tok.padding_side = "left"  # the answer position is then the last one in every row

@@ -51,6 +51,7 @@ class Signal(_Strict):
 # Fields added to a spec after its first release: they enter the version hash only when set, so
 # an upgrade of rtrl leaves the version of every existing spec -- and its stored rewards -- alone.
 _LATER_FIELDS = {"signals": ("half_life_s",)}
+LATER_JUDGE_FIELDS = {"chat": False, "device": "auto"}  # the same, for [judge]: left out at these values
 
 
 class Ripeness(_Strict):
@@ -114,10 +115,10 @@ class JudgeSpec(_Strict):
     budget: int = Field(default=1000, ge=0, description="new judge calls per run; the rest wait")
     batch_size: int = Field(default=8, ge=1, le=256)
     max_tokens: int = Field(default=1024, ge=16, description="longer inputs keep their end")
-    chat: bool = Field(default=True, description="a judge model with a chat template is asked in a user turn, "
-                                                 "rendered by it (pipeline/chat.py), as serving renders prompts")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="as train.device: CUDA when there is one, bf16 where it has it")
+    chat: bool = Field(default=False, description="ask in a user turn of the judge model's chat template "
+                                                  "(pipeline/chat.py, as serving renders prompts): for an "
+                                                  "instruction-tuned judge")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="as train.device")
 
     @field_validator("template")
     @classmethod
@@ -159,6 +160,9 @@ class RewardSpec(_Strict):
                 for name in fields:
                     if entry[name] is None:
                         del entry[name]
+        for name, default in LATER_JUDGE_FIELDS.items():
+            if content.get("judge") and content["judge"][name] == default:
+                del content["judge"][name]
         canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return f"{self.name}@{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 

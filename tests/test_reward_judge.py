@@ -77,9 +77,35 @@ def test_missing_judge_model_is_a_clear_error(tmp_path):
 
 def test_a_judge_with_a_chat_template_is_asked_in_a_user_turn(bpe_base):
     ep = Episode(request_id="1", ts=LATER, policy_version="1", text="return a + b", prompt_text="add a and b")
-    chat = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no"))
+    chat = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no", chat=True))
     asked = chat.prompt(ep)
     assert asked.startswith("<|im_start|>system\n") and "<|im_start|>user\nRequest:\nadd a and b" in asked
     assert asked.endswith("<|im_start|>assistant\n") and 0 < chat.score([ep])[0] < 1
-    plain = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no", chat=False))
+    plain = Judge(JudgeSpec(model=str(bpe_base), yes="yes", no="no"))  # the default: as before
     assert plain.prompt(ep).startswith("Request:\nadd a and b") and plain.version != chat.version
+
+
+def test_the_judge_options_added_later_leave_existing_versions_alone(tiny_model):
+    """A spec written before [judge] chat/device existed keeps its version and its judge's
+    cached scores (the hashes of the fields it had)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from reward.judge import judge_version
+
+    spec = spec_with_judge(tiny_model)
+    old_section = json.loads(spec.judge.model_dump_json(exclude={"chat", "device"}))
+    config = (Path(tiny_model) / "config.json").read_bytes()
+    weights = sorted((p.name, p.stat().st_size) for p in Path(tiny_model).glob("*.safetensors"))
+    # what the judge section serialised to before the two fields existed
+    written_before = spec.judge.model_dump_json(exclude={"chat", "device"})
+    before = hashlib.sha256(written_before.encode() + config + json.dumps(weights).encode()).hexdigest()[:12]
+    assert judge_version(spec.judge) == f"judge@{before}"
+    content = spec.model_dump(mode="json")
+    content["judge"] = old_section
+    for entry in content["signals"].values():  # (an earlier later-field, left out the same way)
+        entry.pop("half_life_s")
+    assert spec.version.split("@")[1] == hashlib.sha256(
+        json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+    assert spec_with_judge(tiny_model).judge.model_copy(update={"chat": True}) != spec.judge
