@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.rollout import routes_to_canary
 
@@ -49,14 +49,38 @@ BASE = "base"  # the version name of the base model with no adapter
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A parameter the server does not implement is refused with a 400 naming it, never ignored:
+    # ignoring `stream: true` or `n: 3` hands the client an answer of another shape than it
+    # asked for (the official client then iterates an empty stream without an error).
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int = Field(default=16, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)  # the newer name of max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     user: str | None = Field(default=None, max_length=256)
+    # accepted only at the value that asks for nothing more than what is served
+    stream: bool = False
+    n: int = 1
+    logprobs: bool | int | None = None  # the answer always carries the sampled tokens' log-probs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stream", "n", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _only_the_default(cls, value: Any, info: Any) -> Any:
+        default = cls.model_fields[info.field_name].default
+        if value != default:
+            raise ValueError(f"{info.field_name}={value!r} is not supported by rtrl serve (only {default!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "_Sampling":
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class CompletionRequest(_Sampling):
@@ -64,6 +88,8 @@ class CompletionRequest(_Sampling):
 
 
 class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id: kept by clients, not needed here
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
@@ -189,6 +215,10 @@ def create_app(server: PolicyServer) -> FastAPI:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body")
         server.requests.labels("any", "invalid").inc()
+        if first["type"] == "extra_forbidden":
+            return _error(400, f"{param} is not supported by rtrl serve; leave it out", param)
+        if first["type"] == "value_error":  # our own refusals say it all
+            return _error(400, first["msg"].removeprefix("Value error, "), param)
         return _error(400, f"{param}: {first['msg']}", param)
 
     def _tokens(gen: Any) -> list[str]:
@@ -196,6 +226,11 @@ def create_app(server: PolicyServer) -> FastAPI:
 
     def _finish(gen: Any, req: _Sampling) -> str:
         return "stop" if gen.stopped else "length"
+
+    def _usage(prompt: Any, gen: Any) -> dict[str, int]:
+        prompt_tokens = server.runner.prompt_tokens(prompt) or 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": len(gen.token_ids),
+                "total_tokens": prompt_tokens + len(gen.token_ids)}
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest, request: Request) -> JSONResponse:
@@ -206,7 +241,7 @@ def create_app(server: PolicyServer) -> FastAPI:
                 "choices": [{"index": 0, "text": gen.text, "finish_reason": _finish(gen, req),
                              "logprobs": {"tokens": _tokens(gen), "token_logprobs": gen.logprobs,
                                           "token_ids": gen.token_ids}}],
-                "usage": {"completion_tokens": len(gen.token_ids)}}
+                "usage": _usage(req.prompt, gen)}
         return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions")
@@ -220,7 +255,7 @@ def create_app(server: PolicyServer) -> FastAPI:
                 "model": f"{server.model_name}:{version}",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
                              "finish_reason": _finish(gen, req), "logprobs": {"content": content}}],
-                "usage": {"completion_tokens": len(gen.token_ids)}}
+                "usage": _usage(messages, gen)}
         return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
 
     @app.get("/health")
