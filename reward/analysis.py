@@ -25,7 +25,7 @@ from pipeline.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
 from reward.signals import Episode
 from reward.spec import RewardSpec
-from reward.stage import PAYLOAD_KINDS, build_episode
+from reward.scoring import PAYLOAD_KINDS, build_episode
 
 _RESERVOIR = 50_000
 

@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 from pipeline.store import db as store_db
 from pipeline.store.rewards import interaction_id_span
 from reward.spec import RewardSpec
-from reward.stage import RewardRunReport, score_part
+from reward.scoring import RewardRunReport, score_part
 
 EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) is not worth it
 _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts

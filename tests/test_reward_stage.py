@@ -299,7 +299,7 @@ def test_an_incremental_run_reads_only_episodes_whose_reward_is_stale(engine):
 def test_a_failed_write_stops_the_run_and_counts_only_what_was_stored(engine, monkeypatch):
     """A chunk's upsert runs on a writer thread while the next chunk is scored: its error
     still ends the run, the chunks before it stay stored, and progress never counted it."""
-    import reward.stage as stage
+    import reward.scoring as stage  # where the scoring loop writes
 
     store(engine, *[ev for i in range(600, 640) for ev in (interaction(i), fb(i, kind="accepted"))])
     calls, progress = [], []
