@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -145,6 +147,33 @@ def bpe_base(tmp_path_factory) -> Path:
     from train.models import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("bpe-base") / "model", arch="qwen2", tokenizer="bpe", vocab=32_768)
+
+
+class ServeProcess:
+    """`rtrl serve --base-model BASE` in a process of its own on a free port, configured by `env`,
+    its output in `log_path`; `stop()` ends it."""
+
+    def __init__(self, base: Path, env: dict[str, str], log_path: Path) -> None:
+        port, self.log_path = free_port(), log_path
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
+                                          "--base-model", str(base)], env=env, cwd=REPO, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def health(self) -> dict | None:
+        """/health's answer; None while starting (a server that exited fails with its log's end)."""
+        import requests
+
+        try:
+            return requests.get(f"{self.url}/health", timeout=2).json()
+        except requests.ConnectionError:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            return None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

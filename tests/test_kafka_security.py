@@ -12,8 +12,6 @@ import io
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -37,7 +35,7 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.logs import JsonFormatter
 from pipeline.store import db as store_db
 from pipeline.store.events import table_counts
-from tests.conftest import REPO, free_port, wait_for
+from tests.conftest import ServeProcess, free_port, wait_for
 from tests.factories import feedback, interaction
 
 # ---- the settings, without a broker ------------------------------------------------------
@@ -171,22 +169,12 @@ def test_serving_events_and_a_model_update_round_trip_over_sasl_ssl(secure, reve
         tracker.end("FINISHED")
         registry.register(tracker.run_id, {"base_model": str(reverse_base)})
     registry.promote("1", actor="test", reason="start", force=True)
-    port = free_port()
     env = {**os.environ, **secure["env"], "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": url,
            "RTRL_MLFLOW__TRACKING_URI": tracking, "RTRL_MLFLOW__REGISTERED_MODEL": name,
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": topics["updates"], "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"]}
     log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model",
-                                 str(reverse_base)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-
-    def health():
-        try:
-            return requests.get(f"{base_url}/health", timeout=2).json()
-        except requests.ConnectionError:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            return None
+    server = ServeProcess(reverse_base, env, log_path)
+    base_url, health = server.url, server.health
 
     def complete(i: int) -> str:
         resp = requests.post(f"{base_url}/v1/completions", timeout=30,
@@ -201,8 +189,7 @@ def test_serving_events_and_a_model_update_round_trip_over_sasl_ssl(secure, reve
         wait_for(lambda: health()["version"] == "2", 60, "serving to follow the promotion")
         served.update({complete(i): "2" for i in range(3, 6)})
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
         publisher.close()
         engine.dispose()
     consumer = kafka_client.consumer(access, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=2000)

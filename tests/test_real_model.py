@@ -11,8 +11,6 @@ what was served in the rewarded direction."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import uuid
 from datetime import datetime, timezone
@@ -20,7 +18,6 @@ from datetime import datetime, timezone
 import openai
 import orjson
 import pytest
-import requests
 import torch
 from sqlalchemy import func, select
 
@@ -32,7 +29,7 @@ from pipeline.kafka_local import ensure_topics
 from pipeline.store.tables import interactions
 from pipeline.types import LoggedEpisode, sampling_params
 from reward.spec import load_spec
-from tests.conftest import REPO, free_port, wait_for
+from tests.conftest import ServeProcess, wait_for
 from tests.factories import feedback
 from tests.test_ingest_kafka import produce_events
 from train.batches import collate
@@ -73,19 +70,8 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
     tracking, name = f"sqlite:///{tmp_path / 'mlflow.db'}", f"bpe-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, **cfg_env, "RTRL_MLFLOW__TRACKING_URI": tracking, "RTRL_MLFLOW__REGISTERED_MODEL": name,
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model",
-                                 str(bpe_base)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def health():
-        try:
-            return requests.get(f"{url}/health", timeout=2).json()
-        except requests.ConnectionError:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            return None
+    server = ServeProcess(bpe_base, env, tmp_path / "serve.log")
+    url, health = server.url, server.health
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -165,6 +151,5 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
         assert len(shift[True]) > 10 and len(shift[False]) > 10
         assert mean[True] > mean[False], mean
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
 

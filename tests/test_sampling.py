@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from pipeline.config import TrainConfig
 from pipeline.types import LoggedEpisode, SamplingParams, sampling_params
 from train.batches import collate
 from train.data import tokenize_episode
 from train.inference import PolicySet
-from train.lora import attach_adapter, save_adapter
+from train.lora import load_adapter
 from train.logprobs import token_logprobs
 from train.models import load_policy
 from train.sampling import SamplingRows, sampled_logprobs
@@ -57,14 +56,9 @@ def test_top_p_served_log_probs_are_what_training_recomputes(bpe_base, tmp_path)
     """Serve with temperature 0.7 and top-p 0.9, then recompute the served tokens' log-probs in
     training with the same adapter: mean |log ratio| per token below 1e-3. Temperature alone
     (what training did before) is visibly off."""
-    policy = load_policy(bpe_base, device="cpu")
-    torch.manual_seed(4)
-    model = attach_adapter(policy.model, TrainConfig(lora_r=4, lora_alpha=8))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    adapter = save_adapter(model, tmp_path / "adapter")
+    from tests.test_serve import make_adapter
+
+    adapter = make_adapter(bpe_base, tmp_path / "adapter", seed=4, std=0.05)
     server = PolicySet.load(bpe_base, device="cpu")
     server.add("1", adapter)
     prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question number {i}"}]
@@ -73,8 +67,6 @@ def test_top_p_served_log_probs_are_what_training_recomputes(bpe_base, tmp_path)
               for i, p in enumerate(prompts)]
 
     trainer = load_policy(bpe_base, device="cpu")
-    from train.lora import load_adapter
-
     trained = load_adapter(trainer.model, adapter, adapter_name="default", trainable=True)
     trained.eval()
     params = SamplingParams(0.7, 0.9, 0)

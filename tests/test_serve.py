@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,22 +26,22 @@ from pipeline.config import TrainConfig
 from pipeline.kafka_local import ensure_topics
 from pipeline.store import db as store_db
 from pipeline.store.deploys import record_decision
-from tests.conftest import REPO, free_port, wait_for
+from tests.conftest import ServeProcess, wait_for
 from pipeline.types import LoggedEpisode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import load_policy
 
 
-def make_adapter(base: Path, out: Path, seed: int) -> Path:
+def make_adapter(base: Path, out: Path, seed: int, std: float = 0.3, r: int = 4) -> Path:
     """A LoRA adapter with random (non-zero) B matrices: a policy visibly different from the base."""
     policy = load_policy(base, device="cpu")
     torch.manual_seed(seed)
-    model = attach_adapter(policy.model, TrainConfig(lora_r=4, lora_alpha=8))
+    model = attach_adapter(policy.model, TrainConfig(lora_r=r, lora_alpha=2 * r))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, std)
     return save_adapter(model, out)
 
 
@@ -77,23 +75,12 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
     r = registered
     registry = r["registry"]
     registry.promote("1", actor="test", reason="start", force=True)
-    port = free_port()
     env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": r["url"],
            "RTRL_MLFLOW__TRACKING_URI": r["tracking"], "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
            "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap, "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
            "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"]}
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model",
-                             str(reverse_base)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-
-    def health():
-        try:
-            return requests.get(f"{base_url}/health", timeout=2).json()
-        except requests.ConnectionError:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            return None
-
+    server = ServeProcess(reverse_base, env, tmp_path / "serve.log")
+    base_url, health = server.url, server.health
     try:
         assert wait_for(health, 120, "rtrl serve to start")["version"] == "1"
         results, failures, stop = [], [], threading.Event()
@@ -192,8 +179,7 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         metrics = requests.get(f"{base_url}/metrics").text
         assert "rtrl_serve_swaps_total 4.0" in metrics and "rtrl_serve_canary_share 0.0" in metrics  # start + 3
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
 
 
 class FakeVllm(BaseHTTPRequestHandler):

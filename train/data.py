@@ -83,7 +83,10 @@ def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, com
     if completion_token_ids and not 0 <= min(completion_token_ids) <= max(completion_token_ids) < len(tokenizer):
         stats.count(stats.skipped, Skip.TOKEN_IDS_OUT_OF_VOCABULARY.value)
         return Skip.TOKEN_IDS_OUT_OF_VOCABULARY
-    ids = list(encode(render_prompt(tokenizer, prompt)))
+    # a trajectory after chat messages goes through the template whole (the prompt included)
+    whole_conversation = (not isinstance(completion, str) and isinstance(prompt, list)
+                          and tokenizer.chat_template is not None)
+    ids = [] if whole_conversation else list(encode(render_prompt(tokenizer, prompt)))
     mask = [0] * len(ids)
     if isinstance(completion, str):
         if not completion and not completion_token_ids:
@@ -94,11 +97,9 @@ def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, com
         ids += completion_ids
         mask += [1] * len(completion_ids)
         note = "served_ids" if served is not None else "retokenized"
-    elif isinstance(prompt, list) and tokenizer.chat_template is not None:
-        # a trajectory after chat messages: every turn through the chat template, as serving
-        # renders the conversation for the next call
+    elif whole_conversation:
+        # every turn through the chat template, as serving renders the conversation for the next call
         turns = [m for m in completion if isinstance(m, dict)] if isinstance(completion, list) else []
-        ids, mask = [], []
         for text, mine in render_turns(tokenizer, prompt, turns):
             piece = encode(text)
             ids += piece

@@ -126,7 +126,7 @@ class PolicySet:
             behavior = getattr(e, "behavior_logprobs", None)
             if (isinstance(t, TokenizedEpisode) and (max_tokens is None or len(t.input_ids) <= max_tokens)
                     and (behavior is None or len(behavior) == sum(t.loss_mask))):
-                t.temperature, t.top_p, t.top_k = e.temperature, e.top_p, e.top_k
+                t.sample_with(e)
                 out.append(t)
             else:
                 out.append(None)

@@ -150,7 +150,8 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
     denominator = max(denominator, 1.0)
     step_tokens = max(sum(float(b.mask.sum()) for b in step_batches), 1.0)
     z = kl_reference_point(model, episodes, step_micro, inputs.sampling, pad_id) if loss.reference else None
-    batches = [collate(episodes, index, pad_id, device) for index in micro]
+    collated = {id(index): b for index, b in zip(step_micro, step_batches)}  # this rank's are among the step's
+    batches = [collated[id(index)] for index in micro]
     tokens = 0
     for k, (batch, index) in enumerate(zip(batches, micro)):
         label = labels_of(index)
