@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 kafka-jars: venv
-	$(BIN)/python -c "from pipeline.config import load_config; from pipeline.kafka_local import LocalBroker, ensure_jars; c = load_config(); ensure_jars(LocalBroker.from_config(c), c.kafka.version)"
+	$(BIN)/python -c "from pipeline.core.config import load_config; from pipeline.kafka_local import LocalBroker, ensure_jars; c = load_config(); ensure_jars(LocalBroker.from_config(c), c.kafka.version)"
 
 # PostgreSQL from Debian's packages (root only); prints the test database URL.
 postgres:

@@ -1,10 +1,10 @@
-"""Alembic environment: the target schema is pipeline.store.tables.metadata."""
+"""Alembic environment: the target schema is pipeline.core.store.tables.metadata."""
 
 import os
 
 from alembic import context
-from pipeline.store.db import make_engine
-from pipeline.store.tables import metadata
+from pipeline.core.store.db import make_engine
+from pipeline.core.store.tables import metadata
 
 config = context.config
 url = os.environ.get("RTRL_DB_URL") if config.config_file_name else None

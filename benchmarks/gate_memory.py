@@ -38,8 +38,8 @@ def _rss_mb() -> float:
 def one(model_dir: Path, n: int, completion: int) -> dict:
     import torch
 
-    from pipeline.config import TrainConfig
-    from pipeline.types import LoggedEpisode
+    from pipeline.core.config import TrainConfig
+    from pipeline.core.types import LoggedEpisode
     from train.inference import PolicySet
     from train.lora import attach_adapter, save_adapter
     from train.models import load_policy

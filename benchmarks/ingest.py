@@ -35,9 +35,9 @@ from sqlalchemy.orm import Session, declarative_base  # noqa: E402
 
 from ingest.consumer import run_ingest  # noqa: E402
 from pipeline import kafka_local  # noqa: E402
-from pipeline.config import Config, load_config  # noqa: E402
-from pipeline.store import db as store_db  # noqa: E402
-from pipeline.store.tables import interactions  # noqa: E402
+from pipeline.core.config import Config, load_config  # noqa: E402
+from pipeline.core.store import db as store_db  # noqa: E402
+from pipeline.core.store.tables import interactions  # noqa: E402
 from tests.factories import encode, interaction  # noqa: E402
 from tests.scratch_db import scratch_database  # noqa: E402
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline.config import TrainConfig  # noqa: E402
+from pipeline.core.config import TrainConfig  # noqa: E402
 from train.data import tokenize_episode  # noqa: E402
 from train.lora import attach_adapter, target_modules  # noqa: E402
 from train.models import init_tiny, load_policy, set_cpu_threads  # noqa: E402

@@ -7,7 +7,7 @@
     generation          greedy outputs on a hash-chosen sample of the held-out prompts and on the
                         regression suite (a policy's answers are reused from earlier cycles):
                         canaries (abstention, length, repetition, tool-call format errors,
-                        pipeline/textchecks.py) and the suite's checkers
+                        pipeline/core/textchecks.py) and the suite's checkers
     smoke               the candidate loads and generates; median latency per request
 
 The models come through a Runner (train.inference.PolicySet implements it; the orchestration
@@ -25,10 +25,10 @@ from typing import Any, Protocol
 from deploy.gate import Comparison, Estimate, EvalReport
 from deploy.offpolicy import compare
 from deploy.suite import Suite
-from pipeline.config import GateConfig
-from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
-from pipeline.timing import Stopwatch
-from pipeline.types import LoggedEpisode
+from pipeline.core.config import GateConfig
+from pipeline.core.textchecks import is_abstention, malformed_tool_call, repeated_fraction
+from pipeline.core.timing import Stopwatch
+from pipeline.core.types import LoggedEpisode
 
 
 NOT_MEASURED = Estimate(float("nan"), float("nan"), float("nan"))  # fails every comparison in the gate

@@ -16,8 +16,8 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from pipeline import kafka_client
-from pipeline.kafka_config import KafkaAccess
+from pipeline.core import kafka_client
+from pipeline.core.kafka_config import KafkaAccess
 
 
 class EventSender:

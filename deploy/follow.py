@@ -26,8 +26,8 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from pipeline import kafka_client
-from pipeline.kafka_config import KafkaAccess
+from pipeline.core import kafka_client
+from pipeline.core.kafka_config import KafkaAccess
 
 log = logging.getLogger("rtrl.deploy")
 _VERSION_ID = re.compile(r"[0-9]{1,18}")

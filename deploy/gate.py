@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.config import Bound, GateConfig
+from pipeline.core.config import Bound, GateConfig
 
 
 @dataclass(frozen=True)

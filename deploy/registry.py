@@ -45,9 +45,9 @@ from deploy.registry_read import (  # noqa: F401 - the registry's names, importa
     RegistryReader,
     Version,
 )
-from pipeline.faults import pause_point
-from pipeline.store import deploys as audit
-from pipeline.store.events import utcnow
+from pipeline.core.faults import pause_point
+from pipeline.core.store import deploys as audit
+from pipeline.core.store.events import utcnow
 
 ANY = object()  # promote(against=ANY): whatever the champion is
 log = logging.getLogger("rtrl.deploy")

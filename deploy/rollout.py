@@ -28,7 +28,7 @@ import math
 from statistics import NormalDist
 
 from deploy.gate import Check, Decision
-from pipeline.config import RolloutConfig
+from pipeline.core.config import RolloutConfig
 
 Side = tuple[int, float, float]  # rewarded requests, mean reward, sample variance
 

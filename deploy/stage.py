@@ -23,11 +23,11 @@ from deploy.evaluate import Evaluation, Runner, evaluate
 from deploy.gate import Decision, decide
 from deploy.registry import CHAMPION, Registry, RegistryError, Version
 from deploy.suite import EMPTY, Suite
-from pipeline.config import GateConfig, TrainConfig
-from pipeline.store.events import utcnow
-from pipeline.store.training import get_run, select_eval_episodes
-from pipeline.timing import Stopwatch
-from pipeline.types import LoggedEpisode, sampling_params
+from pipeline.core.config import GateConfig, TrainConfig
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.training import get_run, select_eval_episodes
+from pipeline.core.timing import Stopwatch
+from pipeline.core.types import LoggedEpisode, sampling_params
 
 
 @dataclass

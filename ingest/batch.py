@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ingest.decode import decode
-from pipeline.store.events import Rows, dead_letter_row, event_row
-from pipeline.types import DeadLetter, SourcePosition
+from pipeline.core.store.events import Rows, dead_letter_row, event_row
+from pipeline.core.types import DeadLetter, SourcePosition
 
 RawRecord = tuple[str, int, int, bytes | None]
 """(topic or source, partition, offset, value) — what a Kafka record or a file line carries."""

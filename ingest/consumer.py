@@ -32,9 +32,9 @@ from sqlalchemy import Engine
 
 from ingest.batch import raw_records
 from ingest.workers import Lanes
-from pipeline import kafka_client
-from pipeline.config import Config
-from pipeline.store.events import stored_offsets
+from pipeline.core import kafka_client
+from pipeline.core.config import Config
+from pipeline.core.store.events import stored_offsets
 
 log = logging.getLogger("rtrl.ingest")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from pipeline.types import (
+from pipeline.core.types import (
     SCHEMA_VERSION,
     DeadLetter,
     DeadLetterReason,

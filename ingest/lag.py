@@ -9,8 +9,8 @@ from kafka.errors import KafkaError
 from sqlalchemy import Engine
 
 from ingest.consumer import make_consumer
-from pipeline.config import Config
-from pipeline.store.events import stored_offsets
+from pipeline.core.config import Config
+from pipeline.core.store.events import stored_offsets
 
 
 @dataclass(frozen=True)

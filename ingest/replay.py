@@ -25,8 +25,8 @@ from ingest.batch import DecodedBatch, RawRecord, decode_records, raw_records
 from ingest.consumer import make_consumer
 from ingest.decode import decode
 from ingest.ndjson import iter_lines, source_name
-from pipeline.config import Config
-from pipeline.store.events import (
+from pipeline.core.config import Config
+from pipeline.core.store.events import (
     Rows,
     event_row,
     existing_event_ids,
@@ -34,7 +34,7 @@ from pipeline.store.events import (
     resolve_dead_letters,
     write_rows,
 )
-from pipeline.types import DeadLetter, SourcePosition
+from pipeline.core.types import DeadLetter, SourcePosition
 
 _BATCH = 2000
 _STALL_S = 60

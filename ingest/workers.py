@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from ingest.batch import RawRecord, decode_records
-from pipeline.store.db import make_engine
-from pipeline.store.events import WriteResult, write_rows
+from pipeline.core.store.db import make_engine
+from pipeline.core.store.events import WriteResult, write_rows
 
 
 @dataclass

@@ -13,7 +13,7 @@ With a staged rollout (`[rollout] share` > 0) a candidate that passed the gate g
 every `rollout.check_every`) resumes it, rewards what the canary served, and once both sides
 have enough requests lets deploy/rollout.py decide. No new candidate is trained meanwhile.
 
-Each state is written before its work starts, fenced by the daemon's lease (pipeline/store/
+Each state is written before its work starts, fenced by the daemon's lease (pipeline/core/store/
 leases.py): a daemon whose lease another took over stops at its next write or training step.
 After a crash, `run_cycle` resumes the unfinished cycle from the state it reached, and every
 stage's work is idempotent when re-entered:
@@ -48,13 +48,13 @@ from deploy import rollout
 from deploy.registry import ANY, CANARY, CHAMPION, Registry, Superseded
 from deploy.stage import gate_run
 from deploy.suite import EMPTY, Suite
-from pipeline.config import Config, duration_s
-from pipeline.faults import pause_point
-from pipeline.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
-from pipeline.store.deploys import last_move_to, latest_decision, online_rewards
-from pipeline.store.events import utcnow
-from pipeline.store.leases import Fence, LeaseLost
-from pipeline.store.training import finish_run, get_run, latest_finished_run
+from pipeline.core.config import Config, duration_s
+from pipeline.core.faults import pause_point
+from pipeline.core.store.cycles import create_cycle, decision_for_run, get_cycle, set_cycle, unfinished_cycle
+from pipeline.core.store.deploys import last_move_to, latest_decision, online_rewards
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.leases import Fence, LeaseLost
+from pipeline.core.store.training import finish_run, get_run, latest_finished_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
 from train.run import NothingToTrain, Parent, run_training, select

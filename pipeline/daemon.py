@@ -35,12 +35,12 @@ from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ingest.consumer import IngestStats, run_ingest
-from pipeline.config import DURATION, Config, duration_s
+from pipeline.core.config import DURATION, Config, duration_s
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
-from pipeline.store.cycles import unfinished_cycle
-from pipeline.store.deploys import served_and_accepted
-from pipeline.store.leases import Fence, acquire, release
-from pipeline.store.training import get_run
+from pipeline.core.store.cycles import unfinished_cycle
+from pipeline.core.store.deploys import served_and_accepted
+from pipeline.core.store.leases import Fence, acquire, release
+from pipeline.core.store.training import get_run
 
 log = logging.getLogger("rtrl.daemon")
 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # a line per job run drowns the daemon's own

@@ -35,11 +35,11 @@ from typing import Any
 import requests
 from sqlalchemy import Engine, func, select
 
-from pipeline.config import Config
-from pipeline.kafka_config import security_env
-from pipeline.store.cycles import recent_cycles
-from pipeline.store.tables import feedback, gate_decisions, interactions, rewards
-from pipeline.store.training import get_run
+from pipeline.core.config import Config
+from pipeline.core.kafka_config import security_env
+from pipeline.core.store.cycles import recent_cycles
+from pipeline.core.store.tables import feedback, gate_decisions, interactions, rewards
+from pipeline.core.store.training import get_run
 
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
 NAIVE_SPEC = Path(__file__).with_name("demo_spec_naive.toml")
@@ -343,7 +343,7 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     from pipeline import kafka_local
     from pipeline.cycle import cycle_split, default_deps
     from pipeline.daemon import Daemon
-    from pipeline.store import db as store_db
+    from pipeline.core.store import db as store_db
     from reward.spec import load_spec
 
     t0 = time.monotonic()

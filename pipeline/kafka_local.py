@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import kafka_secure
-from pipeline.config import Config
-from pipeline.kafka_config import KafkaAccess
+from pipeline.core.config import Config
+from pipeline.core.kafka_config import KafkaAccess
 
 SLF4J_VERSION = "1.7.36"
 
@@ -273,7 +273,7 @@ def ensure_topics(access: KafkaAccess | str, topics: list[str], partitions: int)
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    from pipeline import kafka_client
+    from pipeline.core import kafka_client
 
     admin = kafka_client.admin(access, client_id="rtrl-admin")
     try:

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pipeline.kafka_config import KafkaSecurityConfig
+from pipeline.core.kafka_config import KafkaSecurityConfig
 
 MARKER = "secure"
 CLIENT_USER = "rtrl"

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 import requests
 
-from pipeline.textchecks import is_abstention
+from pipeline.core.textchecks import is_abstention
 
 ALPHABET = "abcde"  # small enough that common tasks recur (several samples per prompt)
 LENGTHS = (3, 4, 5, 6)  # difficulty

@@ -19,9 +19,9 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 
-from pipeline.store.events import utcnow
-from pipeline.store.rewards import feedback_rows, iter_episode_chunks
-from pipeline.textchecks import is_abstention
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.rewards import feedback_rows, iter_episode_chunks
+from pipeline.core.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
 from reward.signals import Episode
 from reward.spec import RewardSpec

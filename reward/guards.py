@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.textchecks import is_abstention, malformed_tool_call, repeated_fraction
+from pipeline.core.textchecks import is_abstention, malformed_tool_call, repeated_fraction
 from reward.signals import Episode
 from reward.spec import AbstentionGuard, LengthGuard, RepetitionGuard, ToolFormatGuard
 

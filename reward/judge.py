@@ -17,7 +17,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline.chat import render_prompt
+from pipeline.core.chat import render_prompt
 from reward.signals import Episode
 from reward.spec import LATER_JUDGE_FIELDS, JudgeSpec
 

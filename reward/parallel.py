@@ -23,8 +23,8 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 
-from pipeline.store import db as store_db
-from pipeline.store.rewards import interaction_id_span
+from pipeline.core.store import db as store_db
+from pipeline.core.store.rewards import interaction_id_span
 from reward.spec import RewardSpec
 from reward.scoring import RewardRunReport, score_part
 

@@ -35,8 +35,8 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
-from pipeline.store import db as store_db
-from pipeline.store.rewards import (
+from pipeline.core.store import db as store_db
+from pipeline.core.store.rewards import (
     RewardRow,
     feedback_rows,
     iter_episode_chunks,

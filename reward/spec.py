@@ -116,7 +116,7 @@ class JudgeSpec(_Strict):
     batch_size: int = Field(default=8, ge=1, le=256)
     max_tokens: int = Field(default=1024, ge=16, description="longer inputs keep their end")
     chat: bool = Field(default=False, description="ask in a user turn of the judge model's chat template "
-                                                  "(pipeline/chat.py, as serving renders prompts): for an "
+                                                  "(pipeline/core/chat.py, as serving renders prompts): for an "
                                                   "instruction-tuned judge")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="as train.device")
 

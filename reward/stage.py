@@ -10,8 +10,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
 
-from pipeline.store.events import utcnow
-from pipeline.store.rewards import feedback_rows, iter_episode_chunks, orphaned_feedback
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.rewards import feedback_rows, iter_episode_chunks, orphaned_feedback
 from reward.compute import compute_reward, is_ripe
 from reward.judge import Judge
 from reward.parallel import auto_workers, score_in_parallel

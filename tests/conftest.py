@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import Config, load_config
-from pipeline.store import db as store_db
+from pipeline.core.config import Config, load_config
+from pipeline.core.store import db as store_db
 from tests.scratch_db import scratch_database
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

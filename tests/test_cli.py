@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.store import db as store_db
+from pipeline.core.store import db as store_db
 from tests.conftest import REPO
 
 COMMANDS = [
@@ -79,7 +79,7 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     code = (
         "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
         f"sys.path.insert(0, {str(target)!r}); "
-        "import pipeline, pipeline.store.db as d; assert pipeline.__file__.startswith(sys.path[0]), pipeline.__file__; "
+        "import pipeline, pipeline.core.store.db as d; assert pipeline.__file__.startswith(sys.path[0]), pipeline.__file__; "
         "print('migrations', d.migrations_dir()); from pipeline.cli import main; main()"
     )
     env = dict(os.environ, RTRL_STATE_DIR=str(tmp_path / "state"))
@@ -91,7 +91,7 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
 
 
 def test_the_readme_config_example_is_valid(tmp_path):
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
 
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Configuration"):]

@@ -14,12 +14,12 @@ from deploy.registry import CHAMPION, Registry
 from deploy.stage import adapter_name
 from deploy.tracking import MlflowTracker
 from pipeline import cycle as cycle_mod
-from pipeline.config import Config
+from pipeline.core.config import Config
 from pipeline.cycle import CycleDeps, cycle_split, run_cycle
-from pipeline.store.cycles import decision_for_run
-from pipeline.store.events import utcnow
-from pipeline.store.tables import training_runs
-from pipeline.store.training import get_run
+from pipeline.core.store.cycles import decision_for_run
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.tables import training_runs
+from pipeline.core.store.training import get_run
 from reward.spec import load_spec
 from tests import reverse_task as task
 from tests.factories import BASE_TS

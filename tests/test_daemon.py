@@ -19,10 +19,10 @@ import pytest
 import requests
 from sqlalchemy import select
 
-from pipeline.config import ConfigError, load_config
+from pipeline.core.config import ConfigError, load_config
 from pipeline.daemon import Daemon, trigger
-from pipeline.store.leases import acquire, holder, release
-from pipeline.store.tables import cycles
+from pipeline.core.store.leases import acquire, holder, release
+from pipeline.core.store.tables import cycles
 from tests.conftest import REPO, free_port, wait_for
 
 
@@ -38,9 +38,9 @@ def test_the_lease_is_held_by_one_owner_until_it_expires_or_is_released(engine):
 
 
 def test_the_lease_generation_fences_writes_of_a_holder_that_was_taken_over(engine, monkeypatch):
-    from pipeline.store import events
-    from pipeline.store.cycles import create_cycle, get_cycle, set_cycle
-    from pipeline.store.leases import Fence, LeaseLost
+    from pipeline.core.store import events
+    from pipeline.core.store.cycles import create_cycle, get_cycle, set_cycle
+    from pipeline.core.store.leases import Fence, LeaseLost
 
     first = acquire(engine, "cycle", "a", ttl_s=0.2)
     assert acquire(engine, "cycle", "a", ttl_s=0.2) == first  # renewing keeps the generation

@@ -3,7 +3,7 @@ the middle of a promotion (the registry's champion alias moved, its audit row st
 restart it: the cycle completes exactly once -- one finished training run, one registry version,
 one audit row done and published, one model-update event -- and every event sent is stored once.
 
-The daemons freeze at named points (pipeline/faults.py) so the test can kill them there from
+The daemons freeze at named points (pipeline/core/faults.py) so the test can kill them there from
 outside: a crash at an exact instant, without racing a promotion that lasts milliseconds."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from sqlalchemy import func, select
 
 from deploy.registry import CANARY, CHAMPION, Registry
 from pipeline.kafka_local import ensure_topics
-from pipeline.store.events import utcnow
-from pipeline.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
 from tests import reverse_task as task
 from tests.conftest import REPO, free_port, wait_for
 from tests.factories import BASE_TS, served_now

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.decode import decode
-from pipeline.types import DeadLetter, FeedbackEvent, InteractionEvent, SourcePosition
+from pipeline.core.types import DeadLetter, FeedbackEvent, InteractionEvent, SourcePosition
 from tests.factories import encode, feedback, interaction
 
 POS = SourcePosition(source="t", partition=2, offset=41)

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from pipeline.demo import DemoReport, headline, per_version, wilson, write_report
-from pipeline.store.events import Rows, write_rows
+from pipeline.core.store.events import Rows, write_rows
 
 T0 = datetime(2026, 11, 1)
 

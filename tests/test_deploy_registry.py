@@ -25,9 +25,9 @@ from deploy.registry import CANARY, CHAMPION, PREVIOUS, Registry, RegistryError
 from deploy.stage import adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker
-from pipeline.config import Bound, GateConfig, TrainConfig
+from pipeline.core.config import Bound, GateConfig, TrainConfig
 from pipeline.kafka_local import ensure_topics
-from pipeline.store.deploys import moves
+from pipeline.core.store.deploys import moves
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import mlflow_server as mlflow_server_proc, reverse_task as task
@@ -214,7 +214,7 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     from click.testing import CliRunner
 
     from pipeline.cli import cli
-    from pipeline.store.events import utcnow
+    from pipeline.core.store.events import utcnow
     from tests.test_ingest_kafka import ingest_until_idle, produce_events
 
     base = load_policy(reverse_base, device="cpu")
@@ -264,7 +264,7 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # store-independent
 def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, reverse_base, tmp_path):
-    from pipeline.store.training import finish_run, start_run
+    from pipeline.core.store.training import finish_run, start_run
 
     bad = tmp_path / "adapter"
     bad.mkdir()
@@ -285,7 +285,7 @@ def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, r
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # store-independent
 def test_a_crash_between_registering_and_deciding_does_not_register_the_run_twice(engine, reverse_base, tmp_path):
-    from pipeline.store.training import finish_run, start_run
+    from pipeline.core.store.training import finish_run, start_run
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
@@ -319,7 +319,7 @@ def test_odd_held_out_episodes_are_left_out_and_counted_not_failing_the_gate(rev
 
     from deploy.evaluate import evaluate
     from deploy.suite import EMPTY
-    from pipeline.types import LoggedEpisode
+    from pipeline.core.types import LoggedEpisode
     from tests.test_serve import make_adapter
 
     base = tmp_path / "base"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from deploy.gate import Comparison, Estimate, EvalReport, decide
 from deploy.offpolicy import compare
-from pipeline.config import Bound, GateConfig
+from pipeline.core.config import Bound, GateConfig
 
 METRICS = ["abstention_rate", "mean_length", "tool_format_error_rate"]
 finite = st.floats(min_value=-100, max_value=100, allow_nan=False)

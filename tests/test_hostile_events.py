@@ -27,9 +27,9 @@ from deploy.evaluate import evaluate
 from deploy.stage import eval_episodes
 from deploy.suite import EMPTY
 from ingest.batch import decode_records
-from pipeline.config import GateConfig, TrainConfig
-from pipeline.store.events import write_rows
-from pipeline.store.tables import dead_letters, interactions
+from pipeline.core.config import GateConfig, TrainConfig
+from pipeline.core.store.events import write_rows
+from pipeline.core.store.tables import dead_letters, interactions
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests.factories import BASE_TS, feedback, interaction

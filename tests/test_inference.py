@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.config import TrainConfig
-from pipeline.types import LoggedEpisode
+from pipeline.core.config import TrainConfig
+from pipeline.core.types import LoggedEpisode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import init_tiny, load_policy

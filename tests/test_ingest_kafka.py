@@ -15,8 +15,8 @@ from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartitio
 from sqlalchemy import func, select
 
 from ingest.consumer import run_ingest
-from pipeline.store.events import stored_offsets, table_counts
-from pipeline.store.tables import dead_letters, feedback, interactions
+from pipeline.core.store.events import stored_offsets, table_counts
+from pipeline.core.store.tables import dead_letters, feedback, interactions
 from tests.conftest import REPO, wait_for
 from tests.factories import encode, feedback as fb, interaction
 from tests.test_decode import BAD, EXPECTED

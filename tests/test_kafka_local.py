@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from pipeline import kafka_local
 from pipeline.cli import cli
-from pipeline.config import Config
+from pipeline.core.config import Config
 
 
 def test_status_reports_the_session_broker(local_kafka_env, kafka_bootstrap):

@@ -27,14 +27,15 @@ from deploy.registry import Registry
 from deploy.tracking import MlflowTracker
 from ingest.consumer import run_ingest
 from ingest.replay import replay_from_kafka
-from pipeline import kafka_client, kafka_secure
+from pipeline import kafka_secure
+from pipeline.core import kafka_client
 from pipeline.cli import cli
-from pipeline.config import ConfigError, load_config
-from pipeline.kafka_config import KafkaAccess, KafkaSecurityConfig, security_env
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.kafka_config import KafkaAccess, KafkaSecurityConfig, security_env
 from pipeline.kafka_local import ensure_topics
-from pipeline.logs import JsonFormatter
-from pipeline.store import db as store_db
-from pipeline.store.events import table_counts
+from pipeline.core.logs import JsonFormatter
+from pipeline.core.store import db as store_db
+from pipeline.core.store.events import table_counts
 from tests.conftest import ServeProcess, free_port, wait_for
 from tests.factories import feedback, interaction
 

@@ -6,7 +6,7 @@ import json
 import logging
 import re
 
-from pipeline.logs import JsonFormatter
+from pipeline.core.logs import JsonFormatter
 from tests.conftest import REPO
 
 

@@ -152,7 +152,7 @@ def test_each_loss_sees_one_importance_correction(r):
     paper (it was also truncated at token_truncate = 2 and damped by 2/r above it); the
     clipped surrogate with a negative advantage takes the token truncation: r * A -> min(r, C) * A
     (and PPO's own clip below 1 - eps)."""
-    from pipeline.config import TrainConfig
+    from pipeline.core.config import TrainConfig
     from train.importance import correct
     from train.loop import correction_config
 

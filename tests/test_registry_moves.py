@@ -17,8 +17,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from deploy.registry import CANARY, CHAMPION, PREVIOUS, Registry, RegistryError, Superseded
-from pipeline.store import deploys as audit
-from pipeline.store.deploys import moves
+from pipeline.core.store import deploys as audit
+from pipeline.core.store.deploys import moves
 
 pytestmark = pytest.mark.usefixtures("engine")
 
@@ -133,9 +133,9 @@ def test_a_decision_against_a_replaced_champion_does_not_promote(setup):
 
 
 def test_a_cycle_resumed_in_promoting_does_not_promote_a_rolled_back_version(setup, engine, tmp_path):
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
     from pipeline.cycle import CycleDeps, run_cycle
-    from pipeline.store.cycles import create_cycle, set_cycle
+    from pipeline.core.store.cycles import create_cycle, set_cycle
     from reward.spec import load_spec
 
     registry, broker, version = setup

@@ -12,8 +12,8 @@ from kafka import KafkaProducer
 from ingest.ndjson import export_events
 from ingest.replay import replay_from_file, replay_from_kafka
 from pipeline.cli import cli
-from pipeline.store import db as store_db
-from pipeline.store.events import stored_offsets, table_counts
+from pipeline.core.store import db as store_db
+from pipeline.core.store.events import stored_offsets, table_counts
 from tests.factories import encode, feedback as fb, interaction
 from tests.test_store import _event_rows
 

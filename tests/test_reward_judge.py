@@ -63,7 +63,7 @@ def test_rewards_with_a_judge_are_cached_and_budgeted(engine, tiny_model, monkey
     # re-scoring every episode reads the cache: the model is not called again
     again = run_rewards(engine, spec, now=LATER, force=True)
     assert again.updated == 3 and sum(calls) == 3
-    from pipeline.store.rewards import stored_reward
+    from pipeline.core.store.rewards import stored_reward
 
     row = stored_reward(engine, "ev-r-20", spec.version)
     assert set(row.components) == {"signal.accepted", "judge.score"}

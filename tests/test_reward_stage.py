@@ -14,9 +14,9 @@ from sqlalchemy import select
 
 from ingest.batch import decode_records
 from pipeline.cli import cli
-from pipeline.store import db as store_db, tables
-from pipeline.store.events import write_rows
-from pipeline.store.rewards import iter_episode_chunks, stored_reward
+from pipeline.core.store import db as store_db, tables
+from pipeline.core.store.events import write_rows
+from pipeline.core.store.rewards import iter_episode_chunks, stored_reward
 from reward.analysis import audit, diff_specs
 from reward.spec import DEFAULT_SPEC, load_spec
 from reward.stage import run_rewards
@@ -62,8 +62,8 @@ def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
     commit after a reward run has read a newer id another lane committed. Staleness by the newest
     id then missed it for good. (On SQLite writers take turns, so ids follow commits; the case is
     run there too, in commit order.)"""
-    from pipeline.store.events import Rows, event_row
-    from pipeline.types import FeedbackEvent, SourcePosition
+    from pipeline.core.store.events import Rows, event_row
+    from pipeline.core.types import FeedbackEvent, SourcePosition
 
     def row(i: int, kind: str, value) -> Rows:
         ev = fb(1, kind=kind, value=value, event_id=f"late-{i}")
@@ -226,7 +226,7 @@ def test_diff_recompute_and_audit(engine, db_url, tmp_path):
 def test_late_feedback_after_training_keeps_the_lineage_and_is_counted(engine):
     from sqlalchemy import insert, select
 
-    from pipeline.store.tables import training_episodes
+    from pipeline.core.store.tables import training_episodes
 
     store(engine, interaction(30), fb(30, kind="accepted"))
     run_rewards(engine, SPEC, now=LATER)
@@ -324,8 +324,8 @@ def test_a_failed_write_stops_the_run_and_counts_only_what_was_stored(engine, mo
 def test_a_feedback_value_the_store_cannot_give_back_skips_its_episode_not_the_run(engine):
     """A value at the float limit, stored before the contract refused it: SQLite's JSON prints
     it with 15 digits, which reads back as infinity -- the run used to stop there."""
-    from pipeline.store.events import Rows, event_row
-    from pipeline.types import FeedbackEvent, SourcePosition
+    from pipeline.core.store.events import Rows, event_row
+    from pipeline.core.types import FeedbackEvent, SourcePosition
 
     store(engine, interaction(1), fb(1, kind="accepted"), interaction(2), fb(2, kind="accepted"))
     big = fb(2, kind="thumbs", value=1.0, event_id="big")

@@ -12,12 +12,12 @@ from prometheus_client import generate_latest
 from deploy import rollout
 from deploy.registry import CANARY, CHAMPION
 from pipeline import cycle as cycle_mod
-from pipeline.config import RolloutConfig
+from pipeline.core.config import RolloutConfig
 from pipeline.cycle import run_cycle
 from pipeline.daemon import Daemon
-from pipeline.store.cycles import get_cycle, recent_cycles, set_cycle, unfinished_cycle
-from pipeline.store.deploys import latest_decision, moves
-from pipeline.store.tables import training_runs
+from pipeline.core.store.cycles import get_cycle, recent_cycles, set_cycle, unfinished_cycle
+from pipeline.core.store.deploys import latest_decision, moves
+from pipeline.core.store.tables import training_runs
 from reward.spec import load_spec
 from tests.conftest import REPO, wait_for
 from tests.factories import served_now

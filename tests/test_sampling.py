@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from pipeline.types import LoggedEpisode, SamplingParams, sampling_params
+from pipeline.core.types import LoggedEpisode, SamplingParams, sampling_params
 from train.batches import collate
 from train.data import tokenize_episode
 from train.inference import PolicySet

@@ -22,12 +22,12 @@ from deploy.registry import Registry
 from deploy.rollout import routes_to_canary
 from deploy.tracking import MlflowTracker
 from deploy.vllm import VllmAdapterSync
-from pipeline.config import TrainConfig
+from pipeline.core.config import TrainConfig
 from pipeline.kafka_local import ensure_topics
-from pipeline.store import db as store_db
-from pipeline.store.deploys import record_decision
+from pipeline.core.store import db as store_db
+from pipeline.core.store.deploys import record_decision
 from tests.conftest import ServeProcess, wait_for
-from pipeline.types import LoggedEpisode
+from pipeline.core.types import LoggedEpisode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import load_policy

@@ -12,13 +12,13 @@ from sqlalchemy import inspect, select
 from ingest.decode import decode
 from ingest.ndjson import export_events
 from ingest.replay import replay_dead_letters, replay_from_file
-from pipeline.config import Config
-from pipeline.store import db as store_db
+from pipeline.core.config import Config
+from pipeline.core.store import db as store_db
 from ingest.batch import decode_records
-from pipeline.store.deploys import online_rewards, served_and_accepted
-from pipeline.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
-from pipeline.store.tables import dead_letters, feedback, interactions, metadata
-from pipeline.types import SourcePosition
+from pipeline.core.store.deploys import online_rewards, served_and_accepted
+from pipeline.core.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
+from pipeline.core.store.tables import dead_letters, feedback, interactions, metadata
+from pipeline.core.types import SourcePosition
 from tests.factories import encode, feedback as fb, interaction
 
 
@@ -44,7 +44,7 @@ def test_migrations_upgrade_downgrade_upgrade(empty_db_url):
 def test_models_and_migration_do_not_drift(engine):
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
-    assert diff == [], f"pipeline/store/tables.py and alembic/versions differ: {diff}"
+    assert diff == [], f"pipeline/core/store/tables.py and alembic/versions differ: {diff}"
 
 
 def test_schema_check_names_the_fix(empty_db_url):
@@ -164,7 +164,7 @@ def test_online_rewards_per_version_since_a_time(engine):
     of the requests each version served from a given time on."""
     from datetime import timedelta
 
-    from pipeline.store.rewards import RewardRow, upsert_rewards
+    from pipeline.core.store.rewards import RewardRow, upsert_rewards
     from tests.factories import BASE_TS
 
     versions, values = ["1", "1", "1", "2", "2", "2", "2"], [9.0, 0.5, -0.5, 1.0, 0.0, 1.0, 0.0]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import TrainConfig
+from pipeline.core.config import TrainConfig
 from tests import reverse_task as task
 from train.batches import collate, mismatched_pairs, pack
 from train.data import tokenize_episode

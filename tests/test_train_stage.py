@@ -15,10 +15,10 @@ from sqlalchemy import func, select
 
 from ingest.batch import decode_records
 from pipeline.cli import cli
-from pipeline.config import TrainConfig
-from pipeline.store.events import utcnow, write_rows
-from pipeline.store.tables import rewards, training_episodes
-from pipeline.store.training import get_run, is_held_out, lineage, select_eval_episodes
+from pipeline.core.config import TrainConfig
+from pipeline.core.store.events import utcnow, write_rows
+from pipeline.core.store.tables import rewards, training_episodes
+from pipeline.core.store.training import get_run, is_held_out, lineage, select_eval_episodes
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
@@ -181,8 +181,8 @@ def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, sample
 def store_unchecked(engine, ev: dict, body: str) -> None:
     """`ev` stored with `body` as its text, past the contract: an event stored before the contract
     checked what later stages trust (rows built as ingest builds them)."""
-    from pipeline.store.events import Rows, event_row
-    from pipeline.types import InteractionEvent, SourcePosition
+    from pipeline.core.store.events import Rows, event_row
+    from pipeline.core.types import InteractionEvent, SourcePosition
 
     rows = Rows()
     rows.add_event(event_row(InteractionEvent.model_validate(ev), SourcePosition(source="t", partition=0, offset=0),

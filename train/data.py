@@ -3,7 +3,7 @@
     prompt      rendered (chat template for messages) and tokenized: context, mask 0
     completion  text: the served tokens (completion_token_ids) when logged, else re-tokenized;
                 trajectory (after chat messages): the whole conversation through the chat
-                template (pipeline.chat.render_turns), assistant turns carry loss (mask 1, their
+                template (pipeline.core.chat.render_turns), assistant turns carry loss (mask 1, their
                 tool calls and end-of-turn token included), the template's headers, tool results
                 and user turns are context (mask 0) -- only what the policy wrote is trained
     behaviour   serving-time log-probs, one per assistant token. Used only when they align:
@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.chat import render_prompt, render_turns
+from pipeline.core.chat import render_prompt, render_turns
 
 
 class Skip(str, enum.Enum):
@@ -43,7 +43,7 @@ class TokenizedEpisode:
     behavior_note: str  # "served_ids" | "retokenized" | "missing" | "misaligned"
     temperature: float = 1.0  # the distribution the behaviour log-probs were taken from:
     top_p: float = 1.0        # temperature, then top-k (0: off), then top-p (1.0: off),
-    top_k: int = 0            # as pipeline.types.SamplingParams
+    top_k: int = 0            # as pipeline.core.types.SamplingParams
 
     def sample_with(self, params: Any) -> None:
         self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import TrainConfig
+from pipeline.core.config import TrainConfig
 from train.data import TokenizedEpisode
 from train.loop import LoopResult, plan_microbatches, train_policy
 from train.replicas import Replicas

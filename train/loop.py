@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import TrainConfig
-from pipeline.faults import pause_point
+from pipeline.core.config import TrainConfig
+from pipeline.core.faults import pause_point
 from train.batches import MicroBatch, collate, mismatched_pairs, pack
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.data import TokenizedEpisode

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import TrainConfig
+from pipeline.core.config import TrainConfig
 from train.models import ModelError, Policy, load_policy
 
 _PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -3,7 +3,7 @@
     load_policy(path)   model + tokenizer from a local directory (never a hub download), on
                         CUDA when available, CPU otherwise; bf16 where the device supports it
     render_prompt       a prompt (text, or chat messages) as the text the model continues
-                        (pipeline/chat.py: the one rendering serving, training, the gate and the judge share)
+                        (pipeline/core/chat.py: the one rendering serving, training, the gate and the judge share)
     init_tiny(out)      a small Llama- or Qwen2-style model, built from a config and seeded, with
                         a character-level tokenizer (the demo) or a byte-level BPE with a
                         ChatML/tool-call chat template (train/tiny_tokenizers.py): for tests
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.chat import render_prompt, render_turns  # noqa: F401 - re-exported
+from pipeline.core.chat import render_prompt, render_turns  # noqa: F401 - re-exported
 from train.tiny_tokenizers import SIMPLE_CHAT_TEMPLATE, TOKENIZERS, bpe_tokenizer, char_tokenizer
 
 TINY_ARCHS = ("llama", "qwen2")

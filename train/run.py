@@ -1,7 +1,7 @@
 """The training stage: select rewarded episodes, train a LoRA update, record everything.
 
     select     rewards of the spec created after the parent's watermark, served within the
-               staleness budget, optionally one tenant (pipeline/store/training.py)
+               staleness budget, optionally one tenant (pipeline/core/store/training.py)
     load       the base model; the parent's adapter (the champion's) trainable, else a fresh one
     tokenize   assistant-only loss masks, behaviour log-probs aligned or dropped (train/data.py)
     train      train/loop.py
@@ -30,11 +30,11 @@ import orjson
 import torch
 from sqlalchemy import Engine
 
-from pipeline.config import TrainConfig
-from pipeline.store.events import utcnow
-from pipeline.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
-from pipeline.timing import Stopwatch
-from pipeline.types import prompt_key, sampling_params
+from pipeline.core.config import TrainConfig
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
+from pipeline.core.timing import Stopwatch
+from pipeline.core.types import prompt_key, sampling_params
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.distributed import run_distributed
 from train.lora import (attach_adapter, load_adapter, release, resident_base, save_adapter,

@@ -14,7 +14,7 @@ import orjson
 import sqlalchemy as sa
 from alembic import op
 
-from pipeline.store.events import output_columns
+from pipeline.core.store.events import output_columns
 
 revision: str = '0008'
 down_revision: Union[str, None] = '0007'

@@ -34,7 +34,7 @@ from pipeline.cli import model as model_cmds
 from pipeline.cli import reward as reward_cmds
 from pipeline.cli import train as train_cmds
 from pipeline.cli.common import CONTEXT_SETTINGS, Context
-from pipeline.logs import setup_logging
+from pipeline.core.logs import setup_logging
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

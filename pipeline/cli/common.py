@@ -8,8 +8,8 @@ from functools import cached_property
 import click
 from sqlalchemy import Engine
 
-from pipeline.config import Config, ConfigError, load_config
-from pipeline.store import SchemaError, make_engine, require_current_schema
+from pipeline.core.config import Config, ConfigError, load_config
+from pipeline.core.store import SchemaError, make_engine, require_current_schema
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -44,7 +44,7 @@ pass_ctx = click.make_pass_decorator(Context)
 def kafka_failure(config: Config, exc: BaseException, doing: str) -> click.ClickException:
     """A command's error for a Kafka client that failed: the diagnosis when there is one (it
     names the setting), else what failed where and what to check."""
-    from pipeline.kafka_client import KafkaAccessError
+    from pipeline.core.kafka_client import KafkaAccessError
 
     if isinstance(exc, KafkaAccessError):
         return click.ClickException(f"cannot {doing}: {exc}")

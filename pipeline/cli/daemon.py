@@ -30,7 +30,7 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
     """
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
-    from pipeline.logs import quiet_progress_bars
+    from pipeline.core.logs import quiet_progress_bars
     from train.models import ModelError
 
     quiet_progress_bars()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.store import db as store_db
+from pipeline.core.store import db as store_db
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

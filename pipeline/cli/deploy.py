@@ -16,8 +16,8 @@ import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
-from pipeline.store.deploys import latest_decision, moves
-from pipeline.store.training import get_run, latest_finished_run
+from pipeline.core.store.deploys import latest_decision, moves
+from pipeline.core.store.training import get_run, latest_finished_run
 
 # deploy.* imports mlflow (seconds): imported inside the commands, never at `rtrl --help`
 
@@ -199,7 +199,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
 
     from deploy.follow import Follower, current as registry_state
     from deploy.registry import Registry, RegistryError
-    from pipeline.logs import quiet_progress_bars
+    from pipeline.core.logs import quiet_progress_bars
 
     quiet_progress_bars()
     config = ctx.config

@@ -8,7 +8,7 @@ from kafka.errors import KafkaError
 
 from pipeline import kafka_local, kafka_secure
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
-from pipeline.kafka_config import security_env
+from pipeline.core.kafka_config import security_env
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

@@ -7,9 +7,9 @@ from typing import Any
 
 from sqlalchemy import Engine, select, update
 
-from pipeline.store.events import utcnow
-from pipeline.store.leases import Fence, LeaseLost
-from pipeline.store.tables import cycles, gate_decisions
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.leases import Fence, LeaseLost
+from pipeline.core.store.tables import cycles, gate_decisions
 
 TERMINAL = ("done", "rejected", "skipped", "failed")
 

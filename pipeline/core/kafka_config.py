@@ -13,7 +13,7 @@ Secrets (the SASL password, a client key's password) come from the environment o
 never from the config file: a config file is copied, committed and pasted into tickets. They are
 `SecretStr` here, so a printed or logged config shows `**********`, and are read out only when
 a client is built (`KafkaAccess.client_params`). This module imports no Kafka library
-(pipeline/kafka_client.py builds the clients).
+(pipeline/core/kafka_client.py builds the clients).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-SECRET_FIELDS = ("password", "key_password")  # refused in a config file (pipeline/config.py)
+SECRET_FIELDS = ("password", "key_password")  # refused in a config file (pipeline/core/config.py)
 
 
 class _Section(BaseModel):

@@ -28,7 +28,7 @@ from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError
 
-from pipeline.store.tables import (
+from pipeline.core.store.tables import (
     EVENT_TABLES,
     consumer_offsets,
     dead_letters,
@@ -36,7 +36,7 @@ from pipeline.store.tables import (
     interactions,
     metadata,
 )
-from pipeline.types import (
+from pipeline.core.types import (
     DeadLetter,
     DeadLetterReason,
     FeedbackEvent,

@@ -54,7 +54,7 @@ interactions = Table(
     Column("tenant", ID, nullable=False),
     Column("policy_version", ID, nullable=False, index=True),
     Column("body", Text, nullable=False),
-    # what the policy wrote, taken from the body at ingest (pipeline.types): a reward run reads
+    # what the policy wrote, taken from the body at ingest (pipeline.core.types): a reward run reads
     # these instead of parsing every body (prompts are most of a body). Tool calls as a JSON array,
     # NULL when none. See alembic 0008.
     Column("output_text", Text, nullable=False),

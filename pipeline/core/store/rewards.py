@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, type_coerce
 
-from pipeline.store.events import insert_ignore, utcnow
-from pipeline.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
+from pipeline.core.store.events import insert_ignore, utcnow
+from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
 
 
 @dataclass

@@ -29,9 +29,9 @@ from sqlalchemy import Engine, and_, exists, func, select, update
 
 import orjson
 
-from pipeline.store.events import insert_ignore, utcnow
-from pipeline.store.tables import cycles, interactions, rewards, training_episodes, training_runs
-from pipeline.types import prompt_key
+from pipeline.core.store.events import insert_ignore, utcnow
+from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
+from pipeline.core.types import prompt_key
 
 
 @dataclass

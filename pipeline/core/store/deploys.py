@@ -16,9 +16,9 @@ from typing import Any
 
 from sqlalchemy import Engine, and_, case, exists, func, select, update
 
-from pipeline.store.events import utcnow
-from pipeline.store.leases import Fence
-from pipeline.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.leases import Fence
+from pipeline.core.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
 
 
 def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,

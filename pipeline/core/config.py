@@ -1,7 +1,7 @@
 """One validated config object: embedded defaults < TOML file < RTRL_* environment variables.
 
     [store]  url = "sqlite:///<state>/rtrl.db"
-    [kafka]  bootstrap = "127.0.0.1:19092"   ([kafka.security]: TLS and SASL, pipeline/kafka_config.py)
+    [kafka]  bootstrap = "127.0.0.1:19092"   ([kafka.security]: TLS and SASL, pipeline/core/kafka_config.py)
     [ingest] group_id = "rtrl-ingest", batch_max_records = 2000, ...
     [train]  base_model = "/models/base", loss = "cispo", learning_rate = 1e-4, ...
     [mlflow] tracking_uri = "http://mlflow:5000" (default: a SQLite store in the state folder)
@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.kafka_config import SECRET_FIELDS, KafkaAccess, KafkaConfig
-from pipeline.train_config import LossName, TrainConfig  # noqa: F401 - re-exported
+from pipeline.core.kafka_config import SECRET_FIELDS, KafkaAccess, KafkaConfig
+from pipeline.core.train_config import LossName, TrainConfig  # noqa: F401 - re-exported
 
 DEFAULT_STATE_DIR = Path.home() / ".rtrl"
 
@@ -218,7 +218,7 @@ class Config(_Section):
 
     @property
     def kafka_access(self) -> KafkaAccess:
-        """What every Kafka client is built from (pipeline/kafka_client.py)."""
+        """What every Kafka client is built from (pipeline/core/kafka_client.py)."""
         return KafkaAccess(self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s)
 
     @property

@@ -15,7 +15,7 @@ dialled in plain text the same way: it retries until its bootstrap timeout (30 s
     3. raise      KafkaAccessError (a KafkaError, so callers that survive a broker outage
                   survive this too) whose message names the setting
 
-Secrets the clients are given are registered with pipeline/logs.py, which masks them in every
+Secrets the clients are given are registered with pipeline/core/logs.py, which masks them in every
 log line.
 """
 
@@ -32,8 +32,8 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka import errors as kerrors
 from kafka.admin import KafkaAdminClient
 
-from pipeline import logs
-from pipeline.kafka_config import KafkaAccess, KafkaSecretError
+from pipeline.core import logs
+from pipeline.core.kafka_config import KafkaAccess, KafkaSecretError
 
 T = TypeVar("T")
 

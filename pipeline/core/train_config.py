@@ -1,5 +1,5 @@
 """The `[train]` section: one LoRA training run (what it trains on, how, where, in how many
-processes). Split from pipeline/config.py, which assembles every section."""
+processes). Split from pipeline/core/config.py, which assembles every section."""
 
 from __future__ import annotations
 

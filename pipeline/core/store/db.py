@@ -57,7 +57,7 @@ def make_engine(url: str) -> Engine:
 def migrations_dir() -> Path:
     """The alembic scripts: `alembic/` in a source checkout, `rtrl_alembic/` beside `pipeline/`
     in site-packages when installed from a wheel (see pyproject.toml)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for candidate in (root / "alembic", root / "rtrl_alembic"):
         if (candidate / "env.py").exists():
             return candidate

@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, or
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from pipeline.store.tables import leases
+from pipeline.core.store.tables import leases
 
 
 class LeaseLost(RuntimeError):
