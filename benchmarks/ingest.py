@@ -17,9 +17,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import queue
 import resource
+import shutil
 import sys
 import tempfile
 import threading

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.core.store import db as store_db, tables  # noqa: E402
+from pipeline.core.store import db as store_db  # noqa: E402
+from pipeline.core.store import tables
 from pipeline.core.store.events import Rows, output_columns, write_rows  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402

@@ -30,7 +30,6 @@ from pipeline.core.textchecks import is_abstention, malformed_tool_call, repeate
 from pipeline.core.timing import Stopwatch
 from pipeline.core.types import LoggedEpisode
 
-
 NOT_MEASURED = Estimate(float("nan"), float("nan"), float("nan"))  # fails every comparison in the gate
 
 

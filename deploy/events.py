@@ -2,9 +2,8 @@
 blocking until the broker has the event (acks=all), so a caller records only what is durable.
 
     model updates   every alias move is announced, keyed by model name, so that every serving
-                    replica (and anything else) follows the registry without polling it:
-        {"type": "model_update", "name": ..., "version": ..., "alias": "champion",
-         "adapter_uri": "runs:/<run>/adapter", "base_model": ..., "run_id": ..., "at": ...}
+                    replica (and anything else) follows the registry without polling it
+                    (pipeline.core.types.ModelUpdate)
     interactions    what `rtrl serve` answered, keyed by request id
     feedback        what the simulated users did (pipeline/sim.py), keyed by request id
 """

@@ -16,7 +16,6 @@ registry, so a move that happens in between is still seen (acting on it twice is
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -28,28 +27,28 @@ from kafka import TopicPartition
 
 from pipeline.core import kafka_client
 from pipeline.core.kafka_config import KafkaAccess
+from pipeline.core.types import ModelUpdate
 
 log = logging.getLogger("rtrl.deploy")
 _VERSION_ID = re.compile(r"[0-9]{1,18}")
 
 
-def current(registry: Any, alias: str) -> dict[str, Any]:
-    """What serving should do for `alias` now, from the registry, in the shape followers act on:
-    {"alias", "version" (None: cleared), "adapter_uri", "share" (a canary's)}."""
+def current(registry: Any, alias: str) -> ModelUpdate:
+    """What serving should do for `alias` now, read from the registry (version None: cleared;
+    a canary's share is tagged on its version)."""
     v = registry.alias(alias)
     if v is None:
-        return {"alias": alias, "version": None, "adapter_uri": None, "share": 0.0}
+        return ModelUpdate(alias, None, name=registry.name)
     if not _VERSION_ID.fullmatch(v.version):
         raise ValueError(f"registry version {v.version!r} of {alias} is not a plain version id; not served")
-    update = {"alias": alias, "version": v.version, "adapter_uri": v.source}
-    if alias == "canary":
-        update["share"] = float(v.tags.get("rollout.share", 0.0))
-    return update
+    share = float(v.tags.get("rollout.share", 0.0)) if alias == "canary" else 0.0
+    return ModelUpdate(alias, v.version, v.source, share=share, name=registry.name,
+                       base_model=v.tags.get("base_model"), run_id=v.run_id)
 
 
 class Follower:
     def __init__(self, access: KafkaAccess | str, topic: str, model_name: str,
-                 on_update: Callable[[dict[str, Any]], None], resolve: Callable[[str], dict[str, Any]],
+                 on_update: Callable[[ModelUpdate], None], resolve: Callable[[str], ModelUpdate],
                  aliases: tuple[str, ...] = ("champion",), retry_s: float = 5.0) -> None:
         """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
         self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
@@ -80,13 +79,14 @@ class Follower:
 
     def _handle(self, raw: bytes) -> None:
         try:
-            event = json.loads(raw)
-        except ValueError:
-            log.error("unreadable model-update event ignored", extra={"raw": raw[:200].decode(errors="replace")})
+            event = ModelUpdate.from_json(raw)
+        except ValueError as exc:  # json's decode error is one too
+            log.error("unreadable model-update event ignored", extra={"raw": raw[:200].decode(errors="replace"),
+                                                                     "error": str(exc)})
             return
-        if not isinstance(event, dict) or event.get("name") != self.model_name or event.get("alias") not in self.aliases:
+        if event.name != self.model_name or event.alias not in self.aliases:
             return
-        self.stale.add(event["alias"])
+        self.stale.add(event.alias)
         self._apply()
 
     def _apply(self) -> None:
@@ -104,7 +104,7 @@ class Follower:
                 self.on_update(update)
             except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
                 log.error("model update not applied; still serving the previous version",
-                          extra={"alias": alias, "version": update.get("version"),
+                          extra={"alias": alias, "version": update.version,
                                  "error": f"{type(exc).__name__}: {exc}"})
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ import json
 import logging
 from typing import Any
 
+from deploy.gate import Decision
 from deploy.registry_read import (  # noqa: F401 - the registry's names, importable from here
     CANARY,
     CANDIDATE,
@@ -48,6 +49,7 @@ from deploy.registry_read import (  # noqa: F401 - the registry's names, importa
 from pipeline.core.faults import pause_point
 from pipeline.core.store import deploys as audit
 from pipeline.core.store.events import utcnow
+from pipeline.core.types import ModelUpdate
 
 ANY = object()  # promote(against=ANY): whatever the champion is
 log = logging.getLogger("rtrl.deploy")
@@ -82,27 +84,26 @@ class Registry(RegistryReader):
             self._call(f"tagging version {version}",
                        lambda k=key, v=value: self.client.set_model_version_tag(self.name, version, k, str(v)[:5000]))
 
-    def record_decision(self, version: str, champion: str | None, run_id: str | None, decision: dict[str, Any],
+    def record_decision(self, version: str, champion: str | None, run_id: str | None, decision: Decision,
                         report: dict[str, Any]) -> None:
-        audit.record_decision(self.engine, self.name, version, champion, run_id, decision["passed"],
-                              {"decision": decision, **report}, fence=self.fence)
-        numbers = [{"check": c["name"], "value": round(c["value"], 6), "limit": c["limit"]}
-                   for c in decision["checks"] if c["value"] is not None]
+        audit.record_decision(self.engine, self.name, version, champion, run_id, decision.passed,
+                              {"decision": decision.to_dict(), **report}, fence=self.fence)
+        numbers = [{"check": c.name, "value": round(c.value, 6), "limit": c.limit}
+                   for c in decision.checks if c.value is not None]
         # four tags (one registry call each); every number is in gate.numbers
-        tags = {"gate.passed": str(decision["passed"]).lower(), "gate.champion": champion or "none",
-                "gate.reasons": json.dumps([c["detail"] for c in decision["checks"] if not c["passed"]]),
-                "gate.numbers": json.dumps(numbers)}
+        tags = {"gate.passed": str(decision.passed).lower(), "gate.champion": champion or "none",
+                "gate.reasons": json.dumps(decision.reasons), "gate.numbers": json.dumps(numbers)}
         self.tag(version, tags)
 
-    def record_online(self, version: str, champion: str | None, cycle_id: str, decision: dict[str, Any],
+    def record_online(self, version: str, champion: str | None, cycle_id: str, decision: Decision,
                       sides: dict[str, Any]) -> None:
         """A staged rollout's online decision (deploy/rollout.py): stored like a gate decision (the
         latest decision is what promote() goes by), with no run, and tagged on the version."""
-        audit.record_decision(self.engine, self.name, version, champion, None, decision["passed"],
-                              {"decision": decision, "stage": "online", "cycle": cycle_id, "sides": sides},
+        audit.record_decision(self.engine, self.name, version, champion, None, decision.passed,
+                              {"decision": decision.to_dict(), "stage": "online", "cycle": cycle_id, "sides": sides},
                               fence=self.fence)
-        self.tag(version, {"online.passed": str(decision["passed"]).lower(),
-                           "online.reasons": json.dumps([c["detail"] for c in decision["checks"]])})
+        self.tag(version, {"online.passed": str(decision.passed).lower(),
+                           "online.reasons": json.dumps([c.detail for c in decision.checks])})
 
     def promote(self, version: str, actor: str, reason: str, force: bool = False,
                 against: str | None | object = ANY) -> bool:
@@ -167,7 +168,7 @@ class Registry(RegistryReader):
                 raise RegistryError(f"version {version} has no gate decision: run `rtrl gate` on it, or "
                                     "`rtrl promote VERSION --force --reason '...'` to override")
             if not decision.passed:
-                reasons = "; ".join(c["detail"] for c in decision.report["decision"]["checks"] if not c["passed"])
+                reasons = "; ".join(decision.reasons)
                 raise RegistryError(f"version {version} failed its gate ({reasons}); "
                                     "`--force --reason '...'` overrides")
         elif not reason.strip():
@@ -235,15 +236,13 @@ class Registry(RegistryReader):
         """Announce the move; a broker that is down leaves the row unpublished for repair()."""
         if self.publish is None:
             return False
-        event = {"type": "model_update", "name": self.name, "alias": alias, "seq": move_id, "version": None,
-                 "adapter_uri": None, "at": utcnow().isoformat() + "Z"}
-        if target is not None:
-            event.update(version=target.version, adapter_uri=target.source, base_model=target.tags.get("base_model"),
-                         run_id=target.run_id)
-        if alias == CANARY:
-            event["share"] = share if target is not None else 0.0
+        event = ModelUpdate(alias, None if target is None else target.version,
+                            None if target is None else target.source,
+                            share=(share or 0.0) if alias == CANARY and target is not None else 0.0,
+                            name=self.name, seq=move_id, base_model=None if target is None else target.tags.get("base_model"),
+                            run_id=None if target is None else target.run_id, at=utcnow().isoformat() + "Z")
         try:
-            self.publish(event)
+            self.publish(event.to_dict())
         except Exception as exc:  # noqa: BLE001 - kafka errors of every kind
             log.warning("model-update event not published; the next promote, rollback or gate retries it",
                         extra={"move_id": move_id, "alias": alias, "version": target.version if target else None,

@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.rollout import routes_to_canary
+from pipeline.core.types import SCHEMA_VERSION, Identifier, InteractionEvent, Sampling
 
 log = logging.getLogger("rtrl.serve")
 BASE = "base"  # the version name of the base model with no adapter
@@ -60,7 +61,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Identifier | None = None  # the event's user_id: an identifier (no NUL, not blank, <= 256)
     # accepted only at the value that asks for nothing more than what is served
     stream: bool = False
     n: int = 1
@@ -182,24 +183,28 @@ class PolicyServer:
 
     def _emit(self, request_id: str, prompt: Any, gen: Any, version: str, req: _Sampling,
               headers: dict[str, str]) -> None:
-        event = {
-            "schema_version": 1, "event_id": f"srv-{uuid.uuid4().hex}", "type": "interaction",
-            "ts": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"), "request_id": request_id,
-            "session_id": headers.get("x-session-id") or request_id, "user_id": req.user or "anonymous",
-            "tenant": headers.get("x-tenant") or self.default_tenant, "policy_version": version,
-            "prompt": prompt, "completion": gen.text, "completion_token_ids": gen.token_ids,
-            "behavior_logprobs": gen.logprobs,
-            "sampling": {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_tokens,
-                         "seed": req.seed},
-            "latency_ms": round(gen.latency_ms, 3), "metadata": {"server": "rtrl-serve", "model": self.model_name},
-        }
-        if headers.get("x-request-id"):
-            event["client_request_id"] = headers["x-request-id"][:256]
         try:
-            self.emit(event)
+            event = InteractionEvent(
+                schema_version=SCHEMA_VERSION, event_id=f"srv-{uuid.uuid4().hex}", type="interaction",
+                ts=datetime.now(timezone.utc), request_id=request_id,
+                session_id=_header(headers, "x-session-id") or request_id, user_id=req.user or "anonymous",
+                tenant=_header(headers, "x-tenant") or self.default_tenant, policy_version=version,
+                prompt=prompt, completion=gen.text, completion_token_ids=gen.token_ids,
+                behavior_logprobs=gen.logprobs,
+                sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
+                                  seed=req.seed),
+                latency_ms=round(gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
+                client_request_id=_header(headers, "x-request-id"))
+            self.emit(event.to_wire())
         except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
             self.undelivered.inc()
             log.error("interaction event not delivered", extra={"request_id": request_id, "error": str(exc)})
+
+
+def _header(headers: dict[str, str], name: str) -> str | None:
+    """A header as an event identifier: at most 256 characters, None when absent or blank."""
+    value = (headers.get(name) or "")[:256]
+    return value if value.strip() else None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:

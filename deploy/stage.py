@@ -6,28 +6,39 @@
                 slice, the regression suite, canaries, KL, smoke (deploy/evaluate.py)
     decide      deploy/gate.py; the decision and every number go to the store and the version's tags
     promote     only on a passing decision (automatic), else the candidate stays a candidate
+
+With a staged rollout, a candidate that passed serves a share of live traffic as the canary;
+`online_decision` compares it with the champion on what each served (deploy/rollout.py) once
+both sides have enough settled outcomes, and records that decision beside the gate's.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import orjson
 from sqlalchemy import Engine
 
+from deploy import rollout
 from deploy.evaluate import Evaluation, Runner, evaluate
 from deploy.gate import Decision, decide
-from deploy.registry import CHAMPION, Registry, RegistryError, Version
+from deploy.registry import CANARY, CHAMPION, Registry, RegistryError, Version
 from deploy.suite import EMPTY, Suite
-from pipeline.core.config import GateConfig, TrainConfig
+from pipeline.core.config import GateConfig, RolloutConfig, TrainConfig, duration_s
+from pipeline.core.faults import pause_point
+from pipeline.core.store.deploys import last_move_to, latest_decision, online_rewards
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.training import get_run, select_eval_episodes
 from pipeline.core.timing import Stopwatch
 from pipeline.core.types import LoggedEpisode, sampling_params
+
+log = logging.getLogger("rtrl.deploy")
 
 
 @dataclass
@@ -125,10 +136,59 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
                               "production_canaries": production_canaries or {}, "seconds": watch.parts}
     with watch("registry"):  # (the decision's own write is not in its report's seconds)
         registry.record_decision(version.version, champion.version if champion else None, run_id,
-                                 decision.to_dict(), report)
+                                 decision, report)
     if not decision.passed and load_error is None:
         runner.remove(candidate_name)  # it will not serve: do not keep it loaded
     promoted = False
     if promote and decision.passed:
         promoted = registry.promote(version.version, actor="automatic", reason="gate passed")
     return GateResult(version, champion, decision, evaluation, promoted, watch.parts)
+
+
+def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec_version: str, ripeness_s: float,
+                    cycle_id: str, version: str, cycle_started: datetime,
+                    reward_window: Callable[[datetime], Any]) -> tuple[bool, str] | None:
+    """(passed, why) once canary `version`'s online comparison with the champion is made (or an
+    operator decided for it), None while it still needs traffic. `reward_window(since)` rewards
+    what was served since then (the reward stage, run by the caller's orchestration). The
+    decision is recorded once; a cycle resumed after a crash reads it back."""
+    decision = latest_decision(engine, registry.name, version)
+    if decision is not None and decision.stage == "online" and decision.cycle == cycle_id:
+        return decision.passed, decision.summary
+    champion, canary = registry.alias(CHAMPION), registry.alias(CANARY)
+    if champion is not None and champion.version == version:
+        return True, f"version {version} was promoted by an operator during its canary"
+    if canary is None or canary.version != version:
+        return False, f"the canary (version {version}) was withdrawn by an operator"
+    move = last_move_to(engine, registry.name, CANARY, version)
+    # the canary went live with its move (an alias set by hand has none: the cycle's start)
+    staged_at = move.at if move is not None else cycle_started
+    # rewards for what both sides served since: only that window is read (the cycle's own reward
+    # stage brings the rest of the history up to date), so a check costs the same on any store
+    reward_window(staged_at)
+    # only requests whose outcome is final (the spec's ripeness window has passed): an early
+    # terminal signal would otherwise over-represent the outcomes that arrive fast
+    settled = utcnow() - timedelta(seconds=ripeness_s)
+    serving = champion.version if champion else "base"
+    sides = online_rewards(engine, spec_version, [serving, version], staged_at, until=settled)
+    if rollout.ready(sides.get(serving), sides.get(version), cfg):
+        result = rollout.decide(sides[serving], sides[version], cfg)
+    elif (utcnow() - staged_at).total_seconds() > duration_s(cfg.max_wait):
+        result = rollout.too_little_traffic(sides.get(serving), sides.get(version), cfg)
+    else:
+        log.info("canary still measuring", extra={"cycle": cycle_id, "version": version, "min_requests":
+                                                 cfg.min_requests, "rewarded": {v: s[0] for v, s in sides.items()}})
+        return None
+    registry.record_online(version, champion.version if champion else None, cycle_id, result,
+                           {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
+    pause_point("canary.decided")  # crash tests kill the process here: a restart reuses the decision
+    return result.passed, "; ".join(c.detail for c in result.checks if result.passed or not c.passed)
+
+
+def withdraw_orphan_canary(registry: Registry) -> Version | None:
+    """A canary alias left by a cycle that failed after staging it (its promotion failed, say)
+    serves no purpose once no cycle measures it: withdrawn (returned), before a new cycle starts."""
+    withdrawn = registry.unstage("automatic", "no cycle is measuring this canary (its cycle ended)")
+    if withdrawn is not None:
+        log.warning("withdrew a canary no cycle was measuring", extra={"version": withdrawn.version})
+    return withdrawn

@@ -21,6 +21,8 @@ from typing import Any
 
 import requests
 
+from pipeline.core.types import ModelUpdate
+
 log = logging.getLogger("rtrl.deploy")
 
 
@@ -44,15 +46,18 @@ class VllmAdapterSync:
         if r.status_code >= 400:
             raise VllmError(f"vLLM refused {path} for {body.get('lora_name')}: HTTP {r.status_code} {r.text[:300]}")
 
-    def on_update(self, event: dict[str, Any]) -> None:
-        if event.get("alias") == "canary":
+    def on_update(self, event: ModelUpdate) -> None:
+        if event.alias == "canary":
             self._on_canary(event)
             return
-        name = f"{self.model_name}-v{event['version']}"
+        if event.version is None:  # no champion (the registry's alias cleared): nothing to load
+            log.warning("the champion alias is cleared; vLLM keeps its adapters", extra={"lora_name": self.current})
+            return
+        name = f"{self.model_name}-v{event.version}"
         if name == self.current:
             return
         if name != self.canary:  # a promoted canary is loaded already
-            self._load(name, event["adapter_uri"])
+            self._load(name, event.adapter_uri)
         old, self.current = self.current, name
         if self.canary == name:
             self.canary = None
@@ -60,15 +65,15 @@ class VllmAdapterSync:
         if old is not None and old != self.canary:
             self._unload(old)
 
-    def _on_canary(self, event: dict[str, Any]) -> None:
-        name = f"{self.model_name}-v{event['version']}" if event.get("version") else None
+    def _on_canary(self, event: ModelUpdate) -> None:
+        name = f"{self.model_name}-v{event.version}" if event.version else None
         if name == self.canary:
             return
         if name is not None and name != self.current:
-            self._load(name, event["adapter_uri"])
+            self._load(name, event.adapter_uri)
         old, self.canary = self.canary, (name if name != self.current else None)
         log.info("vLLM canary adapter " + ("loaded: route its share to it" if self.canary else "withdrawn"),
-                 extra={"lora_name": self.canary, "share": event.get("share"), "previous": old})
+                 extra={"lora_name": self.canary, "share": event.share, "previous": old})
         if old is not None and old != self.current:
             self._unload(old)
 

@@ -17,7 +17,6 @@ refused by the explicit UTF-8 step before it.
 
 from __future__ import annotations
 
-
 import orjson
 from pydantic import TypeAdapter, ValidationError
 

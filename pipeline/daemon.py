@@ -36,11 +36,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.core.config import DURATION, Config, duration_s
-from pipeline.cycle import CycleDeps, cycle_split, run_cycle
-from pipeline.core.store.cycles import unfinished_cycle
+from pipeline.core.store.cycles import CycleState, cycle_split, unfinished_cycle
 from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.leases import Fence, acquire, release
 from pipeline.core.store.training import get_run
+from pipeline.cycle import CycleDeps, run_cycle
 
 log = logging.getLogger("rtrl.daemon")
 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # a line per job run drowns the daemon's own
@@ -166,8 +166,8 @@ class Daemon:
         self.metrics.cycles.labels(row.state).inc()
         if seconds > self.config.cycle.sla_s:
             self.metrics.sla_exceeded.inc()
-        if row.state in ("done", "rejected"):
-            self.metrics.gate.labels(str(row.state == "done").lower()).inc()
+        if row.state in (CycleState.DONE, CycleState.REJECTED):
+            self.metrics.gate.labels(str(row.state == CycleState.DONE).lower()).inc()
         self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "reason": row.reason,
                            "seconds": round(seconds, 2)}
         try:
@@ -182,7 +182,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - the store may be away: the next check retries
             log.warning("canary check skipped", extra={"error": f"{type(exc).__name__}: {exc}"})
             return False
-        return row is not None and row.state == "canary"
+        return row is not None and row.state == CycleState.CANARY
 
     def _online_metrics(self) -> None:
         """Requests served and accept rate of the champion, previous and canary versions."""

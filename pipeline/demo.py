@@ -38,7 +38,8 @@ from sqlalchemy import Engine, func, select
 from pipeline.core.config import Config
 from pipeline.core.kafka_config import security_env
 from pipeline.core.store.cycles import recent_cycles
-from pipeline.core.store.tables import feedback, gate_decisions, interactions, rewards
+from pipeline.core.store.deploys import all_decisions, served_and_accepted
+from pipeline.core.store.tables import feedback, interactions, rewards
 from pipeline.core.store.training import get_run
 
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
@@ -105,20 +106,16 @@ class DemoReport:
 
 
 def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
-    """Online accept rate (share of served requests the user accepted) and mean reward per version."""
+    """Online accept rate (the store's one definition: served_and_accepted) with its interval,
+    and mean reward, per version."""
+    counts = served_and_accepted(engine)
     with engine.connect() as conn:
-        served = dict(conn.execute(select(interactions.c.policy_version, func.count())
-                                   .group_by(interactions.c.policy_version)).all())
-        accepted = dict(conn.execute(
-            select(interactions.c.policy_version, func.count(func.distinct(interactions.c.request_id)))
-            .select_from(interactions.join(feedback, feedback.c.request_id == interactions.c.request_id))
-            .where(feedback.c.kind == "accepted").group_by(interactions.c.policy_version)).all())
         reward = dict(conn.execute(select(rewards.c.policy_version, func.avg(rewards.c.value))
                                    .where(rewards.c.spec_version == spec_version)
                                    .group_by(rewards.c.policy_version)).all())
-    order = sorted(served, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
-    return [{"version": v, "served": served[v], "accept_rate": accepted.get(v, 0) / served[v],
-             "accept_ci95": wilson(accepted.get(v, 0), served[v]),
+    order = sorted(counts, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
+    return [{"version": v, "served": counts[v][0], "accept_rate": counts[v][1] / counts[v][0],
+             "accept_ci95": wilson(counts[v][1], counts[v][0]),
              "reward_mean": float(reward[v]) if v in reward else None} for v in order]
 
 
@@ -341,9 +338,10 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
     from deploy.registry import CHAMPION
     from deploy.tracking import MlflowTracker
     from pipeline import kafka_local
-    from pipeline.cycle import cycle_split, default_deps
-    from pipeline.daemon import Daemon
     from pipeline.core.store import db as store_db
+    from pipeline.core.store.cycles import cycle_split
+    from pipeline.cycle import default_deps
+    from pipeline.daemon import Daemon
     from reward.spec import load_spec
 
     t0 = time.monotonic()
@@ -387,11 +385,9 @@ def run_demo(state_dir: Path, cycles: int = 5, naive: bool = False, seed: int = 
                               "training_loop_s": round(loop_s, 2),
                               "overhead_frac": round(1 - loop_s / total, 3) if total else None,
                               "split": cycle_split(engine, c, run)})
-    with engine.connect() as conn:
-        for d in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id)):
-            report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,
-                                     "stage": d.report.get("stage", "gate"), "passed": bool(d.passed), "reasons": [
-                                         c["detail"] for c in d.report["decision"]["checks"] if not c["passed"]]})
+    for d in all_decisions(engine):
+        report.decisions.append({"candidate": d.candidate_version, "champion": d.champion_version,
+                                 "stage": d.stage, "passed": d.passed, "reasons": d.reasons})
     report.files = write_report(report, run_dir / "report", naive)
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root, run_name="demo-report")
     tracker.log_params({"naive_reward": naive, "seed": seed, "cycles": cycles, "rate": rate, "every": every})

@@ -19,13 +19,14 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 
+from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.rewards import feedback_rows, iter_episode_chunks
 from pipeline.core.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
+from reward.scoring import PAYLOAD_KINDS, build_episode
 from reward.signals import Episode
 from reward.spec import RewardSpec
-from reward.scoring import PAYLOAD_KINDS, build_episode
 
 _RESERVOIR = 50_000
 
@@ -146,6 +147,7 @@ def audit(engine: Engine, spec: RewardSpec) -> dict[str, Canaries]:
         c.abstentions += is_abstention(ep.text, patterns)
         c.chars += len(ep.text)
         c.tool_errors += "tool_error" in kinds
-        c.accepted += "accepted" in kinds
         c.followups += "followup" in kinds
+    for version, (_, accepted) in served_and_accepted(engine, list(out)).items():
+        out[version].accepted = accepted  # the headline figure has one definition: the store's
     return out

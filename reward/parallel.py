@@ -25,8 +25,8 @@ from sqlalchemy import Engine
 
 from pipeline.core.store import db as store_db
 from pipeline.core.store.rewards import interaction_id_span
-from reward.spec import RewardSpec
 from reward.scoring import RewardRunReport, score_part
+from reward.spec import RewardSpec
 
 EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) is not worth it
 _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts

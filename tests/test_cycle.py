@@ -15,18 +15,17 @@ from deploy.stage import adapter_name
 from deploy.tracking import MlflowTracker
 from pipeline import cycle as cycle_mod
 from pipeline.core.config import Config
-from pipeline.cycle import CycleDeps, cycle_split, run_cycle
-from pipeline.core.store.cycles import decision_for_run
+from pipeline.core.store.cycles import cycle_split, decision_for_run
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.tables import training_runs
 from pipeline.core.store.training import get_run
+from pipeline.cycle import CycleDeps, run_cycle
 from reward.spec import load_spec
 from tests import reverse_task as task
 from tests.factories import BASE_TS
 from tests.test_ingest_kafka import ingest_until_idle, produce_events
 from train.inference import PolicySet
 from train.models import load_policy
-
 
 # the cycle runs on SQLite and the local MLflow store here (PostgreSQL + an MLflow server: test_deploy_registry)
 pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)

@@ -20,9 +20,9 @@ import requests
 from sqlalchemy import select
 
 from pipeline.core.config import ConfigError, load_config
-from pipeline.daemon import Daemon, trigger
 from pipeline.core.store.leases import acquire, holder, release
 from pipeline.core.store.tables import cycles
+from pipeline.daemon import Daemon, trigger
 from tests.conftest import REPO, free_port, wait_for
 
 

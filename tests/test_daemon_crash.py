@@ -22,9 +22,17 @@ from kafka import KafkaConsumer
 from sqlalchemy import func, select
 
 from deploy.registry import CANARY, CHAMPION, Registry
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.tables import alias_moves, cycles, feedback, gate_decisions, interactions, rewards, training_runs
+from pipeline.core.store.tables import (
+    alias_moves,
+    cycles,
+    feedback,
+    gate_decisions,
+    interactions,
+    rewards,
+    training_runs,
+)
+from pipeline.kafka_local import ensure_topics
 from tests import reverse_task as task
 from tests.conftest import REPO, free_port, wait_for
 from tests.factories import BASE_TS, served_now

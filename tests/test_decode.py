@@ -128,3 +128,17 @@ def test_fuzz_mutated_events_never_raise(base, key, junk):
     assert isinstance(out, (DeadLetter, InteractionEvent, FeedbackEvent))
     if isinstance(out, DeadLetter):
         assert out.reason.value in {"schema_violation", "unsupported_schema_version"}
+
+
+def test_a_model_update_round_trips_and_a_malformed_one_is_refused():
+    from pipeline.core.types import ModelUpdate
+
+    update = ModelUpdate("canary", "7", "runs:/abc/adapter", share=0.25, name="m", seq=12, base_model="/models/q",
+                         run_id="abc", at="2026-01-01T00:00:00Z")
+    assert ModelUpdate.from_json(json.dumps(update.to_dict())) == update
+    cleared = ModelUpdate.from_json('{"type": "model_update", "name": "m", "alias": "champion", "version": null}')
+    assert cleared.version is None and cleared.share == 0.0 and cleared.seq is None
+    for raw in ('[1]', '{"type": "interaction", "alias": "champion"}', '{"alias": 3}',
+                '{"alias": "canary", "version": 7}', '{"alias": "canary", "version": "7", "share": "half"}', 'nope'):
+        with pytest.raises(ValueError):
+            ModelUpdate.from_json(raw)

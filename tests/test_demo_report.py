@@ -7,8 +7,9 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from pipeline.demo import DemoReport, headline, per_version, wilson, write_report
+from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.events import Rows, write_rows
+from pipeline.demo import DemoReport, headline, per_version, wilson, write_report
 
 T0 = datetime(2026, 11, 1)
 
@@ -34,6 +35,10 @@ def _served(engine, version: str, n: int, accepted: int) -> None:
             rows.feedback.append({"event_id": f"r-{rid}", "request_id": rid, "schema_version": 1,
                                   "ts": T0 + timedelta(seconds=1), "kind": "rejected", "value": 1.0,
                                   "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
+            # an `accepted` event whose value is false is no accept (the demo once counted it)
+            rows.feedback.append({"event_id": f"n-{rid}", "request_id": rid, "schema_version": 1,
+                                  "ts": T0 + timedelta(seconds=2), "kind": "accepted", "value": 0.0,
+                                  "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
     write_rows(engine, rows)
 
 
@@ -48,7 +53,7 @@ def test_wilson_interval_contains_the_rate_and_narrows_with_n():
     assert lo == pytest.approx(0.202, abs=0.005) and hi == pytest.approx(0.555, abs=0.005)
 
 
-def test_per_version_counts_each_accepted_request_once(engine):
+def test_per_version_counts_each_accepted_request_once_as_the_store_defines_it(engine):
     _served(engine, "base", 40, 5)
     _served(engine, "2", 20, 9)
     versions = per_version(engine, "no-such-spec")
@@ -58,6 +63,7 @@ def test_per_version_counts_each_accepted_request_once(engine):
     assert (v2["served"], v2["accept_rate"]) == (20, 9 / 20)
     assert v2["accept_ci95"] == pytest.approx(wilson(9, 20))
     assert v2["reward_mean"] is None
+    assert served_and_accepted(engine) == {"base": (40, 5), "2": (20, 9)}  # the one definition
 
 
 def test_headline_and_report_name_the_last_champion(engine, tmp_path):

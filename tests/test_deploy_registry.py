@@ -26,11 +26,12 @@ from deploy.stage import adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker
 from pipeline.core.config import Bound, GateConfig, TrainConfig
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.store.deploys import moves
+from pipeline.kafka_local import ensure_topics
 from reward.spec import load_spec
 from reward.stage import run_rewards
-from tests import mlflow_server as mlflow_server_proc, reverse_task as task
+from tests import mlflow_server as mlflow_server_proc
+from tests import reverse_task as task
 from tests.conftest import free_port
 from tests.factories import BASE_TS, feedback, interaction
 from tests.test_train_stage import store

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from tests.test_train_loop import CFG, tokenized
 from train.distributed import DistributedTrainingError, run_distributed
-from train.lora import attach_adapter, load_adapter, save_adapter
 from train.loop import train_policy
+from train.lora import attach_adapter, load_adapter, save_adapter
 from train.models import load_policy
 from train.tracking import MemoryTracker
 

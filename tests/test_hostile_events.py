@@ -35,7 +35,8 @@ from reward.stage import run_rewards
 from tests.factories import BASE_TS, feedback, interaction
 from train.data import DataStats
 from train.inference import PolicySet
-from train.run import TrainReport, select as select_episodes, tokenize_selection
+from train.run import TrainReport, tokenize_selection
+from train.run import select as select_episodes
 
 SPEC = load_spec()
 LATER = BASE_TS.replace(tzinfo=None) + timedelta(days=30)

@@ -18,7 +18,8 @@ from ingest.consumer import run_ingest
 from pipeline.core.store.events import stored_offsets, table_counts
 from pipeline.core.store.tables import dead_letters, feedback, interactions
 from tests.conftest import REPO, wait_for
-from tests.factories import encode, feedback as fb, interaction
+from tests.factories import encode, interaction
+from tests.factories import feedback as fb
 from tests.test_decode import BAD, EXPECTED
 
 pytestmark = pytest.mark.kafka

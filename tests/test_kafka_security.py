@@ -28,14 +28,14 @@ from deploy.tracking import MlflowTracker
 from ingest.consumer import run_ingest
 from ingest.replay import replay_from_kafka
 from pipeline import kafka_secure
-from pipeline.core import kafka_client
 from pipeline.cli import cli
+from pipeline.core import kafka_client
 from pipeline.core.config import ConfigError, load_config
 from pipeline.core.kafka_config import KafkaAccess, KafkaSecurityConfig, security_env
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.logs import JsonFormatter
 from pipeline.core.store import db as store_db
 from pipeline.core.store.events import table_counts
+from pipeline.kafka_local import ensure_topics
 from tests.conftest import ServeProcess, free_port, wait_for
 from tests.factories import feedback, interaction
 

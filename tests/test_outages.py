@@ -29,13 +29,14 @@ from sqlalchemy import create_engine, select, text
 from deploy.events import ModelUpdatePublisher
 from deploy.registry import CHAMPION
 from pipeline import cycle as cycle_mod
-from pipeline.daemon import Daemon
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.store.cycles import recent_cycles
 from pipeline.core.store.deploys import moves, served_and_accepted
 from pipeline.core.store.events import stored_offsets
-from pipeline.core.store.tables import feedback as feedback_table, interactions, training_runs
+from pipeline.core.store.tables import feedback as feedback_table
+from pipeline.core.store.tables import interactions, training_runs
 from pipeline.core.store.training import get_run
+from pipeline.daemon import Daemon
+from pipeline.kafka_local import ensure_topics
 from tests import mlflow_server
 from tests.conftest import free_port, wait_for
 from tests.factories import feedback, interaction

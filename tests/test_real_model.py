@@ -25,11 +25,11 @@ from sqlalchemy import func, select
 from deploy.registry import CHAMPION
 from ingest.consumer import run_ingest
 from pipeline.core.config import Config
-from pipeline.cycle import default_deps, run_cycle
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.store.tables import interactions
 from pipeline.core.store.training import is_held_out
 from pipeline.core.types import LoggedEpisode, prompt_key, sampling_params
+from pipeline.cycle import default_deps, run_cycle
+from pipeline.kafka_local import ensure_topics
 from reward.spec import load_spec
 from tests.conftest import ServeProcess, wait_for
 from tests.factories import feedback

@@ -134,8 +134,8 @@ def test_a_decision_against_a_replaced_champion_does_not_promote(setup):
 
 def test_a_cycle_resumed_in_promoting_does_not_promote_a_rolled_back_version(setup, engine, tmp_path):
     from pipeline.core.config import load_config
-    from pipeline.cycle import CycleDeps, run_cycle
     from pipeline.core.store.cycles import create_cycle, set_cycle
+    from pipeline.cycle import CycleDeps, run_cycle
     from reward.spec import load_spec
 
     registry, broker, version = setup

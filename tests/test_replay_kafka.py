@@ -14,7 +14,8 @@ from ingest.replay import replay_from_file, replay_from_kafka
 from pipeline.cli import cli
 from pipeline.core.store import db as store_db
 from pipeline.core.store.events import stored_offsets, table_counts
-from tests.factories import encode, feedback as fb, interaction
+from tests.factories import encode, interaction
+from tests.factories import feedback as fb
 from tests.test_store import _event_rows
 
 pytestmark = pytest.mark.kafka

@@ -12,7 +12,8 @@ from reward.judge import Judge, JudgeError
 from reward.signals import Episode
 from reward.spec import JudgeSpec, parse_spec
 from reward.stage import run_rewards
-from tests.factories import BASE_TS, feedback as fb, interaction
+from tests.factories import BASE_TS, interaction
+from tests.factories import feedback as fb
 from tests.test_reward_stage import store
 from tests.tiny_model import build_tiny_model
 

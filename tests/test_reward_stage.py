@@ -14,13 +14,15 @@ from sqlalchemy import select
 
 from ingest.batch import decode_records
 from pipeline.cli import cli
-from pipeline.core.store import db as store_db, tables
+from pipeline.core.store import db as store_db
+from pipeline.core.store import tables
 from pipeline.core.store.events import write_rows
 from pipeline.core.store.rewards import iter_episode_chunks, stored_reward
 from reward.analysis import audit, diff_specs
 from reward.spec import DEFAULT_SPEC, load_spec
 from reward.stage import run_rewards
-from tests.factories import BASE_TS, encode, feedback as fb, interaction
+from tests.factories import BASE_TS, encode, interaction
+from tests.factories import feedback as fb
 
 SPEC = load_spec()
 LATER = BASE_TS.replace(tzinfo=None) + timedelta(days=1)  # every episode ripe by the window

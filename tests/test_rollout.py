@@ -10,14 +10,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from deploy import rollout
+from deploy import stage as deploy_stage
 from deploy.registry import CANARY, CHAMPION
-from pipeline import cycle as cycle_mod
 from pipeline.core.config import RolloutConfig
-from pipeline.cycle import run_cycle
-from pipeline.daemon import Daemon
 from pipeline.core.store.cycles import get_cycle, recent_cycles, set_cycle, unfinished_cycle
 from pipeline.core.store.deploys import latest_decision, moves
 from pipeline.core.store.tables import training_runs
+from pipeline.cycle import run_cycle
+from pipeline.daemon import Daemon
 from reward.spec import load_spec
 from tests.conftest import REPO, wait_for
 from tests.factories import served_now
@@ -167,7 +167,7 @@ def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_i
         raise ConnectionError("the store went away")
 
     with monkeypatch.context() as m:  # the check fails: the canary keeps serving, the cycle waits
-        m.setattr(cycle_mod, "online_rewards", store_away)
+        m.setattr(deploy_stage, "online_rewards", store_away)
         again = run_cycle(deps)
     assert again.state == "canary" and "last check failed: ConnectionError" in again.reason
     assert deps.registry.alias(CANARY).version == version

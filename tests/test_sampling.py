@@ -12,8 +12,8 @@ from pipeline.core.types import LoggedEpisode, SamplingParams, sampling_params
 from train.batches import collate
 from train.data import tokenize_episode
 from train.inference import PolicySet
-from train.lora import load_adapter
 from train.logprobs import token_logprobs
+from train.lora import load_adapter
 from train.models import load_policy
 from train.sampling import SamplingRows, sampled_logprobs
 

@@ -23,11 +23,11 @@ from deploy.rollout import routes_to_canary
 from deploy.tracking import MlflowTracker
 from deploy.vllm import VllmAdapterSync
 from pipeline.core.config import TrainConfig
-from pipeline.kafka_local import ensure_topics
 from pipeline.core.store import db as store_db
 from pipeline.core.store.deploys import record_decision
+from pipeline.core.types import LoggedEpisode, ModelUpdate
+from pipeline.kafka_local import ensure_topics
 from tests.conftest import ServeProcess, wait_for
-from pipeline.core.types import LoggedEpisode
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import load_policy
@@ -240,7 +240,7 @@ def test_follower_serves_what_the_registry_says_not_what_an_event_says(registere
     registry = r["registry"]
     registry.promote("1", actor="test", reason="first", force=True)
     registry.promote("2", actor="test", reason="second", force=True)
-    applied: list[dict] = []
+    applied: list[ModelUpdate] = []
     follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], applied.append,
                         lambda alias: current(registry, alias), aliases=("champion", "canary")).start()
     try:
@@ -250,5 +250,16 @@ def test_follower_serves_what_the_registry_says_not_what_an_event_says(registere
         wait_for(lambda: len(applied) >= 2, 30, "both events to be handled")
     finally:
         follower.close()
-    assert [(u["alias"], u["version"], u["adapter_uri"]) for u in applied] == [
+    assert [(u.alias, u.version, u.adapter_uri) for u in applied] == [
         ("champion", "2", registry.get("2").source)] * 2
+
+
+def test_a_cleared_champion_alias_loads_nothing_into_vllm(tmp_path):
+    """The registry's champion alias cleared (its event carries no version): there is nothing to
+    load, so vLLM keeps what it has (it once asked vLLM to load an adapter named `-vNone`)."""
+    calls: list[tuple[str, dict]] = []
+    sync = VllmAdapterSync("http://127.0.0.1:9", "m", lambda uri, dst: dst, tmp_path)
+    sync._post = lambda path, body: calls.append((path, body))
+    sync.on_update(ModelUpdate("champion", "3", "runs:/r/adapter"))
+    sync.on_update(ModelUpdate("champion", None))
+    assert [body["lora_name"] for _, body in calls] == ["m-v3"] and sync.current == "m-v3"

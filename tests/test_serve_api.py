@@ -5,6 +5,7 @@ implement is refused with a 400 that names it -- never silently ignored."""
 from __future__ import annotations
 
 import openai
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -49,3 +50,22 @@ def test_a_parameter_the_server_does_not_implement_is_refused_naming_it(client, 
         client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, **extra)
     assert err.value.status_code == 400 and named in err.value.message
     assert err.value.body["param"] == next(iter(extra))
+
+
+def test_the_interaction_event_is_the_contract_s_and_a_user_it_cannot_carry_is_refused(reverse_base):
+    from ingest.decode import decode
+    from pipeline.core.types import InteractionEvent, SourcePosition
+
+    sent: list[dict] = []
+    server = PolicyServer(PolicySet.load(reverse_base, device="cpu"), "policy", emit=sent.append)
+    http = TestClient(create_app(server))
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, seed=1, user="u-1",
+                                extra_headers={"X-Session-Id": "s-1", "X-Request-Id": "x" * 300})
+    event = decode(orjson.dumps(sent[0]), SourcePosition(source="t", partition=0, offset=0), 1 << 20)
+    assert isinstance(event, InteractionEvent), event
+    assert (event.user_id, event.session_id, event.client_request_id) == ("u-1", "s-1", "x" * 256)
+    with pytest.raises(openai.BadRequestError) as err:  # a NUL the store could not hold: refused up front
+        api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, user="a\u0000b")
+    assert err.value.body["param"] == "user" and len(sent) == 1
+

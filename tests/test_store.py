@@ -9,17 +9,18 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
 
+from ingest.batch import decode_records
 from ingest.decode import decode
 from ingest.ndjson import export_events
 from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.core.config import Config
 from pipeline.core.store import db as store_db
-from ingest.batch import decode_records
 from pipeline.core.store.deploys import online_rewards, served_and_accepted
 from pipeline.core.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
 from pipeline.core.store.tables import dead_letters, feedback, interactions, metadata
 from pipeline.core.types import SourcePosition
-from tests.factories import encode, feedback as fb, interaction
+from tests.factories import encode, interaction
+from tests.factories import feedback as fb
 
 
 def _rows(evs: list[dict], letters: list[bytes] = (), source="t") -> Rows:

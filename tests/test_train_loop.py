@@ -11,8 +11,8 @@ from pipeline.core.config import TrainConfig
 from tests import reverse_task as task
 from train.batches import collate, mismatched_pairs, pack
 from train.data import tokenize_episode
-from train.lora import attach_adapter, load_adapter
 from train.loop import train_policy
+from train.lora import attach_adapter, load_adapter
 from train.models import ModelError, load_policy
 from train.tracking import MemoryTracker
 
@@ -148,8 +148,8 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     gradient (each micro-batch used to be normalised by itself, then divided by their number)."""
     from train.importance import advantages
     from train.loop import StepInputs, accumulate_step, correction_config, loss_config
-    from train.sampling import SamplingRows
     from train.losses import get_loss
+    from train.sampling import SamplingRows
 
     policy = load_policy(base_model, device="cpu")
     episodes = []
@@ -188,8 +188,8 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
 
 
 def test_bf16_weights_train_float32_lora_and_checkpointing_gives_the_same_gradient(base_model, logged):
-    from train.lora import set_gradient_checkpointing
     from train.logprobs import token_logprobs
+    from train.lora import set_gradient_checkpointing
     from train.sampling import SamplingRows
 
     # bf16 weights (what CUDA loads): the LoRA parameters the optimizer updates stay float32

@@ -23,7 +23,8 @@ from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests import reverse_task as task
 from tests.factories import BASE_TS, encode, feedback, interaction
-from train import lora, run as run_module
+from train import lora
+from train import run as run_module
 from train.models import load_policy
 from train.run import NothingToTrain, Parent, run_training
 from train.tracking import MemoryTracker

@@ -26,12 +26,12 @@ from typing import Any
 import orjson
 import torch
 
+from pipeline.core.chat import render_prompt
 from pipeline.core.types import LoggedEpisode
 from train.batches import collate, pack_by_length
 from train.data import TokenizedEpisode, tokenize_episode
-from train.lora import load_adapter
 from train.logprobs import token_logprobs
-from pipeline.core.chat import render_prompt
+from train.lora import load_adapter
 from train.models import ModelError, Policy, load_policy
 from train.sampling import SamplingRows
 

@@ -32,14 +32,20 @@ from sqlalchemy import Engine
 
 from pipeline.core.config import TrainConfig
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.training import Selection, finish_run, record_lineage, select_episodes, start_run
+from pipeline.core.store.training import (
+    Selection,
+    finish_run,
+    latest_finished_run,
+    record_lineage,
+    select_episodes,
+    start_run,
+)
 from pipeline.core.timing import Stopwatch
 from pipeline.core.types import prompt_key, sampling_params
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.distributed import run_distributed
-from train.lora import (attach_adapter, load_adapter, release, resident_base, save_adapter,
-                        set_gradient_checkpointing)
 from train.loop import LoopResult, train_policy
+from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter, set_gradient_checkpointing
 from train.models import ModelError, load_policy, set_cpu_threads
 from train.tracking import Tracker
 
@@ -91,6 +97,21 @@ def select(engine: Engine, cfg: TrainConfig, spec_version: str, parent: Parent |
     served_after = (now or utcnow()) - timedelta(seconds=cfg.staleness_s) if cfg.staleness_s else None
     return select_episodes(engine, spec_version, since_reward_id=watermark, served_after=served_after,
                            tenant=cfg.tenant, limit=cfg.max_episodes, holdout_percent=cfg.holdout_percent)
+
+
+def unseen_episodes(engine: Engine, spec_version: str, selection: Selection) -> tuple[int, str]:
+    """How many selected episodes no candidate trained from the same champion has seen, and
+    since which run ("" when none was). A candidate trained from this champion that was not
+    promoted (or was rolled back) leaves its episodes selectable, which is right, but training
+    again on them alone would register a near-copy of a rejected candidate; the caller trains
+    only once enough are new. A run of a cycle that failed (before its gate decided, or before
+    its promotion) does not count: that cycle is retried with the same episodes."""
+    last = latest_finished_run(engine, spec_version, watermark_from=selection.watermark_from,
+                               skip_failed_cycles=True)
+    if last is None:
+        return selection.counts["selected"], ""
+    return (sum(1 for r in selection.rows if r.reward_id > last.watermark_to),
+            f" since run {last.run_id[:12]} (the last candidate trained from this champion)")
 
 
 def _nothing(report: TrainReport, why: str) -> NothingToTrain:

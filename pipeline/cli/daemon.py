@@ -28,9 +28,9 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
     --lease-ttl when it dies). SIGTERM drains ingest and stops; an interrupted cycle resumes
     from its state on the next start.
     """
+    from pipeline.core.logs import quiet_progress_bars
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
-    from pipeline.core.logs import quiet_progress_bars
     from train.models import ModelError
 
     quiet_progress_bars()

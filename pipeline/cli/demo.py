@@ -27,8 +27,8 @@ def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, 
     decisions) to <state>/demo/report
     (<state>/demo-naive/report with --naive-reward). After the last cycle no further cycle runs
     while the last champion is measured (--measure), so its accept rate rests on enough requests."""
-    from pipeline.demo import headline, run_demo
     from pipeline.core.logs import quiet_progress_bars
+    from pipeline.demo import headline, run_demo
 
     quiet_progress_bars()
     report = run_demo(ctx.config.state_dir, cycles=cycles, naive=naive_reward, seed=seed, rate=rate, every=every,

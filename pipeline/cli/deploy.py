@@ -18,6 +18,7 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_c
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.store.deploys import latest_decision, moves
 from pipeline.core.store.training import get_run, latest_finished_run
+from pipeline.core.types import ModelUpdate
 
 # deploy.* imports mlflow (seconds): imported inside the commands, never at `rtrl --help`
 
@@ -111,7 +112,7 @@ def list_cmd(ctx: Context) -> None:
         for v in versions:
             decision = latest_decision(ctx.engine(), registry.name, v.version)
             outcome = "gate: no decision" if decision is None else (
-                f"{decision.report.get('stage', 'gate')}: {'passed' if decision.passed else 'failed'}")
+                f"{decision.stage}: {'passed' if decision.passed else 'failed'}")
             click.echo(f"v{v.version:<4} {','.join(v.aliases) or '-':<28} run {v.tags.get('rtrl.run_id', '?')}  "
                        f"{outcome}")
 
@@ -197,7 +198,8 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     the canary's adapter is loaded on vLLM next to the champion's; the router in front of vLLM
     sends it its share."""
 
-    from deploy.follow import Follower, current as registry_state
+    from deploy.follow import Follower
+    from deploy.follow import current as registry_state
     from deploy.registry import Registry, RegistryError
     from pipeline.core.logs import quiet_progress_bars
 
@@ -210,7 +212,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     def fetch(uri: str, dst: Path) -> Path:
         return registry.download(uri, dst)
 
-    def resolve(alias: str) -> dict:
+    def resolve(alias: str) -> ModelUpdate:
         return registry_state(registry, alias)
 
     try:
@@ -218,7 +220,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
                             aliases=("champion", "canary"))
         # what serving starts from, read like every later update (a staged rollout in progress
         # has its share tagged on the canary's version)
-        current = [u for u in (resolve("champion"), resolve("canary")) if u["version"] is not None]
+        current = [u for u in (resolve("champion"), resolve("canary")) if u.version is not None]
         champion = registry.alias("champion")
     except (RegistryError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -242,7 +244,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     import uvicorn
 
     from deploy.events import EventSender
-    from deploy.serve import PolicyServer, create_app
+    from deploy.serve import BASE, PolicyServer, create_app
     from train.inference import PolicySet
     from train.models import ModelError
 
@@ -258,12 +260,12 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
                                               timeout_s=10.0)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
 
-    def on_update(ev: dict) -> None:
-        adapter = fetch(ev["adapter_uri"], adapters / f"v{ev['version']}") if ev.get("version") else None
-        if ev["alias"] == "canary":
-            server.stage(ev.get("version"), adapter, float(ev.get("share") or 0.0))
-        else:
-            server.use(ev["version"], adapter)
+    def on_update(ev: ModelUpdate) -> None:
+        adapter = fetch(ev.adapter_uri, adapters / f"v{ev.version}") if ev.version else None
+        if ev.alias == "canary":
+            server.stage(ev.version, adapter, ev.share)
+        else:  # a cleared champion alias: the base model serves, as before any promotion
+            server.use(ev.version or BASE, adapter)
 
     for ev in current:
         on_update(ev)

@@ -16,8 +16,8 @@ from ingest.progress import IngestDisplay
 from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kafka
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.core.store.cycles import recent_cycles
-from pipeline.core.store.leases import holder
 from pipeline.core.store.events import dead_letters_by_reason, table_counts, utcnow
+from pipeline.core.store.leases import holder
 
 
 def _stop_on_signals() -> threading.Event:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from kafka.errors import KafkaError
 
 from pipeline import kafka_local, kafka_secure

@@ -22,7 +22,6 @@ import logging
 import sys
 from datetime import datetime, timezone
 
-
 # what every LogRecord has; anything else on a record came from `extra`
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 _SECRETS: set[str] = set()

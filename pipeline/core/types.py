@@ -150,6 +150,11 @@ class InteractionEvent(_Envelope):
     sampling: Sampling | None = None
     latency_ms: FiniteFloat | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
+    client_request_id: str | None = Field(default=None, max_length=256)  # the client's X-Request-Id (rtrl serve)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The event as a producer sends it (JSON types; absent fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 def _feedback_value(value: Any) -> Any:
@@ -238,3 +243,42 @@ class SourcePosition(BaseModel):
     source: str
     partition: int
     offset: int
+
+
+@dataclass(frozen=True)
+class ModelUpdate:
+    """An alias move, as the registry announces it on the model-updates topic and as followers
+    (rtrl serve, the vLLM sync) act on it. `version` None: the alias was cleared (serve the base
+    model; for a canary, withdraw it). `share`: a canary's share of requests. A follower trusts
+    only `name` and `alias` from the wire and reads the rest from the registry (deploy/follow.py),
+    so a forged or stale event can make it look, never make it serve something else."""
+
+    alias: str
+    version: str | None
+    adapter_uri: str | None = None
+    share: float = 0.0
+    name: str | None = None  # the registered model
+    seq: int | None = None  # the alias move's id in the audit trail (None: read from the registry)
+    base_model: str | None = None
+    run_id: str | None = None
+    at: str | None = None  # when the move was announced (ISO 8601, UTC)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "model_update", "name": self.name, "alias": self.alias, "version": self.version,
+                "adapter_uri": self.adapter_uri, "share": self.share, "seq": self.seq,
+                "base_model": self.base_model, "run_id": self.run_id, "at": self.at}
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "ModelUpdate":
+        """ValueError when `raw` is no model-update event (what a follower skips and logs)."""
+        event = json.loads(raw)
+        if not isinstance(event, dict) or event.get("type", "model_update") != "model_update":
+            raise ValueError("not a model_update event")
+        alias, version, share = event.get("alias"), event.get("version"), event.get("share") or 0.0
+        if not isinstance(alias, str) or not (version is None or isinstance(version, str)) \
+                or isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise ValueError("a model_update event needs a string alias, a string or null version, a numeric share")
+        text = {k: event.get(k) if isinstance(event.get(k), str) else None
+                for k in ("adapter_uri", "name", "base_model", "run_id", "at")}
+        seq = event.get("seq") if isinstance(event.get("seq"), int) and not isinstance(event.get("seq"), bool) else None
+        return cls(alias, version, share=float(share), seq=seq, **text)

@@ -3,15 +3,37 @@ moves; the unfinished one is found and resumed after a crash."""
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from sqlalchemy import Engine, select, update
 
+from pipeline.core.store.deploys import decision_for_run
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.leases import Fence, LeaseLost
-from pipeline.core.store.tables import cycles, gate_decisions
+from pipeline.core.store.tables import cycles
 
-TERMINAL = ("done", "rejected", "skipped", "failed")
+
+class CycleState(str, enum.Enum):
+    """A cycle's states, stored as their value (pipeline/cycle.py draws the machine)."""
+
+    PENDING = "pending"
+    REWARDING = "rewarding"
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    STAGING = "staging"
+    CANARY = "canary"
+    PROMOTING = "promoting"
+    DONE = "done"
+    SKIPPED = "skipped"
+    REJECTED = "rejected"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TERMINAL = (CycleState.DONE, CycleState.REJECTED, CycleState.SKIPPED, CycleState.FAILED)
 
 
 def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None, fence: Fence | None = None) -> None:
@@ -19,7 +41,7 @@ def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None, fence:
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        conn.execute(cycles.insert().values(cycle_id=cycle_id, state="pending", timings={}, owner=owner,
+        conn.execute(cycles.insert().values(cycle_id=cycle_id, state=CycleState.PENDING.value, timings={}, owner=owner,
                                             started_at=now, updated_at=now))
 
 
@@ -32,8 +54,10 @@ def set_cycle(engine: Engine, cycle_id: str, fence: Fence | None = None, **value
     """Update the cycle's row; with `fence`, only while the lease is still the fence's (else
     LeaseLost, nothing written): the check is part of the update's own statement."""
     now = utcnow()
-    if values.get("state") in TERMINAL:
-        values["finished_at"] = now
+    if "state" in values:
+        values["state"] = CycleState(values["state"]).value
+        if values["state"] in TERMINAL:
+            values["finished_at"] = now
     where = [cycles.c.cycle_id == cycle_id]
     with engine.begin() as conn:
         if fence is not None:
@@ -45,7 +69,7 @@ def set_cycle(engine: Engine, cycle_id: str, fence: Fence | None = None, **value
 
 def unfinished_cycle(engine: Engine) -> Any | None:
     with engine.connect() as conn:
-        return conn.execute(select(cycles).where(cycles.c.state.not_in(TERMINAL))
+        return conn.execute(select(cycles).where(cycles.c.state.not_in([s.value for s in TERMINAL]))
                             .order_by(cycles.c.started_at.desc()).limit(1)).first()
 
 
@@ -54,7 +78,18 @@ def recent_cycles(engine: Engine, limit: int = 20) -> list[Any]:
         return conn.execute(select(cycles).order_by(cycles.c.started_at.desc()).limit(limit)).all()
 
 
-def decision_for_run(engine: Engine, run_id: str) -> Any | None:
-    with engine.connect() as conn:
-        return conn.execute(select(gate_decisions).where(gate_decisions.c.run_id == run_id)
-                            .order_by(gate_decisions.c.id.desc()).limit(1)).first()
+def cycle_split(engine: Engine, row: Any, run: Any | None) -> dict[str, float]:
+    """A finished cycle's seconds by part: its stages, with its training run's split
+    (`train.load`, `train.loop` -- the training loop --, ...) and the gate's (`evaluate.generate`,
+    ...); `<stage>.other` is what the stage spent around its parts. `run`: the cycle's training
+    run row (None if it has none)."""
+    decision = decision_for_run(engine, row.run_id) if row.run_id else None
+    inner = {"train": (run.summary or {}).get("split_s", {}) if run is not None else {},
+             "evaluate": decision.report.get("seconds", {}) if decision is not None else {}}
+    out: dict[str, float] = {}
+    for stage, seconds in (row.timings or {}).items():
+        parts = inner.get(stage, {})
+        for part, s in parts.items():
+            out[f"{stage}.{part}"] = s
+        out[f"{stage}.other" if parts else stage] = round(max(seconds - sum(parts.values()), 0.0), 4)
+    return out

@@ -11,6 +11,7 @@ Each row's id is the move's sequence number: model-update events carry it as `se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -32,11 +33,70 @@ def record_decision(engine: Engine, model_name: str, candidate_version: str, cha
         )).inserted_primary_key[0]
 
 
-def latest_decision(engine: Engine, model_name: str, version: str) -> Any | None:
+@dataclass(frozen=True)
+class StoredDecision:
+    """A decision as the store keeps it: the gate's (deploy/gate.py) or a canary's online one
+    (deploy/rollout.py), with its report. The one type the cycle, the registry, the CLI and the
+    demo read decisions as."""
+
+    id: int
+    model_name: str
+    candidate_version: str
+    champion_version: str | None
+    run_id: str | None  # the candidate's training run (None for an online decision)
+    passed: bool
+    report: dict[str, Any]  # {"decision": {"passed", "first_deployment", "checks": [...]}, ...}
+    decided_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> "StoredDecision":
+        return cls(row.id, row.model_name, row.candidate_version, row.champion_version, row.run_id,
+                   bool(row.passed), row.report, row.decided_at)
+
+    @property
+    def stage(self) -> str:
+        """"gate" (offline, before any traffic) or "online" (a canary's live comparison)."""
+        return self.report.get("stage", "gate")
+
+    @property
+    def cycle(self) -> str | None:
+        return self.report.get("cycle")
+
+    @property
+    def checks(self) -> list[dict[str, Any]]:
+        return self.report["decision"]["checks"]
+
+    @property
+    def reasons(self) -> list[str]:
+        """The failing checks' details (none when it passed)."""
+        return [c["detail"] for c in self.checks if not c["passed"]]
+
+    @property
+    def summary(self) -> str:
+        """Why, in a line: the failing checks, or every check's numbers on a pass."""
+        return "; ".join(c["detail"] for c in self.checks if self.passed or not c["passed"])
+
+
+def latest_decision(engine: Engine, model_name: str, version: str) -> StoredDecision | None:
     with engine.connect() as conn:
-        return conn.execute(select(gate_decisions).where(and_(
+        row = conn.execute(select(gate_decisions).where(and_(
             gate_decisions.c.model_name == model_name, gate_decisions.c.candidate_version == version,
         )).order_by(gate_decisions.c.id.desc()).limit(1)).first()
+    return StoredDecision.from_row(row) if row is not None else None
+
+
+def decision_for_run(engine: Engine, run_id: str) -> StoredDecision | None:
+    """The latest gate decision on training run `run_id`'s candidate."""
+    with engine.connect() as conn:
+        row = conn.execute(select(gate_decisions).where(gate_decisions.c.run_id == run_id)
+                           .order_by(gate_decisions.c.id.desc()).limit(1)).first()
+    return StoredDecision.from_row(row) if row is not None else None
+
+
+def all_decisions(engine: Engine) -> list[StoredDecision]:
+    """Every decision, oldest first."""
+    with engine.connect() as conn:
+        return [StoredDecision.from_row(r) for r in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id))]
 
 
 def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str | None,
@@ -120,16 +180,20 @@ def moves(engine: Engine, model_name: str, limit: int = 50) -> list[Any]:
                             .order_by(alias_moves.c.id.desc()).limit(limit)).all()
 
 
-def served_and_accepted(engine: Engine, versions: list[str]) -> dict[str, tuple[int, int]]:
-    """Per policy version: requests it served, and how many of them a user accepted (an
-    `accepted` event with a true value) -- the online check on a promotion, which the gate's
-    off-policy estimate cannot give. Versions that served nothing are left out."""
-    if not versions:
+def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Per policy version (all of them with None): requests it served, and how many of them a
+    user accepted -- at least one `accepted` event with a true (positive) value; an `accepted`
+    event with a false value is no accept. The one definition of the headline figure, the
+    online accept rate: the daemon's gauge, `rtrl reward audit` and the demo's report read it
+    here. Versions that served nothing are left out."""
+    if versions is not None and not versions:
         return {}
     accepted = exists().where(and_(feedback.c.request_id == interactions.c.request_id,
                                    feedback.c.kind == "accepted", feedback.c.value > 0))
     stmt = (select(interactions.c.policy_version, func.count(), func.sum(case((accepted, 1), else_=0)))
-            .where(interactions.c.policy_version.in_(versions)).group_by(interactions.c.policy_version))
+            .group_by(interactions.c.policy_version))
+    if versions is not None:
+        stmt = stmt.where(interactions.c.policy_version.in_(versions))
     with engine.connect() as conn:
         return {version: (served, int(n)) for version, served, n in conn.execute(stmt)}
 

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, exists, func, select, update
-
 import orjson
+from sqlalchemy import Engine, and_, exists, func, select, update
 
 from pipeline.core.store.events import insert_ignore, utcnow
 from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
