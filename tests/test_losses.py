@@ -170,3 +170,20 @@ def test_each_loss_sees_one_importance_correction(r):
         (grad,) = torch.autograd.grad(value, logp)
         # d/dlogp of the surrogate r*A is r*A (r = exp(logp - behavior)); CISPO's is its weight * A
         assert grad.item() == pytest.approx(expected, rel=1e-5), (name, adv, r)
+
+
+def test_the_table_declares_each_loss_s_needs_and_the_config_and_cli_offer_its_names():
+    from typing import get_args
+
+    from pipeline.cli.train import run as train_run
+    from pipeline.core.train_config import LossName, TrainConfig
+    from train.loop import loss_config
+
+    assert set(LOSSES) == set(get_args(LossName))
+    option = next(p for p in train_run.params if p.name == "loss")
+    assert set(option.type.choices) == set(LOSSES)
+    cfg = TrainConfig(cispo_weight_cap=7.0, clip_high=0.3)
+    # the upper bound on the importance weight is the key the loss names, not a branch on its name
+    assert {name: loss_config(cfg, 8, loss).epsilon_high for name, loss in LOSSES.items()} == {
+        "cispo": 7.0, "grpo": 0.3, "dr_grpo": 0.3, "dapo": 0.3, "kto": 0.3}
+    assert [n for n, loss in LOSSES.items() if loss.reference] == ["kto"]

@@ -172,7 +172,7 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     inputs = StepInputs(advantages(rewards, ["all"] * 8), torch.tensor(rewards),
                         SamplingRows.of(eps), torch.zeros(8, dtype=torch.bool))
     entry = get_loss(loss)
-    lcfg = loss_config(cfg, max(sum(e.loss_mask) for e in eps))
+    lcfg = loss_config(cfg, max(sum(e.loss_mask) for e in eps), entry)
 
     def gradient(micro):
         model.zero_grad(set_to_none=True)

@@ -68,10 +68,10 @@ def correction_config(loss: Loss, cfg: TrainConfig) -> CorrectionConfig:
                             sequence_truncate=None, sequence_mask=cfg.sequence_mask if loss.sequence_mask else None)
 
 
-def loss_config(cfg: TrainConfig, max_completion_tokens: int) -> LossConfig:
+def loss_config(cfg: TrainConfig, max_completion_tokens: int, loss: Loss) -> LossConfig:
     return LossConfig(
         epsilon_low=cfg.clip_low,
-        epsilon_high=cfg.cispo_weight_cap if cfg.loss == "cispo" else cfg.clip_high,
+        epsilon_high=getattr(cfg, loss.upper_bound) if loss.upper_bound else cfg.clip_high,
         max_completion_length=max_completion_tokens, kto_beta=cfg.kto_beta,
     )
 
@@ -260,8 +260,8 @@ def train_policy(
     plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg, replicas.world)
     per_step = cfg.grad_accum * replicas.world  # micro-batches of one optimizer step, over every replica
     total_steps = math.ceil(len(plan) / per_step)
-    loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes))
     loss = get_loss(cfg.loss)
+    loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes), loss)
     correction = correction_config(loss, cfg)
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,

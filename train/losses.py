@@ -42,9 +42,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
+
+from pipeline.core.train_config import LossName
 
 
 @dataclass(frozen=True)
@@ -136,19 +138,26 @@ class Loss:
     # its own token-mean term (KTO sums its per-token values into the sequence log-ratio)
     kl: Literal["per_token", "separate"]
     clip: Literal["weight_cap", "ppo", None]  # which tokens the clip-fraction metric counts
+    # the [train] key that bounds the importance weight from above: PPO's clip_high, or
+    # CISPO's own cap (None: the loss takes no importance weight)
+    upper_bound: Literal["clip_high", "cispo_weight_cap", None] = "clip_high"
 
 
 _SURROGATE = dict(per_token=clipped_surrogate_per_token, token_truncation=True, sequence_mask=True,
                   reference=False, labels=False, kl="per_token", clip="ppo")
 LOSSES: dict[str, Loss] = {
     "cispo": Loss(cispo_per_token, token_sum, count_tokens, token_truncation=False, sequence_mask=True,
-                  reference=False, labels=False, kl="per_token", clip="weight_cap"),
+                  reference=False, labels=False, kl="per_token", clip="weight_cap", upper_bound="cispo_weight_cap"),
     "grpo": Loss(aggregate=sequence_mean, count=count_sequences, **_SURROGATE),
     "dr_grpo": Loss(aggregate=token_sum, count=count_sequence_slots, **_SURROGATE),
     "dapo": Loss(aggregate=token_sum, count=count_tokens, **_SURROGATE),
     "kto": Loss(kto_per_token, kto_aggregate, count_labelled, token_truncation=False, sequence_mask=False,
-                reference=True, labels=True, kl="separate", clip=None),
+                reference=True, labels=True, kl="separate", clip=None, upper_bound=None),
 }
+# the configuration's vocabulary of losses (train.loss, `rtrl train run --loss`) is this table's
+if set(LOSSES) != set(get_args(LossName)):
+    raise ImportError(f"train.loss accepts {get_args(LossName)} but the loss table has {tuple(LOSSES)}: "
+                      "add the loss to both (pipeline/core/train_config.py's LossName)")
 
 
 def get_loss(name: str) -> Loss:

@@ -6,6 +6,7 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import get_args
 
 import click
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -13,6 +14,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.config import TrainConfig
+from pipeline.core.train_config import LossName
 from pipeline.core.store.training import get_run, latest_finished_run, lineage
 from train.models import ModelError
 from train.tracking import MemoryTracker
@@ -66,7 +68,7 @@ def _selection_lines(report) -> list[str]:
 @click.option("--adapter", type=click.Path(file_okay=False),
               help="Continue this adapter (the champion's); its rtrl_run.json gives the data watermark.")
 @click.option("--since", type=int, help="Read rewards after this reward id instead of the adapter's watermark.")
-@click.option("--loss", type=click.Choice(["cispo", "grpo", "dr_grpo", "dapo", "kto"]), help="train.loss")
+@click.option("--loss", type=click.Choice(get_args(LossName)), help="train.loss")
 @click.option("--epochs", type=int, help="train.epochs")
 @click.option("--max-steps", type=int, help="train.max_steps")
 @click.option("--learning-rate", type=float, help="train.learning_rate")
