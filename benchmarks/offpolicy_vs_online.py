@@ -30,7 +30,7 @@ from deploy.evaluate import LoggedEpisode  # noqa: E402
 from deploy.offpolicy import clipped_weights, compare, ipw, snis  # noqa: E402
 from deploy.stage import logged_episode  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
-from pipeline.demo import DEMO_SPEC  # noqa: E402
+from pipeline.demo.config import DEMO_SPEC  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
 from train.inference import PolicySet  # noqa: E402

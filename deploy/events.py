@@ -5,7 +5,7 @@ blocking until the broker has the event (acks=all), so a caller records only wha
                     replica (and anything else) follows the registry without polling it
                     (pipeline.core.types.ModelUpdate)
     interactions    what `rtrl serve` answered, keyed by request id
-    feedback        what the simulated users did (pipeline/sim.py), keyed by request id
+    feedback        what the simulated users did (pipeline/demo/sim.py), keyed by request id
 """
 
 from __future__ import annotations

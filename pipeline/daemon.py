@@ -157,7 +157,7 @@ class Daemon:
             self.metrics.cycles.labels("lease_lost").inc()
             self.last_cycle = {"state": "lease_lost"}
             return
-        if row.state == "canary":  # not finished: the canary is still being measured
+        if row.state == CycleState.CANARY:  # not finished: the canary is still being measured
             self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state,
                                "canary": row.candidate_version}
             self._online_metrics()

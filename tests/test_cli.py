@@ -4,6 +4,7 @@ commands refuse a store that is behind with the command that fixes it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,11 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     assert Path(tmp_path / "state" / "rtrl.db").exists()
 
 
-def test_the_readme_config_example_is_valid(tmp_path):
+def test_the_documented_config_example_is_valid(tmp_path):
     from pipeline.core.config import load_config
 
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Configuration"):]
+    text = (REPO / "docs" / "configuration.md").read_text()
+    section = text[text.index("## How settings are layered"):]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     for named in ("/etc/rtrl/kafka-ca.pem", "/run/secrets/kafka"):  # files the config checks exist
         here = tmp_path / named.rsplit("/", 1)[1]
@@ -104,3 +105,20 @@ def test_the_readme_config_example_is_valid(tmp_path):
     cfg = load_config(tmp_path / "rtrl.toml", environ={})
     assert cfg.train.loss == "cispo" and cfg.mlflow.tracking_uri == "http://mlflow:5000"
     assert cfg.kafka.security.protocol == "SASL_SSL" and cfg.kafka_access.password() == "x"
+
+
+def test_the_configuration_reference_in_docs_matches_the_config_models():
+    from pipeline.core.config_reference import DOC, document
+
+    current = DOC.read_text()
+    assert current == document(current), "docs/configuration.md is stale: python -m pipeline.core.config_reference --write"
+
+
+def test_the_docs_stand_alone():
+    """The README and docs point at files of this repository only, and each one they link exists."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert "../shared" not in text and "DESIGN.md" not in text, page
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if not target.startswith("http"):
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"

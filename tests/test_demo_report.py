@@ -7,14 +7,14 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from pipeline.core.store.deploys import served_and_accepted
+from pipeline.core.store.deploys import record_decision, served_and_accepted
 from pipeline.core.store.events import Rows, write_rows
-from pipeline.demo import DemoReport, headline, per_version, wilson, write_report
+from pipeline.demo.report import DemoReport, collect, headline, per_version, wilson, write_report
 
 T0 = datetime(2026, 11, 1)
 
 
-def _served(engine, version: str, n: int, accepted: int) -> None:
+def _served(engine, version: str, n: int, accepted: int, at=T0) -> None:
     """n requests served by `version`, the first `accepted` of them accepted (twice: a user may
     send the same kind again, and a request counts once)."""
     rows = Rows()
@@ -22,22 +22,22 @@ def _served(engine, version: str, n: int, accepted: int) -> None:
     source = f"test-{version}"
     for i in range(n):
         rid = f"{version}-{i}"
-        rows.interaction.append({"event_id": f"i-{rid}", "request_id": rid, "schema_version": 1, "ts": T0,
+        rows.interaction.append({"event_id": f"i-{rid}", "request_id": rid, "schema_version": 1, "ts": at,
                                  "session_id": "s", "user_id": "u", "tenant": "t", "policy_version": version,
                                  "body": json.dumps({"completion": "x"}), "output_text": "x",
                                  "output_tool_calls": None, "expects_attempt": True, "source": source, "partition": 0,
                                  "offset": next(offsets)})
         for j in range(2 if i < accepted else 0):
             rows.feedback.append({"event_id": f"f-{rid}-{j}", "request_id": rid, "schema_version": 1,
-                                  "ts": T0 + timedelta(seconds=1 + j), "kind": "accepted", "value": 1.0,
+                                  "ts": at + timedelta(seconds=1 + j), "kind": "accepted", "value": 1.0,
                                   "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
         if i >= accepted:
             rows.feedback.append({"event_id": f"r-{rid}", "request_id": rid, "schema_version": 1,
-                                  "ts": T0 + timedelta(seconds=1), "kind": "rejected", "value": 1.0,
+                                  "ts": at + timedelta(seconds=1), "kind": "rejected", "value": 1.0,
                                   "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
             # an `accepted` event whose value is false is no accept (the demo once counted it)
             rows.feedback.append({"event_id": f"n-{rid}", "request_id": rid, "schema_version": 1,
-                                  "ts": T0 + timedelta(seconds=2), "kind": "accepted", "value": 0.0,
+                                  "ts": at + timedelta(seconds=2), "kind": "accepted", "value": 0.0,
                                   "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
     write_rows(engine, rows)
 
@@ -77,3 +77,19 @@ def test_headline_and_report_name_the_last_champion(engine, tmp_path):
     md, data = [f for f in write_report(report, tmp_path / "report", naive=False) if f.suffix in (".md", ".json")]
     assert line in md.read_text()
     assert json.loads(data.read_text())["champion"] == "2"
+
+
+def test_the_report_shows_the_accept_rate_over_time_with_each_decision_marked(engine, tmp_path):
+    _served(engine, "base", 40, 5, at=T0)
+    _served(engine, "1", 30, 12, at=T0 + timedelta(minutes=2, seconds=10))
+    record_decision(engine, "m", "1", None, "run-1", True, {"decision": {"passed": True, "checks": []}})
+    record_decision(engine, "m", "2", "1", "run-2", False, {"decision": {"passed": False, "checks": [
+        {"name": "bound:abstention_rate", "passed": False, "detail": "abstention_rate 0.4 (max 0.3)"}]}})
+    report = collect(engine, "no-such-spec", "m", "1", 3.0)
+    assert [(b["minute"], b["served"], b["accept_rate"]) for b in report.timeline] == [(0.0, 40, 5 / 40),
+                                                                                      (2.0, 30, 12 / 30)]
+    lo, hi = report.timeline[1]["accept_ci95"]
+    assert lo < 12 / 30 < hi
+    assert [(m["kind"], m["label"]) for m in report.markers] == [("rejected", "v2 (gate)")]
+    data = [f for f in write_report(report, tmp_path / "report", naive=False) if f.suffix == ".json"][0]
+    assert json.loads(data.read_text())["timeline"][1]["served"] == 30

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 
-from pipeline.sim import ALPHABET, Fleet, Task, base_behaviour, draw_task
+from pipeline.demo.sim import ALPHABET, Fleet, Task, base_behaviour, draw_task
 
 
 def reactions(output: str, task: Task = Task("abc"), seed: int = 0) -> list[dict]:

@@ -17,29 +17,34 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 @click.option("--measure", default=200, show_default=True,
               help="After the last cycle, keep serving until the last champion has served this many requests.")
 @click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Give up after this many seconds.")
+@click.option("--verbose", is_flag=True, help="Show the structured logs here instead of writing them to a file.")
 @pass_ctx
 def demo(ctx: Context, cycles: int, naive_reward: bool, seed: int, rate: float, every: str, measure: int,
-         timeout_s: float) -> None:
+         timeout_s: float, verbose: bool) -> None:
     """Run the whole loop on embedded defaults: a local Kafka, SQLite, a local MLflow store, a
     tiny base model, the policy server, the daemon and a simulated fleet; a candidate that passes
     the gate serves half the requests as the canary until the users' reactions decide its
     promotion -- then write a report (accept rate and reward per policy version, gate and online
     decisions) to <state>/demo/report
     (<state>/demo-naive/report with --naive-reward). After the last cycle no further cycle runs
-    while the last champion is measured (--measure), so its accept rate rests on enough requests."""
+    while the last champion is measured (--measure), so its accept rate rests on enough requests.
+    Its settings (the embedded defaults, the demo's, then your config file and RTRL_* variables)
+    are written to <state>/demo/rtrl.toml, for the commands it prints at the end."""
     from pipeline.core.logs import quiet_progress_bars
-    from pipeline.demo import headline, run_demo
+    from pipeline.demo.report import headline
+    from pipeline.demo.run import run_demo
 
     quiet_progress_bars()
-    report = run_demo(ctx.config.state_dir, cycles=cycles, naive=naive_reward, seed=seed, rate=rate, every=every,
-                      timeout_s=timeout_s, measure=measure, say=lambda line: click.echo(line, err=True))
+    report = run_demo(ctx.config.state_dir, ctx.config_path, cycles=cycles, naive=naive_reward, seed=seed, rate=rate,
+                      every=every, timeout_s=timeout_s, measure=measure, verbose=verbose)
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f", mean reward {v['reward_mean']:+.3f}"
         click.echo(f"policy {v['version']:>4}: accept rate {100 * v['accept_rate']:5.1f} % of {v['served']}{reward}")
-    for d in report.decisions:
-        click.echo(f"{d['stage']} v{d['candidate']}: {'passed' if d['passed'] else 'rejected: ' + '; '.join(d['reasons'])}")
     click.echo(headline(report.versions, report.champion))
     click.echo(f"report: {', '.join(str(f) for f in report.files)}")
+    click.echo("look around what it did:")
+    for line in report.explore:
+        click.echo(f"  {line}")
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
@@ -53,7 +58,7 @@ def sim(ctx: Context, url: str, rate: float, seed: int, duration_s: float | None
     topic with realistic delays (accept, edit, reject, persist, follow up; abstentions draw no
     complaint -- the reward-hacking bait)."""
     from deploy.events import EventSender
-    from pipeline.sim import Fleet
+    from pipeline.demo.sim import Fleet
 
     send = EventSender(ctx.config.kafka_access, ctx.config.kafka.feedback_topic, key="request_id")
     fleet = Fleet(url, send, rate=rate, seed=seed)

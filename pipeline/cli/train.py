@@ -14,8 +14,8 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.config import TrainConfig
-from pipeline.core.train_config import LossName
 from pipeline.core.store.training import get_run, latest_finished_run, lineage
+from pipeline.core.train_config import LossName
 from train.models import ModelError
 from train.tracking import MemoryTracker
 

@@ -15,6 +15,7 @@ refused at load time with the field and what is allowed; a secret written in the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -44,12 +45,13 @@ class StoreConfig(_Section):
 
 
 class IngestConfig(_Section):
-    group_id: str = Field(default="rtrl-ingest", min_length=1)
+    group_id: str = Field(default="rtrl-ingest", min_length=1, description="the Kafka consumer group of ingest")
     topics: list[str] | None = Field(
         default=None, description="default: the interactions and feedback topics"
     )
-    batch_max_records: int = Field(default=2000, ge=1, le=100_000)
-    poll_timeout_ms: int = Field(default=500, ge=10, le=60_000)
+    batch_max_records: int = Field(default=2000, ge=1, le=100_000,
+                                   description="records stored in one transaction (with their offsets)")
+    poll_timeout_ms: int = Field(default=500, ge=10, le=60_000, description="how long one poll waits for records")
     session_timeout_ms: int = Field(
         default=10_000, ge=6_000, le=300_000,
         description="a worker that dies is replaced after this long (broker allows 6s..300s)",
@@ -105,16 +107,18 @@ class GateConfig(_Section):
 
     min_improvement: float = Field(
         default=0.0, description="the lower confidence bound of (candidate - champion) reward must exceed this")
-    confidence: float = Field(default=0.95, gt=0.5, lt=1)
-    bootstrap: int = Field(default=1000, ge=100, le=100_000)
+    confidence: float = Field(default=0.95, gt=0.5, lt=1, description="two-sided confidence of the improvement's interval")
+    bootstrap: int = Field(default=1000, ge=100, le=100_000, description="paired bootstrap resamples of that interval")
     min_ess: float = Field(default=20.0, ge=1, description="effective sample size below which the estimate is refused")
     max_kl: float = Field(default=0.5, gt=0, description="KL(champion || candidate) per token")
     sequence_ratio_cap: float = Field(default=20.0, gt=1, description="clip of the sequence IS ratio")
-    bounds: dict[str, Bound] = Field(default_factory=_default_bounds)
+    bounds: dict[str, Bound] = Field(default_factory=_default_bounds, description=(
+        "canary metrics' limits ([gate.bounds.<metric>]: min, max, max_increase, max_rel_increase, "
+        "max_rel_decrease); the ones set replace the default of that metric"))
     suite: Path | None = Field(default=None, description="regression suite TOML (deploy/suite.py)")
     eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
     generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
-    max_new_tokens: int = Field(default=64, ge=1)
+    max_new_tokens: int = Field(default=64, ge=1, description="tokens each policy writes per canary prompt")
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
         default="base", description="with no champion: the base model (what serves until the first promotion) "
                                     "stands in for the champion in every check; or absolute bounds only; or refuse "
@@ -182,12 +186,13 @@ class RolloutConfig(_Section):
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
-    experiment: str = "rtrl"
+    experiment: str = Field(default="rtrl", description="MLflow experiment of the training runs")
     registered_model: str = Field(default="rtrl-policy", description="registry name of the served adapter")
 
 
 class Config(_Section):
-    state_dir: Path = DEFAULT_STATE_DIR
+    state_dir: Path = Field(default=DEFAULT_STATE_DIR, description=(
+        "where rtrl keeps its files: the SQLite store, the local broker, training runs, caches"))
     store: StoreConfig = StoreConfig()
     kafka: KafkaConfig = KafkaConfig()
     ingest: IngestConfig = IngestConfig()
@@ -260,8 +265,10 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Config:
-    """Load the config: defaults, then the TOML file (if any), then RTRL_* variables."""
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None,
+                under: dict[str, Any] | None = None) -> Config:
+    """Load the config: defaults, then `under` (a command's own settings, e.g. the demo's), then
+    the TOML file (if any), then RTRL_* variables: the user's file and environment always win."""
     environ = dict(os.environ if environ is None else environ)
     path = path or environ.get("RTRL_CONFIG")
     data: dict[str, Any] = {}
@@ -277,7 +284,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         raise ConfigError(f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
                           f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
                           f"kafka.security.password_file")
-    data = _merge(data, _env_overrides(environ))
+    data = _merge(_merge(under or {}, data), _env_overrides(environ))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
@@ -287,3 +294,33 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             for err in exc.errors()
         ]
         raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None
+
+
+def to_toml(config: Config) -> str:
+    """The configuration as a TOML file `load_config` reads back to the same settings: unset
+    (None) values and secrets are left out (a secret belongs in the environment)."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    for key in SECRET_FIELDS:
+        data.get("kafka", {}).get("security", {}).pop(key, None)
+    lines: list[str] = []
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(str(v))  # a TOML basic string is a JSON string
+
+    def table(name: str, node: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in node.items() if not isinstance(v, dict)}
+        if name and scalars:
+            lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        for k, v in node.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}" if name else k, v)
+
+    table("", data)
+    return "\n".join(lines).lstrip() + "\n"

@@ -41,8 +41,9 @@ class KafkaSecurityConfig(_Section):
     key_password: SecretStr | None = Field(
         default=None, description="password of key_file: only from RTRL_KAFKA__SECURITY__KEY_PASSWORD")
     check_hostname: bool = Field(default=True, description="the broker's certificate must name the host dialled")
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "SCRAM-SHA-512"
-    username: str | None = Field(default=None, min_length=1)
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        default="SCRAM-SHA-512", description="with SASL_PLAINTEXT or SASL_SSL")
+    username: str | None = Field(default=None, min_length=1, description="the SASL user (its password: RTRL_KAFKA_PASSWORD or password_file)")
     password: SecretStr | None = Field(
         default=None, description="only from the environment: RTRL_KAFKA_PASSWORD (or use password_file)")
     password_file: Path | None = Field(
@@ -86,13 +87,13 @@ class KafkaConfig(_Section):
         default=10.0, gt=0, le=300,
         description="how long a client tries to reach the brokers before failing with the reason")
     port: int = Field(default=19092, ge=1024, le=65535, description="local broker client port")
-    controller_port: int = Field(default=19093, ge=1024, le=65535)
+    controller_port: int = Field(default=19093, ge=1024, le=65535, description="the local broker's KRaft controller port")
     version: str = Field(default="4.3.1", description="org.apache.kafka:kafka_2.13 version")
     heap: str = Field(default="512m", description="JVM heap of the local broker")
     partitions: int = Field(default=4, ge=1, le=1024, description="default partitions per topic")
-    interactions_topic: str = "rtrl.interactions"
-    feedback_topic: str = "rtrl.feedback"
-    model_updates_topic: str = "rtrl.model-updates"
+    interactions_topic: str = Field(default="rtrl.interactions", description="what serving produced")
+    feedback_topic: str = Field(default="rtrl.feedback", description="what users did next")
+    model_updates_topic: str = Field(default="rtrl.model-updates", description="alias moves, announced to serving")
     security: KafkaSecurityConfig = KafkaSecurityConfig()
 
     @model_validator(mode="after")

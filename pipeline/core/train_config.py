@@ -20,12 +20,12 @@ class TrainConfig(_Section):
     """One LoRA training run. Defaults suit a small model on one device."""
 
     base_model: Path | None = Field(default=None, description="local Hugging Face model directory")
-    loss: LossName = "cispo"
+    loss: LossName = Field(default="cispo", description="the policy loss (train/losses.py's table)")
     advantage: Literal["auto", "group", "batch"] = Field(
         default="auto", description="group-relative where a prompt has several samples, batch-relative otherwise")
-    learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    epochs: int = Field(default=1, ge=1, le=1000)
+    learning_rate: float = Field(default=1e-4, gt=0, le=1.0, description="AdamW's, on the LoRA weights")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW's")
+    epochs: int = Field(default=1, ge=1, le=1000, description="passes over the selected episodes")
     max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; default: all epochs")
     batch_tokens: int = Field(default=8192, ge=16, description="token budget of one micro-batch (padded)")
     grad_accum: int = Field(default=1, ge=1, le=1024, description="micro-batches per optimizer step (per process)")
@@ -44,9 +44,9 @@ class TrainConfig(_Section):
     def torch_device(self) -> str | None:
         """`device` as the model loaders take it (None: CUDA when there is one)."""
         return None if self.device == "auto" else self.device
-    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0, description="gradient clipping (unset: none)")
     max_seq_len: int = Field(default=2048, ge=8, description="longer episodes are skipped and counted")
-    seed: int = 0
+    seed: int = Field(default=0, description="shuffling and LoRA initialisation")
     keep_base_loaded: bool = Field(
         default=True, description="keep the base model in memory between one process's training runs (the daemon's "
                                   "cycles); off if the device cannot hold it next to the gate's copy")
@@ -55,16 +55,16 @@ class TrainConfig(_Section):
         description="torch threads for training and the gate's evaluation on the CPU; default: one per core. Set 1 "
                     "when serving or other processes share the cores: a small model's steps wait on the busy ones")
     # data selection
-    max_episodes: int | None = Field(default=20_000, ge=1)
+    max_episodes: int | None = Field(default=20_000, ge=1, description="most rewarded episodes one run trains on")
     staleness_s: float | None = Field(
         default=7 * 86400, gt=0, description="episodes served longer ago than this are excluded (counted)")
-    tenant: str | None = None
+    tenant: str | None = Field(default=None, description="train on one tenant's episodes only (unset: all)")
     holdout_percent: float = Field(
         default=10.0, ge=0, lt=100, description="share of episodes (by request id) that never train: the gate's eval set")
     # LoRA (peft)
-    lora_r: int = Field(default=16, ge=1, le=1024)
-    lora_alpha: float = Field(default=32.0, gt=0)
-    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    lora_r: int = Field(default=16, ge=1, le=1024, description="LoRA rank")
+    lora_alpha: float = Field(default=32.0, gt=0, description="LoRA scaling (alpha / r)")
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout")
     lora_target_modules: list[str] | None = Field(
         default=None, description="default: the attention and MLP projections of the architecture")
     # losses and importance correction

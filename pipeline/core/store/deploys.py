@@ -180,6 +180,21 @@ def moves(engine: Engine, model_name: str, limit: int = 50) -> list[Any]:
                             .order_by(alias_moves.c.id.desc()).limit(limit)).all()
 
 
+def _accepted() -> Any:
+    """Whether an interaction was accepted: at least one `accepted` event with a positive value."""
+    return exists().where(and_(feedback.c.request_id == interactions.c.request_id,
+                               feedback.c.kind == "accepted", feedback.c.value > 0))
+
+
+def accepts_over_time(engine: Engine) -> list[tuple[datetime, str, bool]]:
+    """Every interaction as (served at, policy version, accepted), oldest first: the accept rate
+    of served_and_accepted, over time (the demo's report buckets it by minute)."""
+    stmt = (select(interactions.c.ts, interactions.c.policy_version, case((_accepted(), 1), else_=0))
+            .order_by(interactions.c.ts))
+    with engine.connect() as conn:
+        return [(ts, version, bool(a)) for ts, version, a in conn.execute(stmt)]
+
+
 def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> dict[str, tuple[int, int]]:
     """Per policy version (all of them with None): requests it served, and how many of them a
     user accepted -- at least one `accepted` event with a true (positive) value; an `accepted`
@@ -188,9 +203,7 @@ def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> di
     here. Versions that served nothing are left out."""
     if versions is not None and not versions:
         return {}
-    accepted = exists().where(and_(feedback.c.request_id == interactions.c.request_id,
-                                   feedback.c.kind == "accepted", feedback.c.value > 0))
-    stmt = (select(interactions.c.policy_version, func.count(), func.sum(case((accepted, 1), else_=0)))
+    stmt = (select(interactions.c.policy_version, func.count(), func.sum(case((_accepted(), 1), else_=0)))
             .group_by(interactions.c.policy_version))
     if versions is not None:
         stmt = stmt.where(interactions.c.policy_version.in_(versions))
@@ -205,8 +218,8 @@ def online_rewards(engine: Engine, spec_version: str, versions: list[str], since
     sides over the same period. Only rewarded requests count; versions with none are left out."""
     window = [interactions.c.ts >= since] + ([interactions.c.ts <= until] if until is not None else [])
     # driven by the window (the ts index), each reward found by its request: the cost follows the
-    # window, not the history (through an index on the rewards' policy_version, since dropped,
-    # SQLite read every reward the champion ever had: 1 s per check at 1M rewards)
+    # window, not the history (an index on the rewards' policy_version would make SQLite read
+    # every reward the champion ever had; docs/benchmarks.md has the figures)
     served = select(interactions.c.request_id).where(*window)
     stmt = (select(rewards.c.policy_version, func.count(), func.avg(rewards.c.value),
                    func.avg(rewards.c.value * rewards.c.value))

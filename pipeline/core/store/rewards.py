@@ -100,10 +100,10 @@ def iter_episode_chunks(
     # Scalar subqueries, each one index probe per row. PostgreSQL plans from its statistics, and
     # those of a rewards table that was empty when last analysed (a fresh store's first run, say
     # after a replay of history) make a scan of it look free: a scan per episode, of a table the
-    # run keeps filling -- quadratic (100k episodes: 37 s against 5 s). So the chunk queries run
-    # with sequential scans off, and without NOT EXISTS, which PostgreSQL turns into an anti-join
-    # planned from the same statistics; and without JIT, whose compilation (~20 ms) was a
-    # quarter of a chunk's read, for a plan the cost model overrates.
+    # run keeps filling -- quadratic (docs/benchmarks.md). So the chunk queries run with
+    # sequential scans off, and without NOT EXISTS, which PostgreSQL turns into an anti-join
+    # planned from the same statistics; and without JIT, whose compilation costs a large share
+    # of a chunk's read, for a plan the cost model overrates.
     # a request is one episode: its first interaction (a producer that sent two is buggy)
     first = interactions.c.id == (select(func.min(earlier.c.id))
                                   .where(earlier.c.request_id == interactions.c.request_id).scalar_subquery())

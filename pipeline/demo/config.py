@@ -1,0 +1,81 @@
+"""The demo's settings and its base model.
+
+The demo's settings are a layer like any other: on top of the embedded defaults, under the
+user's config file and RTRL_* environment (so `RTRL_KAFKA__PORT=29392 rtrl demo` starts its
+broker on 29392). Each run gets its own store, MLflow store, topics and model name under
+`<state>/demo[-naive]/`, written to `<state>/demo[-naive]/rtrl.toml` so that every other command
+can look at what the run did (`rtrl --config <state>/demo/rtrl.toml status`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.config import Config, load_config, to_toml
+
+DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
+NAIVE_SPEC = Path(__file__).with_name("demo_spec_naive.toml")
+
+
+def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int, tag: str) -> dict[str, Any]:
+    """The user's state folder (and so their local broker) with this run's own store, MLflow
+    store, topics and model name: every demo starts from nothing and re-reads nothing."""
+    return {
+        "state_dir": str(state_dir),
+        "store": {"url": f"sqlite:///{run_dir / 'rtrl.db'}"},
+        "kafka": {"interactions_topic": f"rtrl-demo-{tag}.interactions", "feedback_topic": f"rtrl-demo-{tag}.feedback",
+                  "model_updates_topic": f"rtrl-demo-{tag}.model-updates", "partitions": 2},
+        "ingest": {"group_id": f"rtrl-demo-{tag}"},
+        "reward": {"spec": str(NAIVE_SPEC if naive else DEMO_SPEC)},
+        "train": {"base_model": str(state_dir / "demo-base"), "learning_rate": 3e-3, "epochs": 6,
+                  "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
+                  "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000},
+        "gate": {"max_new_tokens": 8, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
+                 "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
+        "cycle": {"every": every, "min_new_episodes": 80},
+        # a staged rollout on the compressed clock: a candidate that passes the gate answers half
+        # of the requests until each side has 60 settled ones (~13 s at 24 tasks/s), then the online
+        # comparison decides (the gate's off-policy estimate can be optimistic)
+        "rollout": {"share": 0.5, "min_requests": 60, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
+        "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
+    }
+
+
+def demo_config(config_path: str | Path | None, state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int,
+                tag: str) -> Config:
+    """The demo's settings under the user's file and environment (see the module docstring)."""
+    return load_config(config_path, under=demo_settings(state_dir, run_dir, naive, every, seed, tag))
+
+
+def write_config(config: Config, path: Path) -> Path:
+    path.write_text("# written by `rtrl demo`: the settings of this run (rtrl --config THIS_FILE ...)\n"
+                    + to_toml(config))
+    return path
+
+
+BASE_RECIPE = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "warmup_steps": 1000,
+               "behaviour": "sim.base_behaviour: 3-5 letters reverse 0.3, decline 0.05, copy 0.65; "
+                            "6 letters decline 0.15, copy 0.85"}
+
+
+def build_base(out: Path, seed: int, say=print) -> Path:
+    """The demo's base model, built once per state folder (rebuilt when the recipe changes)."""
+    from pipeline.demo.sim import base_behaviour
+    from train.models import init_tiny
+    from train.warmup import warm_up
+
+    recipe = {**BASE_RECIPE, "seed": seed}
+    marker = out / "rtrl_base_recipe.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out
+    say(f"building the base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width {recipe['hidden']}), "
+        f"{recipe['warmup_steps']} supervised warm-up steps (about a minute, once per state folder)")
+    shutil.rmtree(out, ignore_errors=True)
+    init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
+              seed=seed)
+    warm_up(out, base_behaviour, steps=recipe["warmup_steps"], seed=seed)
+    marker.write_text(json.dumps(recipe, indent=2))
+    return out
