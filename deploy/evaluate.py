@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from deploy.gate import Comparison, Estimate, EvalReport
 from deploy.offpolicy import compare
 from deploy.suite import Suite
+from pipeline.core.chat import parse_tool_calls
 from pipeline.core.config import GateConfig
 from pipeline.core.textchecks import is_abstention, malformed_tool_call, repeated_fraction
 from pipeline.core.timing import Stopwatch
@@ -67,13 +68,15 @@ class Evaluation:
 
 def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str, float]:
     n = max(len(texts), 1)
-    tool_attempts = [t for t in texts if t.lstrip().startswith("{")]
     errors = 0
-    for t in tool_attempts:
-        try:
-            errors += malformed_tool_call(json.loads(t))
-        except ValueError:
-            errors += 1
+    for t in texts:
+        if "<tool_call>" in t:  # the chat template's convention (pipeline/core/chat.py)
+            errors += any(malformed_tool_call(c) for c in parse_tool_calls(t).calls)
+        elif t.lstrip().startswith("{"):  # a bare JSON call (models without a tool template)
+            try:
+                errors += malformed_tool_call(json.loads(t))
+            except ValueError:
+                errors += 1
     return {
         "abstention_rate": sum(is_abstention(t, abstention_patterns) for t in texts) / n,
         "mean_length": sum(len(t) for t in texts) / n,

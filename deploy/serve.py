@@ -1,15 +1,11 @@
-"""`rtrl serve`: a reference policy server for small models and the demo.
+"""`rtrl serve`: a reference policy server for small models and the demo -- the policy side:
+the model, the version it serves, the canary, and the interaction events. Its HTTP surface (an
+OpenAI-compatible subset: tools, streaming, n) is deploy/serve_api.py.
 
-    POST /v1/completions        {"prompt", "max_tokens", "temperature", "top_p", "seed", "user"}
-    POST /v1/chat/completions   {"messages": [...], same sampling fields}
-    GET  /health                the version being served (and the canary, if one is staged)
-    GET  /metrics               Prometheus: requests, latency, swaps, events not delivered
-
-An OpenAI-compatible subset over the base model plus the champion adapter. Every response
-carries the per-token log-probs of what was sampled (after temperature and top-p) and the
-version that produced it (`model` = "<name>:<version>", header X-Rtrl-Policy-Version); every
-request becomes an `interaction` event on Kafka with the same version as `policy_version`, so
-the loop can learn from it. Headers X-Session-Id and X-Tenant fill the event.
+Every answer carries the per-token log-probs of what was sampled (after temperature and top-p)
+and the version that produced it; every request becomes an `interaction` event on Kafka with the
+same version as `policy_version`, so the loop can learn from it. Headers X-Session-Id and
+X-Tenant fill the event.
 
 Request ids: the server chooses every request's id (`req-<uuid>`: the response's `id` and its
 X-Request-Id header; feedback names it). A client's own X-Request-Id is kept in the event as
@@ -29,74 +25,37 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from deploy.rollout import routes_to_canary
-from pipeline.core.types import SCHEMA_VERSION, Identifier, InteractionEvent, Sampling
+from pipeline.core.chat import ToolCalls, parse_tool_calls
+from pipeline.core.types import SCHEMA_VERSION, InteractionEvent, Sampling
 
 log = logging.getLogger("rtrl.serve")
 BASE = "base"  # the version name of the base model with no adapter
 
 
-class _Sampling(BaseModel):
-    # A parameter the server does not implement is refused with a 400 naming it, never ignored:
-    # ignoring `stream: true` or `n: 3` hands the client an answer of another shape than it
-    # asked for (the official client then iterates an empty stream without an error).
-    model_config = ConfigDict(extra="forbid")
+@dataclass
+class Answer:
+    """One choice of a request: what was generated, by which version, under which request id;
+    the tool calls in it (None when no tools were offered); its siblings' group (n > 1)."""
 
-    model: str | None = None
-    max_tokens: int = Field(default=16, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)  # the newer name of max_tokens
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    user: Identifier | None = None  # the event's user_id: an identifier (no NUL, not blank, <= 256)
-    # accepted only at the value that asks for nothing more than what is served
-    stream: bool = False
-    n: int = 1
-    logprobs: bool | int | None = None  # the answer always carries the sampled tokens' log-probs
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    gen: Any  # train.inference.Generation
+    version: str
+    request_id: str
+    calls: ToolCalls | None = None
+    group_id: str | None = None
 
-    @field_validator("stream", "n", "presence_penalty", "frequency_penalty")
-    @classmethod
-    def _only_the_default(cls, value: Any, info: Any) -> Any:
-        default = cls.model_fields[info.field_name].default
-        if value != default:
-            raise ValueError(f"{info.field_name}={value!r} is not supported by rtrl serve (only {default!r})")
-        return value
-
-    @model_validator(mode="after")
-    def _one_length(self) -> "_Sampling":
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self
-
-
-class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id: kept by clients, not needed here
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
+    @property
+    def finish(self) -> str:
+        return "stop" if self.gen.stopped else "length"
 
 
 class PolicyServer:
@@ -169,109 +128,65 @@ class PolicyServer:
             self.loaded.remove(victim)
             self.runner.remove(victim)
 
-    def complete(self, prompt: Any, req: _Sampling, headers: dict[str, str]) -> tuple[Any, str, str]:
-        request_id = f"req-{uuid.uuid4().hex}"  # routes the canary and joins feedback: never the client's
+    def answer(self, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
+               parse_tools: list[dict] | None = None, on_token: Callable[[int, float], None] | None = None,
+               stop: threading.Event | None = None, send_event: bool = True,
+               request_id: str | None = None) -> list[Answer]:
+        """`req.n` answers to `prompt` (sampling fields of `req`), each with its own request id;
+        their tool calls parsed against `parse_tools`; their events sent unless the caller sends
+        them itself (a stream, once it ends; it chose `request_id` with new_request_id() to name
+        its chunks). Streaming: see PolicySet.generate."""
+        # never the client's: they route the canary and join feedback
+        ids = [request_id or new_request_id()] + [new_request_id() for _ in range(req.n - 1)]
+        group = f"grp-{uuid.uuid4().hex}" if req.n > 1 else None
         with self.lock, self.latency.time():
             version = self.version
-            if self.canary is not None and routes_to_canary(request_id, self.canary_share):
-                version = self.canary
-            gen = self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
-                                       temperature=req.temperature, top_p=req.top_p, seed=req.seed)[0]
-        if self.emit is not None:
-            self._emit(request_id, prompt, gen, version, req, headers)
-        return gen, version, request_id
+            if self.canary is not None and routes_to_canary(ids[0], self.canary_share):
+                version = self.canary  # a request's choices all come from one version
+            gens = [self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
+                                         temperature=req.temperature, top_p=req.top_p,
+                                         seed=None if req.seed is None else req.seed + i, tools=tools,
+                                         on_token=on_token, stop=stop)[0] for i in range(req.n)]
+        answers = []
+        for request_id, gen in zip(ids, gens):
+            calls = parse_tool_calls(gen.text, parse_tools, lambda i, r=request_id: f"call-{r[4:16]}-{i}") \
+                if parse_tools else None
+            answers.append(Answer(gen, version, request_id, calls, group))
+        if send_event:
+            for a in answers:
+                self.send_event(a, prompt, req, headers, tools)
+        return answers
 
-    def _emit(self, request_id: str, prompt: Any, gen: Any, version: str, req: _Sampling,
-              headers: dict[str, str]) -> None:
+    def send_event(self, a: Answer, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
+                   truncated: bool = False) -> None:
+        """The answer's interaction event to Kafka; one Kafka refuses is counted and logged."""
+        if self.emit is None:
+            return
         try:
             event = InteractionEvent(
                 schema_version=SCHEMA_VERSION, event_id=f"srv-{uuid.uuid4().hex}", type="interaction",
-                ts=datetime.now(timezone.utc), request_id=request_id,
-                session_id=_header(headers, "x-session-id") or request_id, user_id=req.user or "anonymous",
-                tenant=_header(headers, "x-tenant") or self.default_tenant, policy_version=version,
-                prompt=prompt, completion=gen.text, completion_token_ids=gen.token_ids,
-                behavior_logprobs=gen.logprobs,
+                ts=datetime.now(timezone.utc), request_id=a.request_id,
+                session_id=_header(headers, "x-session-id") or a.request_id, user_id=req.user or "anonymous",
+                tenant=_header(headers, "x-tenant") or self.default_tenant, policy_version=a.version,
+                prompt=prompt, completion=a.gen.text, completion_token_ids=a.gen.token_ids,
+                behavior_logprobs=a.gen.logprobs,
                 sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
                                   seed=req.seed),
-                latency_ms=round(gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
-                client_request_id=_header(headers, "x-request-id"))
+                latency_ms=round(a.gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
+                client_request_id=_header(headers, "x-request-id"), tools=tools,
+                tool_calls=a.calls.calls if a.calls is not None and a.calls.calls else None,
+                group_id=a.group_id, truncated=truncated or None)
             self.emit(event.to_wire())
         except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
             self.undelivered.inc()
-            log.error("interaction event not delivered", extra={"request_id": request_id, "error": str(exc)})
+            log.error("interaction event not delivered", extra={"request_id": a.request_id, "error": str(exc)})
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
 
 
 def _header(headers: dict[str, str], name: str) -> str | None:
     """A header as an event identifier: at most 256 characters, None when absent or blank."""
     value = (headers.get(name) or "")[:256]
     return value if value.strip() else None
-
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}},
-                        status_code=status)
-
-
-def create_app(server: PolicyServer) -> FastAPI:
-    app = FastAPI(title="rtrl reference policy server")
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body")
-        server.requests.labels("any", "invalid").inc()
-        if first["type"] == "extra_forbidden":
-            return _error(400, f"{param} is not supported by rtrl serve; leave it out", param)
-        if first["type"] == "value_error":  # our own refusals say it all
-            return _error(400, first["msg"].removeprefix("Value error, "), param)
-        return _error(400, f"{param}: {first['msg']}", param)
-
-    def _tokens(gen: Any) -> list[str]:
-        return [server.runner.tokenizer.decode([t]) for t in gen.token_ids]
-
-    def _finish(gen: Any, req: _Sampling) -> str:
-        return "stop" if gen.stopped else "length"
-
-    def _usage(prompt: Any, gen: Any) -> dict[str, int]:
-        prompt_tokens = server.runner.prompt_tokens(prompt) or 0
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": len(gen.token_ids),
-                "total_tokens": prompt_tokens + len(gen.token_ids)}
-
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest, request: Request) -> JSONResponse:
-        gen, version, request_id = server.complete(req.prompt, req, dict(request.headers))
-        server.requests.labels("completions", "ok").inc()
-        body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": f"{server.model_name}:{version}",
-                "choices": [{"index": 0, "text": gen.text, "finish_reason": _finish(gen, req),
-                             "logprobs": {"tokens": _tokens(gen), "token_logprobs": gen.logprobs,
-                                          "token_ids": gen.token_ids}}],
-                "usage": _usage(req.prompt, gen)}
-        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
-
-    @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest, request: Request) -> JSONResponse:
-        messages = [m.model_dump() for m in req.messages]
-        gen, version, request_id = server.complete(messages, req, dict(request.headers))
-        server.requests.labels("chat", "ok").inc()
-        content = [{"token": tok, "logprob": lp, "token_id": tid}
-                   for tok, lp, tid in zip(_tokens(gen), gen.logprobs, gen.token_ids)]
-        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": f"{server.model_name}:{version}",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                             "finish_reason": _finish(gen, req), "logprobs": {"content": content}}],
-                "usage": _usage(messages, gen)}
-        return JSONResponse(body, headers={"X-Rtrl-Policy-Version": version, "X-Request-Id": request_id})
-
-    @app.get("/health")
-    def health() -> dict[str, Any]:
-        out: dict[str, Any] = {"status": "ok", "model": server.model_name, "version": server.version}
-        if server.canary is not None:
-            out["canary"] = {"version": server.canary, "share": server.canary_share}
-        return out
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(server.metrics), media_type=CONTENT_TYPE_LATEST)
-
-    return app

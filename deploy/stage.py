@@ -60,10 +60,12 @@ def logged_episode(request_id: str, body: str, reward: float) -> LoggedEpisode:
     """A served interaction (its stored event body) and its reward, as evaluation reads it;
     ValueError if the body is not usable (not JSON, a sampling temperature that is no number)."""
     ev = orjson.loads(body)
+    if ev.get("truncated"):
+        raise ValueError("a truncated stream: the client saw less than was generated")
     sampling = sampling_params(ev.get("sampling"))
     return LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""), ev.get("completion_token_ids"),
                          ev.get("behavior_logprobs"), sampling.temperature, float(reward), sampling.top_p,
-                         sampling.top_k)
+                         sampling.top_k, ev.get("tools"))
 
 
 def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,

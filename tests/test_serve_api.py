@@ -9,7 +9,8 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.serve import PolicyServer, create_app
+from deploy.serve import PolicyServer
+from deploy.serve_api import create_app
 from train.inference import PolicySet
 
 
@@ -37,10 +38,8 @@ def test_plain_chat_and_completions_answer_with_usage(client):
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"stream": True}, "stream=True is not supported"),
-    ({"n": 3}, "n=3 is not supported"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-     "tools is not supported"),
+    ({"tool_choice": "required"}, "tool_choice='required' is not supported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice={'type'"),
     ({"stop": ["\n"]}, "stop is not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
@@ -50,6 +49,12 @@ def test_a_parameter_the_server_does_not_implement_is_refused_naming_it(client, 
         client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, **extra)
     assert err.value.status_code == 400 and named in err.value.message
     assert err.value.body["param"] == next(iter(extra))
+
+
+def test_n_with_stream_is_refused_saying_so(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, n=2, stream=True)
+    assert "n > 1 with stream=True is not supported" in err.value.message
 
 
 def test_the_interaction_event_is_the_contract_s_and_a_user_it_cannot_carry_is_refused(reverse_base):

@@ -83,3 +83,28 @@ def test_a_trajectory_is_rendered_by_the_chat_template_turn_by_turn(bpe_base):
                      "It is rtrl.toml.<|im_end|>"]
     whole = tok.apply_chat_template(prompt + traj, tokenize=False)
     assert tok.decode(ep.input_ids) + "\n" == whole  # nothing lost or added but the template's last newline
+
+
+def test_a_truncated_stream_and_the_tools_offered_reach_the_selection_s_tokenization(bpe_base):
+    """A stream the client left (its event marked truncated) is skipped and counted; an answer
+    to a prompt that offered tools is tokenized with the tools rendered, as serving rendered it."""
+    from types import SimpleNamespace
+
+    import orjson
+
+    from pipeline.core.chat import render_prompt
+    from pipeline.core.config import TrainConfig
+    from pipeline.core.store.training import Selection
+    from train.run import TrainReport, tokenize_selection
+
+    tok = load_policy(bpe_base).tokenizer
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    prompt = [{"role": "user", "content": "the word under k1, reversed"}]
+    body = {"prompt": prompt, "completion": "desserts", "tools": tools}
+    rows = [SimpleNamespace(request_id=f"r{i}", body=orjson.dumps({**body, "truncated": i == 1}), reward=1.0)
+            for i in range(2)]
+    report = TrainReport(None, {}, 0, 0, DataStats())
+    episodes, _, _ = tokenize_selection(tok, Selection(rows, 0, 0), TrainConfig(max_seq_len=4096), report)
+    assert report.data.skipped == {Skip.TRUNCATED.value: 1} and len(episodes) == 1
+    with_tools = tok(render_prompt(tok, prompt, tools), add_special_tokens=False).input_ids
+    assert episodes[0].input_ids[:len(with_tools)] == with_tools and "lookup" in render_prompt(tok, prompt, tools)

@@ -32,6 +32,7 @@ class Skip(str, enum.Enum):
     TOKEN_IDS_OUT_OF_VOCABULARY = "token_ids_out_of_vocabulary"
     UNRENDERABLE = "unrenderable"  # the chat template (or the tokenizer) raised on it
     BAD_SAMPLING = "bad_sampling"  # sampling.temperature/top_p/top_k not usable numbers
+    TRUNCATED = "truncated"  # the client went away mid-stream: what it saw is not what was generated
 
 
 @dataclass
@@ -68,17 +69,20 @@ def _assistant_segment(msg: dict) -> str:
 def tokenize_episode(tokenizer: Any, request_id: str, prompt: Any, completion: Any,
                      completion_token_ids: list[int] | None = None,
                      behavior_logprobs: list[float] | None = None,
-                     stats: DataStats | None = None) -> TokenizedEpisode | Skip:
+                     stats: DataStats | None = None, tools: list[dict] | None = None) -> TokenizedEpisode | Skip:
+    """`tools`: the tools the prompt offered (the chat template renders them with it)."""
     stats = stats if stats is not None else DataStats()
     try:
-        return _tokenize(tokenizer, request_id, prompt, completion, completion_token_ids, behavior_logprobs, stats)
+        return _tokenize(tokenizer, request_id, prompt, completion, completion_token_ids, behavior_logprobs, stats,
+                         tools)
     except Exception:  # noqa: BLE001 - a template that raises on a role, odd content: this episode only
         stats.count(stats.skipped, Skip.UNRENDERABLE.value)
         return Skip.UNRENDERABLE
 
 
 def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, completion_token_ids: list[int] | None,
-              behavior_logprobs: list[float] | None, stats: DataStats) -> TokenizedEpisode | Skip:
+              behavior_logprobs: list[float] | None, stats: DataStats,
+              tools: list[dict] | None = None) -> TokenizedEpisode | Skip:
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     if completion_token_ids and not 0 <= min(completion_token_ids) <= max(completion_token_ids) < len(tokenizer):
         stats.count(stats.skipped, Skip.TOKEN_IDS_OUT_OF_VOCABULARY.value)
@@ -86,7 +90,7 @@ def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, com
     # a trajectory after chat messages goes through the template whole (the prompt included)
     whole_conversation = (not isinstance(completion, str) and isinstance(prompt, list)
                           and tokenizer.chat_template is not None)
-    ids = [] if whole_conversation else list(encode(render_prompt(tokenizer, prompt)))
+    ids = [] if whole_conversation else list(encode(render_prompt(tokenizer, prompt, tools)))
     mask = [0] * len(ids)
     if isinstance(completion, str):
         if not completion and not completion_token_ids:
@@ -100,7 +104,7 @@ def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, com
     elif whole_conversation:
         # every turn through the chat template, as serving renders the conversation for the next call
         turns = [m for m in completion if isinstance(m, dict)] if isinstance(completion, list) else []
-        for text, mine in render_turns(tokenizer, prompt, turns):
+        for text, mine in render_turns(tokenizer, prompt, turns, tools):
             piece = encode(text)
             ids += piece
             mask += [int(mine)] * len(piece)

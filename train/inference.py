@@ -17,14 +17,17 @@ module state); a server serialises them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from pipeline.core.chat import render_prompt
 from pipeline.core.types import LoggedEpisode
@@ -34,6 +37,7 @@ from train.logprobs import token_logprobs
 from train.lora import load_adapter
 from train.models import ModelError, Policy, load_policy
 from train.sampling import SamplingRows
+from train.streaming import StepLogprobs, Stopped, TokenStream
 
 
 @dataclass
@@ -75,11 +79,11 @@ class PolicySet:
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
 
-    def prompt_tokens(self, prompt: Any) -> int | None:
+    def prompt_tokens(self, prompt: Any, tools: list[dict] | None = None) -> int | None:
         """How many tokens `prompt` is for this model; None if it cannot be rendered (a chat
         template may refuse its roles)."""
         try:
-            return len(self.tokenizer(render_prompt(self.tokenizer, prompt), add_special_tokens=False).input_ids)
+            return len(self.tokenizer(render_prompt(self.tokenizer, prompt, tools), add_special_tokens=False).input_ids)
         except Exception:  # noqa: BLE001 - whatever the template or the tokenizer raises
             return None
 
@@ -122,7 +126,8 @@ class PolicySet:
         sequence log-prob would not be comparable)."""
         out = []
         for e in episodes:
-            t = tokenize_episode(self.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids)
+            t = tokenize_episode(self.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids,
+                                 tools=getattr(e, "tools", None))
             behavior = getattr(e, "behavior_logprobs", None)
             if (isinstance(t, TokenizedEpisode) and (max_tokens is None or len(t.input_ids) <= max_tokens)
                     and (behavior is None or len(behavior) == sum(t.loss_mask))):
@@ -216,13 +221,20 @@ class PolicySet:
     @torch.no_grad()
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, batch_size: int = 1,
-                 reuse: bool = False) -> list[Generation]:
+                 reuse: bool = False, tools: list[dict] | None = None,
+                 on_token: Callable[[int, float], None] | None = None,
+                 stop: threading.Event | None = None) -> list[Generation]:
         """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1).
         `batch_size` > 1 generates left-padded batches (evaluation); latency is then the batch's
         time per prompt. Serving uses 1: exact per-request latency, no padding effects.
         `reuse` (greedy only): a prompt this policy already answered at this length is not
-        generated again (the same output; its latency is the first time's)."""
-        keys = [(name, orjson.dumps(p, option=orjson.OPT_SORT_KEYS), max_new_tokens) for p in prompts]
+        generated again (the same output; its latency is the first time's). `tools`: offered
+        with every prompt (rendered by the chat template). Streaming (one prompt): `on_token(id,
+        log-prob)` is called for each token as it is sampled, and generation ends early once
+        `stop` is set (a client that went away)."""
+        if (on_token is not None or stop is not None) and (len(prompts) != 1 or reuse):
+            raise ValueError("streaming generates one prompt, never reused")
+        keys = [(name, orjson.dumps([p, tools], option=orjson.OPT_SORT_KEYS), max_new_tokens) for p in prompts]
         done = [self._greedy.get(k) if reuse and temperature == 0 else None for k in keys]
         todo = [i for i, g in enumerate(done) if g is None]
         fresh: list[Generation] = []
@@ -231,7 +243,7 @@ class PolicySet:
                 if seed is not None:
                     torch.manual_seed(seed)
                 fresh += self._generate_batch([prompts[j] for j in todo[i:i + batch_size]], max_new_tokens,
-                                              temperature, top_p)
+                                              temperature, top_p, tools, on_token, stop)
         for i, g in zip(todo, fresh):
             done[i] = g
             if reuse and temperature == 0:
@@ -240,11 +252,12 @@ class PolicySet:
             del self._greedy[next(iter(self._greedy))]
         return done
 
-    def _generate_batch(self, prompts: list[Any], max_new_tokens: int, temperature: float,
-                        top_p: float) -> list[Generation]:
+    def _generate_batch(self, prompts: list[Any], max_new_tokens: int, temperature: float, top_p: float,
+                        tools: list[dict] | None = None, on_token: Callable[[int, float], None] | None = None,
+                        stop: threading.Event | None = None) -> list[Generation]:
         tok = self.tokenizer
         t0 = time.perf_counter()
-        rows = [tok(render_prompt(tok, p), add_special_tokens=False).input_ids for p in prompts]
+        rows = [tok(render_prompt(tok, p, tools), add_special_tokens=False).input_ids for p in prompts]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), tok.pad_token_id, device=self.policy.device)  # [B, L], left-padded
         attention = torch.zeros_like(ids)
@@ -252,10 +265,25 @@ class PolicySet:
             ids[b, width - len(r):] = torch.tensor(r)
             attention[b, width - len(r):] = 1
         sample = temperature > 0
+        # the sampling distribution built here, not by generate() from temperature/top_p: a
+        # caller's processors run before generate()'s own warpers, and the streaming recorder
+        # must see each step's distribution after them, as output_scores does
+        processors = LogitsProcessorList()
+        if sample and temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if sample and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        streaming: dict[str, Any] = {}
+        if on_token is not None or stop is not None:
+            step = StepLogprobs()
+            processors.append(step)
+            streaming = {"streamer": TokenStream(step, on_token),
+                         "stopping_criteria": StoppingCriteriaList([Stopped(stop or threading.Event())])}
         gen = self.model.generate(
             input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=sample,
-            temperature=temperature if sample else None, top_p=top_p if sample else None, top_k=None,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+            temperature=1.0 if sample else None, top_p=1.0 if sample else None, top_k=None,
+            logits_processor=processors, output_scores=True, return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id, **streaming)
         new = gen.sequences[:, width:]  # [B, n]
         # scores are the logits after temperature/top-p: the distribution each token came from
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in gen.scores], 1)  # [B, n, V]

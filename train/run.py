@@ -135,13 +135,17 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
         except orjson.JSONDecodeError:
             report.unreadable += 1
             continue
+        if ev.get("truncated"):
+            report.data.count(report.data.skipped, Skip.TRUNCATED.value)
+            continue
         try:
             sampling = sampling_params(ev.get("sampling"))
         except ValueError:
             report.data.count(report.data.skipped, Skip.BAD_SAMPLING.value)
             continue
         out = tokenize_episode(tokenizer, row.request_id, ev.get("prompt", ""), ev.get("completion", ""),
-                               ev.get("completion_token_ids"), ev.get("behavior_logprobs"), report.data)
+                               ev.get("completion_token_ids"), ev.get("behavior_logprobs"), report.data,
+                               tools=ev.get("tools"))
         if isinstance(out, Skip):
             continue
         if len(out.input_ids) > cfg.max_seq_len:

@@ -244,7 +244,8 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     import uvicorn
 
     from deploy.events import EventSender
-    from deploy.serve import BASE, PolicyServer, create_app
+    from deploy.serve import BASE, PolicyServer
+    from deploy.serve_api import create_app
     from train.inference import PolicySet
     from train.models import ModelError
 

@@ -44,6 +44,8 @@ def malformed_tool_call(call: object) -> bool:
     without a name, or whose arguments are not a JSON object, is malformed."""
     if not isinstance(call, dict):
         return True
+    if call.get("error"):  # the server that parsed it said why (pipeline.core.chat.parse_tool_calls)
+        return True
     fn = call.get("function", call)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         return True

@@ -151,6 +151,13 @@ class InteractionEvent(_Envelope):
     latency_ms: FiniteFloat | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     client_request_id: str | None = Field(default=None, max_length=256)  # the client's X-Request-Id (rtrl serve)
+    # the tools offered (OpenAI function schemas): part of what the chat template rendered
+    tools: list[dict[str, Any]] | None = None
+    # the tool calls the completion's text holds, as the server parsed them (OpenAI shape); one
+    # that did not parse, named no offered tool or broke its schema carries an `error`
+    tool_calls: list[dict[str, Any]] | None = None
+    group_id: Identifier | None = None  # the siblings of one request with n > 1 (one group for advantages)
+    truncated: bool | None = None  # the client went away mid-stream: not trained on
 
     def to_wire(self) -> dict[str, Any]:
         """The event as a producer sends it (JSON types; absent fields left out)."""
@@ -233,6 +240,7 @@ class LoggedEpisode:
     reward: float = 0.0
     top_p: float = 1.0  # with temperature: the distribution the tokens were drawn from (SamplingParams)
     top_k: int = 0
+    tools: list[dict] | None = None  # the tools the prompt offered (rendered with it)
 
 
 class SourcePosition(BaseModel):

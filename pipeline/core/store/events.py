@@ -102,18 +102,20 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
     }
     if isinstance(ev, InteractionEvent):
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
-                   policy_version=ev.policy_version, **output_columns(ev.completion, ev.metadata))
+                   policy_version=ev.policy_version, **output_columns(ev.completion, ev.metadata, ev.tool_calls))
     else:
         row.update(kind=ev.kind, value=float(ev.value))
     return row
 
 
-def output_columns(completion: Any, metadata: Any) -> dict[str, Any]:
+def output_columns(completion: Any, metadata: Any, tool_calls: list | None = None) -> dict[str, Any]:
     """An interaction's columns of what the policy wrote (see tables.interactions), from its
-    `completion` and `metadata` as in the event. PostgreSQL text cannot hold NUL: one in the
+    `completion`, `metadata` and `tool_calls` (a server's parse of a text completion) as in the
+    event. PostgreSQL text cannot hold NUL: one in the
     text is stored as U+FFFD on every backend (the body, JSON text, keeps it as the `\u0000`
     escape it arrived as); tool calls are JSON text, where it is escaped anyway."""
     text, calls = completion_parts(completion)
+    calls = (*calls, *(tool_calls or ()))
     return {"output_text": text.replace("\x00", "\ufffd") if "\x00" in text else text,
             "output_tool_calls": orjson.dumps(calls).decode() if calls else None,
             "expects_attempt": expects_attempt(metadata)}

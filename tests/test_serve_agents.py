@@ -1,0 +1,162 @@
+"""rtrl serve for agents, through the official `openai` client: tools offered and tool calls
+parsed (or flagged when the model broke them), follow-up requests carrying earlier calls and
+their results, n > 1 as a group, and streaming that reassembles to the unstreamed answer and
+marks the event truncated when the client goes away.
+
+Where a test needs the model to write a particular tool call, `Scripted` answers with that text
+(its tokens, through the server's whole path); the streaming equality runs the real model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+import requests
+import uvicorn
+from fastapi.testclient import TestClient
+
+from deploy.serve import PolicyServer
+from deploy.serve_api import create_app
+from pipeline.core.textchecks import malformed_tool_call
+from tests.conftest import free_port, wait_for
+from train.inference import Generation, PolicySet
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "the word stored under a key",
+                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
+                                                          "required": ["key"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "reverse the word under key k1"}]
+
+
+class Scripted:
+    """A policy that writes `text` (the real tokenizer's tokens of it, then end-of-sequence),
+    token by token when streamed, `delay_s` apart."""
+
+    def __init__(self, real: PolicySet, text: str, delay_s: float = 0.0) -> None:
+        self.real, self.text, self.delay_s, self.tokenizer = real, text, delay_s, real.tokenizer
+
+    def prompt_tokens(self, prompt, tools=None):
+        return self.real.prompt_tokens(prompt, tools)
+
+    def generate(self, name, prompts, max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None, tools=None,
+                 on_token=None, stop=None, **_):
+        ids = self.tokenizer(self.text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        out = []
+        for i, token in enumerate(ids):
+            if stop is not None and stop.is_set():
+                break
+            out.append(token)
+            if on_token is not None:
+                on_token(token, -0.5 - i / 100)
+            time.sleep(self.delay_s)
+        stopped = out[-1] == self.tokenizer.eos_token_id
+        text = self.tokenizer.decode(out[:-1] if stopped else out)
+        return [Generation(text, out, [-0.5 - i / 100 for i in range(len(out))], 1.0, stopped)]
+
+
+def client_for(server: PolicyServer) -> openai.OpenAI:
+    http = TestClient(create_app(server))
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def real(reverse_base):
+    return PolicySet.load(reverse_base, device="cpu")
+
+
+def test_a_tool_call_round_trips_and_the_follow_up_carries_it(real):
+    sent: list[dict] = []
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
+    api = client_for(PolicyServer(Scripted(real, call), "policy", emit=sent.append))
+    first = api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "lookup" and json.loads(tc.function.arguments) == {"key": "k1"}
+    assert sent[0]["tools"] == [LOOKUP] and sent[0]["tool_calls"][0]["function"]["name"] == "lookup"
+    assert "error" not in sent[0]["tool_calls"][0] and sent[0]["completion"] == call  # the text, as written
+
+    follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+                 {"role": "tool", "tool_call_id": tc.id, "content": "stressed"}]
+    api.chat.completions.create(model="policy", messages=follow_up, tools=[LOOKUP], max_tokens=64)
+    assert sent[1]["prompt"][1]["tool_calls"][0]["id"] == tc.id and sent[1]["prompt"][2]["role"] == "tool"
+
+
+@pytest.mark.parametrize("written, error", [
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>', "'search' is not an offered tool"),
+    ('<tool_call>\n{"name": "lookup", "arguments": {"key": 7}}\n</tool_call>', "do not match lookup's schema"),
+    ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"</tool_call>', "not JSON"),
+    ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}', "unterminated"),
+])
+def test_a_broken_tool_call_is_returned_as_written_and_flagged_in_the_event(real, written, error):
+    sent: list[dict] = []
+    api = client_for(PolicyServer(Scripted(real, written), "policy", emit=sent.append))
+    choice = api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == written
+    assert choice.finish_reason == "stop"
+    (flagged,) = sent[0]["tool_calls"]
+    assert error in flagged["error"] and malformed_tool_call(flagged)  # what the reward guard sees
+
+
+def test_n_choices_are_requests_of_one_group(real):
+    sent: list[dict] = []
+    api = client_for(PolicyServer(real, "policy", emit=sent.append))
+    answer = api.chat.completions.create(model="policy", messages=ASK, max_tokens=4, n=3, seed=5, temperature=1.0)
+    ids = [c.model_extra["request_id"] for c in answer.choices]
+    assert len(set(ids)) == 3 and [e["request_id"] for e in sent] == ids
+    assert len({e["group_id"] for e in sent}) == 1 and sent[0]["group_id"].startswith("grp-")
+    assert answer.usage.completion_tokens == sum(len(c.logprobs.content) for c in answer.choices)
+
+
+def test_a_streamed_answer_reassembles_to_the_unstreamed_one(real):
+    api = client_for(PolicyServer(real, "policy"))
+    kwargs = dict(model="policy", messages=ASK, max_tokens=12, seed=11, temperature=0.9, top_p=0.95)
+    whole = api.chat.completions.create(**kwargs).choices[0]
+    chunks = list(api.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == whole.message.content
+    assert [e.model_extra["token_id"] for e in entries] == [e.model_extra["token_id"] for e in whole.logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-5)
+    assert chunks[-1].usage.completion_tokens == len(whole.logprobs.content)
+    plain = api.completions.create(model="policy", prompt="abc>", max_tokens=6, seed=3, temperature=0.8)
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model="policy", prompt="abc>", max_tokens=6, seed=3, temperature=0.8, stream=True))
+    assert streamed == plain.choices[0].text
+
+
+def test_a_streamed_tool_call_arrives_as_tool_call_deltas(real):
+    call = 'looking <tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
+    api = client_for(PolicyServer(Scripted(real, call), "policy"))
+    whole = api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64).choices[0]
+    chunks = list(api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64,
+                                              stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or ())]
+    assert "<tool_call>" not in content and content.strip() == whole.message.content == "looking"
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [
+        (tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_client_that_goes_away_mid_stream_stops_generation_and_its_event_is_marked_truncated(real):
+    sent: list[dict] = []
+    server = PolicyServer(Scripted(real, "x" * 200, delay_s=0.02), "policy", emit=sent.append)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: uv.started, 30, "the server to start")
+        with requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", stream=True, timeout=30,
+                           json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith(b"data: ")  # the first chunk arrived; then the client leaves
+        wait_for(lambda: sent, 30, "the interaction event")
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+    (event,) = sent
+    assert event["truncated"] is True and len(event["completion_token_ids"]) < 201  # stopped early
