@@ -14,5 +14,5 @@ if python -c "import trl, datasets" 2>/dev/null; then variants=bare,rtrl,trl; fi
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0), torch.__version__)"
 python benchmarks/train.py --shape qwen2-0.5b --device cuda --steps 8 --repeats 2 --batch 16 --variants "$variants"
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  python benchmarks/train.py --shape qwen2-0.5b --device cuda --steps 8 --repeats 1 --batch 16 --variants rtrl-ddp --nproc 2
+  python benchmarks/train.py --shape qwen2-0.5b --device cuda --steps 8 --repeats 1 --batch 16 --variants rtrl-ddp,rtrl-fsdp --nproc 2
 fi

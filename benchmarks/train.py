@@ -10,7 +10,8 @@ TRL's GRPOTrainer, on the same model, the same episodes, the same LoRA and the s
 `--shape qwen2-0.5b` is Qwen2-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864,
 151,936 embedding rows) with random weights; on CUDA it loads in bf16 (LoRA parameters float32).
 `rtrl-ddp` is rtrl's loop in `--nproc` data-parallel processes (train.nproc, torch.distributed.run);
-its tokens/s counts every rank's tokens.
+its tokens/s counts every rank's tokens. `rtrl-fsdp` is the same with the base model's weights
+split over the processes (train.strategy = "fsdp", FSDP2).
 
 `--busy-cores N` keeps N other processes spinning while the variants run (serving next to the
 daemon, as in the demo); `--threads N` is `train.cpu_threads` (torch's intra-op threads).
@@ -199,7 +200,7 @@ def run_rtrl_ddp(policy, eps, cfg, args) -> tuple[float, int]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         start = save_adapter(attach_adapter(policy.model, cfg), Path(tmp) / "start")
-        ddp_cfg = cfg.model_copy(update={"nproc": args.nproc, "device": args.device})
+        ddp_cfg = cfg.model_copy(update={"nproc": args.nproc, "device": args.device, "strategy": args.strategy})
         result, _ = run_distributed(Path(tmp) / "job", Path(args.model), start, tok, [e["reward"] for e in eps],
                                     [e["group"] for e in eps], ddp_cfg, MemoryTracker())
     steps = result.history[1:]
@@ -207,13 +208,14 @@ def run_rtrl_ddp(policy, eps, cfg, args) -> tuple[float, int]:
     return sum(per_step / m["tokens_per_s"] for m in steps), per_step * len(steps)
 
 
-VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl, "rtrl-ddp": run_rtrl_ddp}
+VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl, "rtrl-ddp": run_rtrl_ddp, "rtrl-fsdp": run_rtrl_ddp}
 SHAPES = {"tiny": {}, "qwen2-0.5b": {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2,
                                       "intermediate": 4864, "model_vocab": 151_936}}
 
 
 def child(args) -> None:
     set_cpu_threads(args.threads)
+    args.strategy = "fsdp" if args.only == "rtrl-fsdp" else "ddp"
     policy = load_policy(args.model, device=None if args.device == "auto" else args.device)
     eps = episodes(args.episodes, args.prompt, args.completion)
     cfg = config(args)
@@ -241,7 +243,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
                     help="tiny: init_tiny at --hidden/--layers; qwen2-0.5b: Qwen2-0.5B's shape, random weights")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--nproc", type=int, default=2, help="processes of the rtrl-ddp variant")
+    ap.add_argument("--nproc", type=int, default=2, help="processes of the rtrl-ddp and rtrl-fsdp variants")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--episodes", type=int, help=argparse.SUPPRESS)

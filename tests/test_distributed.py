@@ -5,6 +5,7 @@ resumes in two, and a rank that dies fails the run with its reason instead of ha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -59,10 +60,12 @@ def _one_process(base, start, episodes, eps, cfg, out):
     return result, save_adapter(model, out)
 
 
-@pytest.mark.parametrize("per_rank, steps, batch_tokens", [(1, 3, 256), (2, None, 40)])
-def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per_rank, steps, batch_tokens):
+@pytest.mark.parametrize("per_rank, steps, batch_tokens, strategy", [
+    (1, 3, 256, "ddp"), (2, None, 40, "ddp"), (2, None, 40, "fsdp")])
+def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per_rank, steps, batch_tokens, strategy):
     """grad_accum 1 per rank for 3 steps; and 2 per rank over a whole epoch, whose last step has
-    fewer micro-batches than 2 x 2 (the ranks run different numbers of them)."""
+    fewer micro-batches than 2 x 2 (the ranks run different numbers of them) -- also with the
+    base model's weights sharded over the two (FSDP2), where every forward is a collective."""
     base, start, episodes, eps = setup
     cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": steps, "batch_tokens": batch_tokens,
                                  "max_seq_len": min(64, batch_tokens), "learning_rate": 1e-2, "base_model": base, "grad_accum": per_rank})
@@ -75,7 +78,8 @@ def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per
     tracker = MemoryTracker()
     seen = []
     two, two_dir = run_distributed(tmp_path / "job", base, start, fresh(eps), [e["reward"] for e in episodes],
-                                   [e["group"] for e in episodes], cfg.model_copy(update={"nproc": 2}), tracker,
+                                   [e["group"] for e in episodes], cfg.model_copy(update={"nproc": 2, "strategy": strategy}),
+                                   tracker,
                                    on_step=lambda step, total, m: seen.append((step, total)))
     assert two.steps == one.steps and two.tokens == one.tokens
     assert [s for s, _ in tracker.metrics] == list(range(1, one.steps + 1))
@@ -86,12 +90,16 @@ def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per
     assert a.keys() == b.keys() and any(not torch.equal(a[k], s[k]) for k in a)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+    held = json.loads((tmp_path / "job" / "memory.json").read_text())
+    share = held["frozen_held"] / held["frozen_total"]  # of the base model's weights, in rank 0
+    assert share == 1.0 if strategy == "ddp" else 0.45 < share < 0.55, held
 
 
-def test_a_checkpoint_of_two_processes_resumes_in_two(setup, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_of_two_processes_resumes_in_two(setup, tmp_path, strategy):
     base, start, episodes, eps = setup
     cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": 4, "batch_tokens": 256,
-                                 "checkpoint_every": 2, "nproc": 2, "base_model": base})
+                                 "checkpoint_every": 2, "nproc": 2, "base_model": base, "strategy": strategy})
     rewards, groups = [e["reward"] for e in episodes], [e["group"] for e in episodes]
     _, straight = run_distributed(tmp_path / "a", base, start, fresh(eps), rewards, groups, cfg, MemoryTracker(),
                                   checkpoint_dir=tmp_path / "ckpt")

@@ -10,9 +10,10 @@ elastic launcher behind torchrun): NCCL between GPUs, gloo on CPUs.
                read back   the adapter rank 0 saved, the loop's result, its metrics (replayed into
                            the run's tracker, which lives in the parent)
     rank r   init_process_group, the base model and the start adapter on its device, wrapped in
-             DistributedDataParallel; train_policy(replicas=Replicas(r, N)): every rank holds every
+             DistributedDataParallel (train.strategy "ddp") or sharded with FSDP2 ("fsdp":
+             shard_base); train_policy(replicas=Replicas(r, N)): every rank holds every
              episode, a step is grad_accum x N micro-batches and rank r trains every N-th one
-             (train/replicas.py); DDP averages the gradients once per step
+             (train/replicas.py); the gradients are averaged once per step
 
 Failure: a rank that dies takes the others down (the launcher stops the group and exits non-zero,
 `--max-restarts 0`): DistributedTrainingError with the exit code and the tail of every rank's
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,6 +127,37 @@ class _FileTracker(MemoryTracker):
             f.write(json.dumps([step, metrics]) + "\n")
 
 
+def shard_base(model: Any, device_type: str, world: int) -> Any:
+    """FSDP2 over the ranks: each decoder layer's frozen weights (and the rest of the base model's)
+    split into `world` shards, gathered layer by layer for a forward or backward pass; the LoRA
+    weights are left out of the sharding (small, and the only ones trained): whole on every
+    rank, their gradients averaged by Replicas.average_gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (world,))
+    trained = {p for p in model.parameters() if p.requires_grad}
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module, mesh=mesh, ignored_params={p for p in module.parameters() if p in trained})
+    fully_shard(model, mesh=mesh, ignored_params=trained)
+    return model
+
+
+def _held(model: Any) -> dict[str, int]:
+    """Parameters this rank holds (a shard's elements under FSDP) against the model's, both frozen
+    and trained: what sharding saves, for the run's record and the tests."""
+    out = {"frozen_held": 0, "frozen_total": 0, "trained": 0}
+    for p in model.parameters():
+        if p.requires_grad:
+            out["trained"] += p.numel()
+        else:
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard
+            out["frozen_held"] += local.numel()
+            out["frozen_total"] += p.numel()
+    return out
+
+
 def worker(job_dir: Path) -> None:
     """One rank: what torch.distributed.run starts with RANK, WORLD_SIZE, LOCAL_RANK set."""
     import torch.distributed as dist
@@ -145,17 +178,21 @@ def worker(job_dir: Path) -> None:
         policy = load_policy(job["base_model"], device=device)
         model = load_adapter(policy.model, job["start"], trainable=True)
         set_gradient_checkpointing(model, cfg.gradient_checkpointing)
-        # no buffer broadcast: a LoRA model's buffers never change, and ranks may run different
-        # numbers of forward passes in a step (a last step shorter than grad_accum x N)
-        ddp = DistributedDataParallel(model, device_ids=[local] if cuda else None, broadcast_buffers=False)
+        if cfg.strategy == "fsdp":
+            wrapped = shard_base(model, "cuda" if cuda else "cpu", world)
+        else:
+            # no buffer broadcast: a LoRA model's buffers never change, and ranks may run different
+            # numbers of forward passes in a step (a last step shorter than grad_accum x N)
+            wrapped = DistributedDataParallel(model, device_ids=[local] if cuda else None, broadcast_buffers=False)
         episodes = [TokenizedEpisode(**e) for e in job["episodes"]]
         tracker: Tracker = _FileTracker(job_dir / "metrics.jsonl") if rank == 0 else MemoryTracker()
-        result = train_policy(ddp, episodes, job["rewards"], job["groups"], cfg, tracker, policy.tokenizer.pad_token_id,
+        result = train_policy(wrapped, episodes, job["rewards"], job["groups"], cfg, tracker, policy.tokenizer.pad_token_id,
                               checkpoint_dir=Path(job["checkpoint_dir"]) if job["checkpoint_dir"] else None,
                               resume_from=Path(job["resume_from"]) if job["resume_from"] else None,
-                              replicas=Replicas(rank, world))
+                              replicas=Replicas(rank, world, sharded=cfg.strategy == "fsdp"))
         if rank == 0:
             save_adapter(model, job_dir / "adapter")
+            (job_dir / "memory.json").write_text(json.dumps(_held(model)))
             (job_dir / "result.json").write_text(json.dumps({
                 "steps": result.steps, "tokens": result.tokens, "seconds": result.seconds,
                 "advantages": result.advantages, "history": result.history}))

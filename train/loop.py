@@ -127,12 +127,13 @@ class StepInputs:
 def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]], inputs: StepInputs,
                     loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
                     pad_id: int, step_micro: list[list[int]] | None = None, world: int = 1,
-                    stand_in: bool = False) -> tuple[dict[str, float], int]:
+                    stand_ins: int = 0) -> tuple[dict[str, float], int]:
     """Forward and backward `micro`, this process's micro-batches of one optimizer step
     (gradients accumulate in the model); returns their summed metrics and token count.
     `step_micro`: every replica's micro-batches of the step (the denominator and KTO's reference
-    point are the step's); `world` replicas average their gradients (DistributedDataParallel),
-    so each scales its share by `world` to sum them; a `stand_in` batch only joins that average."""
+    point are the step's); `world` replicas average their gradients (DistributedDataParallel, or
+    Replicas.average_gradients when sharded), so each scales its share by `world` to sum them;
+    the last `stand_ins` micro-batches only join the collectives (zero weight)."""
     device = next(model.parameters()).device.type
     sums: dict[str, float] = {}
     step_micro = step_micro or micro
@@ -155,9 +156,10 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
     tokens = 0
     for k, (batch, index) in enumerate(zip(batches, micro)):
         label = labels_of(index)
+        stand_in = k >= len(micro) - stand_ins
         # replicas exchange gradients once, after their last micro-batch of the step
-        sync = nullcontext() if world == 1 or k == len(micro) - 1 else model.no_sync()
-        with sync:
+        last = world == 1 or k == len(micro) - 1 or not hasattr(model, "no_sync")  # (sharded: see Replicas)
+        with nullcontext() if last else model.no_sync():
             part = _micro_step(model, batch, index, label, inputs, loss, loss_cfg, correction, cfg, z,
                                denominator, step_tokens, scale=0.0 if stand_in else float(world))
         if stand_in:
@@ -281,10 +283,11 @@ def train_policy(
     for step in range(start, total_steps):
         t0 = time.perf_counter()
         micro = plan[step * per_step:(step + 1) * per_step]
-        mine, stand_in = replicas.mine(micro)
+        mine, stand_ins = replicas.mine(micro)
         sums, tokens = accumulate_step(model, episodes, mine, inputs, loss, loss_cfg, correction, cfg, pad_id,
-                                       step_micro=micro, world=replicas.world, stand_in=stand_in)
+                                       step_micro=micro, world=replicas.world, stand_ins=stand_ins)
         sums, tokens = replicas.merge(sums, tokens)
+        replicas.average_gradients([p for p in model.parameters() if p.requires_grad])
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf"))

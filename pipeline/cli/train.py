@@ -75,6 +75,9 @@ def _selection_lines(report) -> list[str]:
 @click.option("--tenant", help="Only this tenant's episodes (train.tenant).")
 @click.option("--nproc", type=click.IntRange(1, 64),
               help="train.nproc: data-parallel processes (torch.distributed.run; gloo on CPU, NCCL on GPUs).")
+@click.option("--strategy", type=click.Choice(["ddp", "fsdp"]),
+              help="train.strategy: with --nproc > 1, a whole base model per process (ddp) or its weights "
+                   "split over them (fsdp).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="train.device")
 @click.option("--dry-run", is_flag=True, help="Print the data selection only; load and write nothing.")
 @SPEC_OPTION

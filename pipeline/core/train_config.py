@@ -33,6 +33,10 @@ class TrainConfig(_Section):
         default=1, ge=1, le=64,
         description="data-parallel training processes (torch.distributed.run; NCCL on GPUs, gloo on CPUs): a step "
                     "is grad_accum micro-batches in each")
+    strategy: Literal["ddp", "fsdp"] = Field(default="ddp", description=(
+        "with nproc > 1: ddp keeps a whole base model in every process; fsdp (FSDP2) splits the frozen "
+        "base model's weights over the processes (each holds 1/nproc) and keeps the LoRA weights whole, "
+        "for a base too large for one device"))
     ddp_timeout_s: float = Field(default=300.0, gt=0, description="a rank stuck this long in a collective fails the run")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="where training, the gate and the judge run (auto: CUDA when there is one); "
