@@ -52,6 +52,7 @@ class Answer:
     request_id: str
     calls: ToolCalls | None = None
     group_id: str | None = None
+    seed: int | None = None  # what it was sampled with (choice i of a seeded request: seed + i)
 
     @property
     def finish(self) -> str:
@@ -148,10 +149,10 @@ class PolicyServer:
                                          seed=None if req.seed is None else req.seed + i, tools=tools,
                                          on_token=on_token, stop=stop)[0] for i in range(req.n)]
         answers = []
-        for request_id, gen in zip(ids, gens):
-            calls = parse_tool_calls(gen.text, parse_tools, lambda i, r=request_id: f"call-{r[4:16]}-{i}") \
+        for i, (request_id, gen) in enumerate(zip(ids, gens)):
+            calls = parse_tool_calls(gen.text, parse_tools, lambda k, r=request_id: f"call-{r[4:16]}-{k}") \
                 if parse_tools else None
-            answers.append(Answer(gen, version, request_id, calls, group))
+            answers.append(Answer(gen, version, request_id, calls, group, None if req.seed is None else req.seed + i))
         if send_event:
             for a in answers:
                 self.send_event(a, prompt, req, headers, tools)
@@ -171,7 +172,7 @@ class PolicyServer:
                 prompt=prompt, completion=a.gen.text, completion_token_ids=a.gen.token_ids,
                 behavior_logprobs=a.gen.logprobs,
                 sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
-                                  seed=req.seed),
+                                  seed=a.seed),
                 latency_ms=round(a.gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
                 client_request_id=_header(headers, "x-request-id"), tools=tools,
                 tool_calls=a.calls.calls if a.calls is not None and a.calls.calls else None,

@@ -107,6 +107,7 @@ def test_n_choices_are_requests_of_one_group(real):
     ids = [c.model_extra["request_id"] for c in answer.choices]
     assert len(set(ids)) == 3 and [e["request_id"] for e in sent] == ids
     assert len({e["group_id"] for e in sent}) == 1 and sent[0]["group_id"].startswith("grp-")
+    assert [e["sampling"]["seed"] for e in sent] == [5, 6, 7]  # each choice's own draw
     assert answer.usage.completion_tokens == sum(len(c.logprobs.content) for c in answer.choices)
 
 
