@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
 from pipeline.core.config import Config
 from pipeline.core.kafka_config import security_env
 from pipeline.core.store.cycles import CycleState, recent_cycles
 from pipeline.core.store.deploys import all_decisions
-from pipeline.core.store.tables import feedback, interactions
+from pipeline.core.store.events import table_counts
 
 
 class Terminal:
@@ -180,9 +180,8 @@ def champion_served(daemon: Any, url: str, deadline: float) -> str:
 def wait_stored(engine: Engine, requests_sent: int, feedback_sent: int, deadline: float, say: Any) -> None:
     """Poll until ingest has stored what the fleet got answers to and what it sent."""
     while True:
-        with engine.connect() as conn:
-            stored = (conn.scalar(select(func.count()).select_from(interactions)),
-                      conn.scalar(select(func.count()).select_from(feedback)))
+        counts = table_counts(engine)
+        stored = (counts["interactions"], counts["feedback"])
         if stored[0] >= requests_sent and stored[1] >= feedback_sent:
             return
         if time.monotonic() > deadline:

@@ -13,11 +13,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
 from pipeline.core.store.cycles import cycle_split, recent_cycles
 from pipeline.core.store.deploys import accepts_over_time, all_decisions, moves, served_and_accepted
-from pipeline.core.store.tables import rewards
+from pipeline.core.store.rewards import mean_rewards
 from pipeline.core.store.training import get_run
 
 
@@ -37,11 +37,7 @@ class DemoReport:
 def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
     """Online accept rate (the store's one definition: served_and_accepted) with its interval,
     and mean reward, per version."""
-    counts = served_and_accepted(engine)
-    with engine.connect() as conn:
-        reward = dict(conn.execute(select(rewards.c.policy_version, func.avg(rewards.c.value))
-                                   .where(rewards.c.spec_version == spec_version)
-                                   .group_by(rewards.c.policy_version)).all())
+    counts, reward = served_and_accepted(engine), mean_rewards(engine, spec_version)
     order = sorted(counts, key=lambda v: (v != "base", int(v) if v.isdigit() else 0))
     return [{"version": v, "served": counts[v][0], "accept_rate": counts[v][1] / counts[v][0],
              "accept_ci95": wilson(counts[v][1], counts[v][0]),

@@ -58,13 +58,11 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
              seed: int = 0, rate: float = 24.0, every: str = "45s", timeout_s: float = 900.0, measure: int = 200,
              verbose: bool = False, terminal: Terminal | None = None) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-naive]` (wiped first); the report lands in its `report/`."""
-    from sqlalchemy import select
-
     from deploy.registry import CHAMPION
     from deploy.tracking import MlflowTracker
     from pipeline import kafka_local
     from pipeline.core.store import db as store_db
-    from pipeline.core.store.tables import interactions
+    from pipeline.core.store.rewards import latest_request_id
     from pipeline.cycle import default_deps
     from pipeline.daemon import Daemon
     from reward.spec import load_spec
@@ -114,7 +112,5 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
             tracker.log_metrics({"accept_rate": v["accept_rate"]}, step=int(v["version"]))
     tracker.log_artifacts(run_dir / "report", "report")
     tracker.end("FINISHED")
-    with engine.connect() as conn:
-        request_id = conn.scalar(select(interactions.c.request_id).order_by(interactions.c.id.desc()).limit(1))
-    report.explore = explore_commands(config_file, config.tracking_uri, report, request_id)
+    report.explore = explore_commands(config_file, config.tracking_uri, report, latest_request_id(engine))
     return report

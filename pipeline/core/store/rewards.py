@@ -242,3 +242,17 @@ def trained_request_ids(engine: Engine, request_ids: Sequence[str], spec_version
     )
     with engine.connect() as conn:
         return set(conn.scalars(stmt))
+
+
+def mean_rewards(engine: Engine, spec_version: str) -> dict[str, float]:
+    """Per policy version: the mean of its episodes' rewards under `spec_version`."""
+    with engine.connect() as conn:
+        return {v: float(m) for v, m in conn.execute(
+            select(rewards.c.policy_version, func.avg(rewards.c.value))
+            .where(rewards.c.spec_version == spec_version).group_by(rewards.c.policy_version))}
+
+
+def latest_request_id(engine: Engine) -> str | None:
+    """The request id of the newest stored interaction (None: none stored)."""
+    with engine.connect() as conn:
+        return conn.scalar(select(interactions.c.request_id).order_by(interactions.c.id.desc()).limit(1))
