@@ -42,6 +42,17 @@ from train.models import load_policy
 pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: test_daemon
 
 MODEL = "crash-policy"
+_STARTED: list[subprocess.Popen] = []  # every daemon a test started: none outlives its test
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left():
+    yield
+    while _STARTED:  # a test that failed half-way leaves its daemons running (they would cycle on)
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _events(reverse_base: Path, prefix: str, seed: int, limit: int | None = None) -> list[dict]:
@@ -66,10 +77,12 @@ def _start(env: dict, tmp_path: Path, name: str, pause: str | None = None,
     faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
     if pause_s is not None:
         faults["RTRL_FAULT_PAUSE_S"] = str(pause_s)
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3",
                              "--metrics-port", str(free_port())],
                             env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
                             stderr=subprocess.STDOUT)
+    _STARTED.append(proc)
+    return proc
 
 
 def _kill_9(proc: subprocess.Popen) -> None:
