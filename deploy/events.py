@@ -1,5 +1,7 @@
 """Events rtrl puts on Kafka itself, through one kind of producer (EventSender): keyed, and
-blocking until the broker has the event (acks=all), so a caller records only what is durable.
+blocking until the broker has the event (acks=all), so a caller records only what is durable --
+or, given a spool (pipeline/core/spool.py), until the local spool has it while the broker is
+away (rtrl serve's interaction events: an answer already given is never lost for the loop).
 
     model updates   every alias move is announced, keyed by model name, so that every serving
                     replica (and anything else) follows the registry without polling it
@@ -11,32 +13,92 @@ blocking until the broker has the event (acks=all), so a caller records only wha
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from typing import Any
 
 from kafka import KafkaProducer
 
 from pipeline.core import kafka_client
 from pipeline.core.kafka_config import KafkaAccess
+from pipeline.core.spool import Spool
+
+log = logging.getLogger("rtrl.events")
 
 
 class EventSender:
-    def __init__(self, access: KafkaAccess | str, topic: str, key: str, timeout_s: float = 15.0) -> None:
+    def __init__(self, access: KafkaAccess | str, topic: str, key: str, timeout_s: float = 15.0,
+                 spool: Spool | None = None, retry_s: float = 2.0) -> None:
         """`access`: the brokers and their security (a bare "host:port": plaintext); `key`: the
         event field that keys the record (its partition); `timeout_s`: how long a send may wait
-        for the broker (connecting, and each request)."""
+        for the broker (connecting, and each request). With a `spool`, an event the broker does
+        not acknowledge is kept there (and every later one behind it, in order) and sent by a
+        background thread once the broker is back, trying every `retry_s`; without, the send's
+        error is the caller's."""
         self.access, self.topic, self.key, self.timeout_s = KafkaAccess.of(access), topic, key, timeout_s
         self.producer: KafkaProducer | None = None  # connected on first use: a registry command
         # that moves nothing never needs the broker
+        self.spool, self.retry_s = spool, retry_s
+        self.wake, self.stopped = threading.Event(), threading.Event()
+        self.drainer = threading.Thread(target=self._drain_loop, name="spool-drain", daemon=True) if spool else None
+        if self.drainer is not None:
+            self.drainer.start()
 
     def __call__(self, event: dict[str, Any]) -> None:
+        """Returns once the broker has the event -- or, with a spool, once the spool does
+        (SpoolFull when it is full and refuses)."""
+        key, value = str(event[self.key]).encode(), json.dumps(event).encode()
+        if self.spool is None:
+            self._send(self.topic, key, value)
+            return
+        if not self.spool.pending():  # (behind a spooled event, an event waits its turn)
+            try:
+                self._send(self.topic, key, value)
+                return
+            except Exception as exc:  # noqa: BLE001 - kafka errors of every kind: spooled
+                self._reset()
+                log.warning("the broker did not take an event; spooling until it is back", extra={
+                    "topic": self.topic, "spool": str(self.spool.dir), "error": f"{type(exc).__name__}: {exc}"})
+        self.spool.append(self.topic, key, value)
+        self.wake.set()
+
+    def _send(self, topic: str, key: bytes | None, value: bytes) -> None:
         if self.producer is None:
             ms = int(self.timeout_s * 1000)
             self.producer = kafka_client.producer(self.access, acks="all", retries=5,
                                                   request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
-        self.producer.send(self.topic, key=str(event[self.key]).encode(),
-                           value=json.dumps(event).encode()).get(timeout=2 * self.timeout_s)
+        self.producer.send(topic, key=key, value=value).get(timeout=2 * self.timeout_s)
+
+    def _reset(self) -> None:
+        """Drop the producer and what it still buffers: the spool has the event now, and a
+        producer that delivered it later as well would only add a duplicate (which ingest drops)."""
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            try:
+                producer.close(timeout=0)
+            except Exception:  # noqa: BLE001 - closing a producer whose broker is away
+                pass
+
+    def _drain_loop(self) -> None:
+        while not self.stopped.is_set():
+            self.wake.wait(self.retry_s)
+            self.wake.clear()
+            if self.stopped.is_set() or not self.spool.pending():
+                continue
+            try:
+                sent = self.spool.drain(self._send)
+                log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
+            except Exception as exc:  # noqa: BLE001 - the broker still away: the next try in retry_s
+                self._reset()
+                log.warning("spooled events not sent yet", extra={"topic": self.topic,
+                                                                 "error": f"{type(exc).__name__}: {exc}"})
 
     def close(self) -> None:
+        self.stopped.set()
+        self.wake.set()
+        if self.drainer is not None:
+            self.drainer.join(timeout=2 * self.timeout_s)
+            self.spool.close()
         if self.producer is not None:
             self.producer.close()
 

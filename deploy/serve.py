@@ -76,8 +76,10 @@ class PolicyServer:
                                 registry=self.metrics)
         self.latency = Histogram("rtrl_serve_latency_seconds", "Generation latency", registry=self.metrics)
         self.swaps = Counter("rtrl_serve_swaps", "Adapter swaps applied", registry=self.metrics)
-        self.undelivered = Counter("rtrl_serve_events_undelivered", "Interaction events Kafka did not take",
-                                   registry=self.metrics)
+        self.undelivered = Counter("rtrl_serve_events_undelivered",
+                                   "Interaction events neither Kafka nor the spool took (lost)", registry=self.metrics)
+        self.spooled = Gauge("rtrl_serve_events_spooled_bytes", "Interaction events waiting in the spool for Kafka",
+                             registry=self.metrics)
         self.serving = Gauge("rtrl_serve_version", "Registry version being served (0 = base)", registry=self.metrics)
         self.canary_version = Gauge("rtrl_serve_canary_version", "Registry version of the canary (0 = none)",
                                     registry=self.metrics)

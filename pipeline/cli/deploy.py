@@ -244,6 +244,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     import uvicorn
 
     from deploy.events import EventSender
+    from pipeline.core.spool import Spool
     from deploy.serve import BASE, PolicyServer
     from deploy.serve_api import create_app
     from train.inference import PolicySet
@@ -256,10 +257,15 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         runner = PolicySet.load(base)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    # the response waits until Kafka has the interaction event
+    # an interaction event goes to Kafka after its answer; while the broker is away it waits in
+    # this server's spool (one per port: replicas on one machine do not share one)
+    spool = None if no_events else Spool(config.state_dir / "spool" / f"serve-{port}", config.spool.max_bytes,
+                                         config.spool.when_full)
     emit = None if no_events else EventSender(config.kafka_access, config.kafka.interactions_topic, key="request_id",
-                                              timeout_s=10.0)
+                                              timeout_s=10.0, spool=spool)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
+    if spool is not None:
+        server.spooled.set_function(spool.size)
 
     def on_update(ev: ModelUpdate) -> None:
         adapter = fetch(ev.adapter_uri, adapters / f"v{ev.version}") if ev.version else None
@@ -277,6 +283,8 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
     finally:
         follower.close()
+        if emit is not None:
+            emit.close()  # what waits in the spool is on disk, sent by the next start
 
 
 COMMANDS = [gate, models, promote, rollback, serve]

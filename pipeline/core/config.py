@@ -190,6 +190,16 @@ class MlflowConfig(_Section):
     registered_model: str = Field(default="rtrl-policy", description="registry name of the served adapter")
 
 
+class SpoolConfig(_Section):
+    """Where events wait while the broker is away (pipeline/core/spool.py): rtrl serve's
+    interaction events, under <state>/spool/."""
+
+    max_bytes: int = Field(default=1 << 30, ge=1 << 16, description="the spool's bound on disk")
+    when_full: Literal["refuse", "block"] = Field(default="refuse", description=(
+        "a full spool refuses new events (counted in rtrl_serve_events_undelivered, logged) or blocks "
+        "the producer until the broker is back"))
+
+
 class Config(_Section):
     state_dir: Path = Field(default=DEFAULT_STATE_DIR, description=(
         "where rtrl keeps its files: the SQLite store, the local broker, training runs, caches"))
@@ -202,6 +212,7 @@ class Config(_Section):
     gate: GateConfig = GateConfig()
     cycle: CycleConfig = CycleConfig()
     rollout: RolloutConfig = RolloutConfig()
+    spool: SpoolConfig = SpoolConfig()
 
     # --- derived values: computed, never stored twice -------------------------------------
     @property

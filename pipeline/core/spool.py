@@ -1,0 +1,197 @@
+"""A local spool for events the broker did not acknowledge: nothing a producer accepted is lost
+while Kafka is away, and what waits is sent in order once it is back.
+
+    append   a record (topic, key, value) goes to the open segment file; a committer thread
+             flushes and fsyncs the segment every `commit_s` (group commit: a crash loses at most
+             the records of the last interval)
+    drain    the records, oldest first, to `send` (which returns once the broker acknowledged);
+             the position reached is saved (fsynced) after each batch, a segment sent whole is
+             deleted. A crash between a send and the saved position sends those records again:
+             the ingest side drops the duplicates by event id (exactly once after dedupe)
+    full     the spool holds at most `max_bytes`; past that an append is refused (returns
+             False: the caller counts and logs it) or, with `when_full = "block"`, waits for
+             the drain to make room -- never a silent drop
+
+On disk: `<dir>/<segment:012d>.spool`, each record `[4-byte length][4-byte crc32][payload]`
+(payload: JSON {"topic", "key", "value"}); `<dir>/position` holds "<segment> <offset>". A
+record torn by a crash (short, or failing its checksum) ends its segment: it and what follows
+are dropped with a log line (nothing after it was acknowledged to the caller as durable).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("rtrl.spool")
+_HEAD = struct.Struct(">II")  # length, crc32
+
+
+class SpoolFull(RuntimeError):
+    """The spool is at max_bytes and refuses new records (`when_full = "refuse"`)."""
+
+
+class Spool:
+    def __init__(self, directory: Path, max_bytes: int = 1 << 30, when_full: Literal["refuse", "block"] = "refuse",
+                 commit_s: float = 0.05, segment_bytes: int = 16 << 20) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.when_full, self.commit_s, self.segment_bytes = max_bytes, when_full, commit_s, segment_bytes
+        self.lock = threading.Condition()
+        self.refused = 0
+        segments = self._segments()
+        self.segment = (segments[-1] + 1) if segments else 0  # never append to a segment a crash may have torn
+        self.file = open(self._path(self.segment), "ab")
+        self.dirty = False
+        self.closed = False
+        self.committer = threading.Thread(target=self._commit_loop, name="spool-commit", daemon=True)
+        self.committer.start()
+
+    # -- appending --------------------------------------------------------------------------
+
+    def append(self, topic: str, key: bytes | None, value: bytes) -> None:
+        """Keep a record until drain() sends it; SpoolFull when the spool is full and refuses."""
+        payload = json.dumps({"topic": topic, "key": key.decode() if key is not None else None,
+                              "value": value.decode()}).encode()
+        record = _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+        with self.lock:
+            while self.size() + len(record) > self.max_bytes:
+                if self.when_full == "refuse":
+                    self.refused += 1
+                    raise SpoolFull(f"the spool under {self.dir} holds {self.size()} bytes (max {self.max_bytes}); "
+                                    "the broker has been away too long: raise spool.max_bytes or bring it back")
+                self.lock.wait(timeout=1.0)  # "block": until a drain makes room
+            if self.file.tell() + len(record) > self.segment_bytes and self.file.tell() > 0:
+                self._roll()
+            self.file.write(record)
+            self.dirty = True
+
+    def size(self) -> int:
+        """Bytes the spool holds (a segment's sent records included, until it is sent whole)."""
+        return sum(self._length(s) for s in self._segments())
+
+    def pending(self) -> bool:
+        """Whether anything waits to be sent."""
+        with self.lock:
+            seg, off = self._position()
+            return any(self._length(s) > (off if s == seg else 0) for s in self._segments() if s >= seg)
+
+    # -- draining ----------------------------------------------------------------------------
+
+    def drain(self, send: Callable[[str, bytes | None, bytes], None], batch: int = 500) -> int:
+        """Send every waiting record in order; returns how many were sent. A send that raises
+        stops the drain there (the record stays first in line); the caller retries later."""
+        sent = 0
+        with self.lock:
+            self._flush()
+            if self.file.tell() > 0:
+                self._roll()  # the open segment is read from now on: appends go to a new one
+            segments = [s for s in self._segments() if s != self.segment]
+        seg, off = self._position()
+        for s in segments:
+            if s < seg:
+                self._path(s).unlink(missing_ok=True)  # sent whole before a crash
+                continue
+            start = off if s == seg else 0
+            done = 0
+            for end, (topic, key, value) in self._records(s, start):
+                send(topic, key, value)
+                sent, done = sent + 1, done + 1
+                if done % batch == 0:
+                    self._save_position(s, end)
+            self._save_position(s + 1, 0)
+            self._path(s).unlink(missing_ok=True)
+            with self.lock:
+                self.lock.notify_all()  # room for a blocked append
+        return sent
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _records(self, segment: int, start: int):
+        with open(self._path(segment), "rb") as f:
+            f.seek(start)
+            while True:
+                head = f.read(_HEAD.size)
+                if not head:
+                    return
+                if len(head) < _HEAD.size:
+                    log.warning("spool segment ends in a torn record: dropped", extra={"segment": segment})
+                    return
+                length, crc = _HEAD.unpack(head)
+                payload = f.read(length)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    log.warning("spool segment ends in a torn record: dropped", extra={"segment": segment})
+                    return
+                record = json.loads(payload)
+                key = record["key"].encode() if record["key"] is not None else None
+                yield f.tell(), (record["topic"], key, record["value"].encode())
+
+    def _commit_loop(self) -> None:
+        while not self.closed:
+            time.sleep(self.commit_s)
+            with self.lock:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.dirty and not self.closed:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.dirty = False
+
+    def _roll(self) -> None:
+        self._flush()
+        self.file.close()
+        self.segment += 1
+        self.file = open(self._path(self.segment), "ab")
+        _fsync_dir(self.dir)
+
+    def _segments(self) -> list[int]:
+        return sorted(int(p.stem) for p in self.dir.glob("*.spool"))
+
+    def _path(self, segment: int) -> Path:
+        return self.dir / f"{segment:012d}.spool"
+
+    def _length(self, segment: int) -> int:
+        if segment == self.segment and not self.closed:
+            return self.file.tell()  # the open segment: what was written, flushed or not
+        path = self._path(segment)
+        return path.stat().st_size if path.exists() else 0
+
+    def _position(self) -> tuple[int, int]:
+        try:
+            seg, off = (self.dir / "position").read_text().split()
+            return int(seg), int(off)
+        except (FileNotFoundError, ValueError):
+            return 0, 0
+
+    def _save_position(self, segment: int, offset: int) -> None:
+        tmp = self.dir / "position.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{segment} {offset}")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / "position")
+
+    def close(self) -> None:
+        with self.lock:
+            self._flush()
+            self.closed = True
+            self.file.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
