@@ -59,6 +59,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with usage
     logprobs: bool | int | None = None  # the answer always carries the sampled tokens' log-probs
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's (0), as vLLM's default
+    return_tokens_as_token_ids: bool = False  # vLLM's: each token as "token_id:<id>" (and its bytes)
     # accepted only at the value that asks for nothing more than what is served
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -161,8 +163,12 @@ def create_app(server: PolicyServer) -> FastAPI:
             return {"role": "assistant", "content": a.calls.content, "tool_calls": a.calls.calls}, "tool_calls"
         return {"role": "assistant", "content": a.gen.text}, a.finish
 
-    def token_logprobs(token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        return [{"token": tok.decode([t]), "logprob": lp, "token_id": t} for t, lp in zip(token_ids, logprobs)]
+    def token_name(t: int, as_ids: bool) -> str:
+        return f"token_id:{t}" if as_ids else tok.decode([t])
+
+    def token_logprobs(token_ids: list[int], logprobs: list[float], as_ids: bool = False) -> list[dict[str, Any]]:
+        return [{"token": token_name(t, as_ids), "logprob": lp, "token_id": t,
+                 "bytes": list(tok.decode([t]).encode())} for t, lp in zip(token_ids, logprobs)]
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest, request: Request) -> Response:
@@ -173,7 +179,8 @@ def create_app(server: PolicyServer) -> FastAPI:
         body = {"id": answers[0].request_id, "object": "text_completion", "created": int(time.time()),
                 "model": f"{server.model_name}:{answers[0].version}",
                 "choices": [{"index": i, "request_id": a.request_id, "text": a.gen.text, "finish_reason": a.finish,
-                             "logprobs": {"tokens": [tok.decode([t]) for t in a.gen.token_ids],
+                             "logprobs": {"tokens": [token_name(t, req.return_tokens_as_token_ids)
+                                                     for t in a.gen.token_ids],
                                           "token_logprobs": a.gen.logprobs, "token_ids": a.gen.token_ids}}
                             for i, a in enumerate(answers)],
                 "usage": usage(req.prompt, None, answers)}
@@ -190,7 +197,8 @@ def create_app(server: PolicyServer) -> FastAPI:
         for i, a in enumerate(answers):
             msg, finish = message(a)
             choices.append({"index": i, "request_id": a.request_id, "message": msg, "finish_reason": finish,
-                            "logprobs": {"content": token_logprobs(a.gen.token_ids, a.gen.logprobs)}})
+                            "logprobs": {"content": token_logprobs(a.gen.token_ids, a.gen.logprobs,
+                                                                   req.return_tokens_as_token_ids)}})
         body = {"id": answers[0].request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": f"{server.model_name}:{answers[0].version}", "choices": choices,
                 "usage": usage(messages, req.tools, answers)}
@@ -245,7 +253,8 @@ def create_app(server: PolicyServer) -> FastAPI:
                     # tool-call text is held back until the answer is whole: it parses or it does not
                     safe = held_back(text) if parse else len(text)
                     piece, sent = text[sent:max(safe, sent)], max(safe, sent)
-                    entry = {"token": tok.decode([token]), "logprob": lp, "token_id": token}
+                    entry = {"token": token_name(token, req.return_tokens_as_token_ids), "logprob": lp,
+                             "token_id": token, "bytes": list(tok.decode([token]).encode())}
                     if chat:
                         yield chunk({"delta": {"content": piece}, "logprobs": {"content": [entry]},
                                      "finish_reason": None})

@@ -24,7 +24,7 @@ COMMANDS = [
     ["reward", "audit"], ["model"], ["model", "init-tiny"], ["model", "show"],
     ["train"], ["train", "run"], ["train", "show"],
     ["gate"], ["models"], ["models", "list"], ["models", "show"], ["promote"], ["rollback"], ["serve"],
-    ["daemon"], ["demo"], ["sim"],
+    ["daemon"], ["demo"], ["sim"], ["gateway"],
 ]
 
 

@@ -29,6 +29,7 @@ from pipeline.cli import db as db_cmds
 from pipeline.cli import demo as demo_cmds
 from pipeline.cli import deploy as deploy_cmds
 from pipeline.cli import events as event_cmds
+from pipeline.cli import gateway as gateway_cmds
 from pipeline.cli import kafka as kafka_cmds
 from pipeline.cli import model as model_cmds
 from pipeline.cli import reward as reward_cmds
@@ -60,7 +61,7 @@ cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
 cli.add_command(train_cmds.train)
 cli.add_command(daemon_cmds.daemon)
-for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS + demo_cmds.COMMANDS:
+for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS + gateway_cmds.COMMANDS + demo_cmds.COMMANDS:
     cli.add_command(command)
 
 

@@ -244,9 +244,9 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     import uvicorn
 
     from deploy.events import EventSender
-    from pipeline.core.spool import Spool
     from deploy.serve import BASE, PolicyServer
     from deploy.serve_api import create_app
+    from pipeline.core.spool import Spool
     from train.inference import PolicySet
     from train.models import ModelError
 

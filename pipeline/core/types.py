@@ -157,6 +157,7 @@ class InteractionEvent(_Envelope):
     # that did not parse, named no offered tool or broke its schema carries an `error`
     tool_calls: list[dict[str, Any]] | None = None
     group_id: Identifier | None = None  # the siblings of one request with n > 1 (one group for advantages)
+    episode_id: Identifier | None = None  # the agent episode (task) this call belongs to, as its application names it
     truncated: bool | None = None  # the client went away mid-stream: not trained on
 
     def to_wire(self) -> dict[str, Any]:

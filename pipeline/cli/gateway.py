@@ -1,0 +1,59 @@
+"""`rtrl gateway`: the loop's capture in front of an OpenAI-compatible model server."""
+
+from __future__ import annotations
+
+import click
+
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--upstream", required=True, help="The model server's base URL (vLLM, SGLang, rtrl serve), e.g. "
+                                                 "http://127.0.0.1:8000.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("--tenant", default="default", show_default=True, help="Tenant of requests without X-Tenant.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True, help="Seconds to wait for the upstream.")
+@pass_ctx
+def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, timeout_s: float) -> None:
+    """Proxy /v1/chat/completions, /v1/completions and /v1/models to UPSTREAM, routing each request
+    to the registry's champion (or its canary's share) and sending an interaction event for every
+    answer; POST /v1/feedback takes the application's outcomes. Events wait in a local spool
+    while Kafka is away."""
+    import uvicorn
+
+    from deploy.events import EventSender
+    from deploy.follow import Follower, current
+    from deploy.gateway import Gateway, create_gateway_app
+    from deploy.registry import Registry
+    from pipeline.core.spool import Spool
+
+    config = ctx.config
+    spool_dir = config.state_dir / "spool" / f"gateway-{port}"
+
+    def sender(topic: str, part: str) -> EventSender:
+        return EventSender(config.kafka_access, topic, key="request_id", timeout_s=10.0,
+                           spool=Spool(spool_dir / part, config.spool.max_bytes, config.spool.when_full))
+
+    interactions, feedback = sender(config.kafka.interactions_topic, "interactions"), \
+        sender(config.kafka.feedback_topic, "feedback")
+    gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s)
+    registry = Registry(config.tracking_uri, config.mlflow.registered_model, None)
+    try:
+        follower = Follower(config.kafka_access, config.kafka.model_updates_topic, config.mlflow.registered_model,
+                            gw.on_update, lambda alias: current(registry, alias), aliases=("champion", "canary"))
+        for alias in ("champion", "canary"):
+            gw.on_update(current(registry, alias))
+    except Exception as exc:  # noqa: BLE001 - kafka errors
+        raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
+    follower.start()
+    click.echo(f"rtrl gateway on http://{host}:{port} -> {upstream} (champion {gw.champion or 'base'})", err=True)
+    try:
+        uvicorn.run(create_gateway_app(gw), host=host, port=port, log_level="warning")
+    finally:
+        follower.close()
+        interactions.close()
+        feedback.close()
+
+
+COMMANDS = [gateway]

@@ -1,0 +1,134 @@
+"""`rtrl gateway` in front of a real OpenAI-compatible server (`rtrl serve`), driven by the
+official `openai` client: the client gets the answer in the shape it asked for, the loop gets
+the interaction event with the served tokens' ids and log-probs (streamed or not, tools passed
+through), outcomes come in through /v1/feedback, and an upstream that fails gives no event."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from deploy.gateway import Gateway, create_gateway_app
+from deploy.serve import PolicyServer
+from deploy.serve_api import create_app
+from pipeline.core.types import ModelUpdate
+from tests.conftest import free_port, wait_for
+from tests.test_serve_agents import ASK, LOOKUP, Scripted
+from train.inference import PolicySet
+
+
+class Upstream:
+    """An rtrl serve app on a free port, in this process."""
+
+    def __init__(self, server: PolicyServer) -> None:
+        self.port = free_port()
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.uv.started, 30, "the upstream to start")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def real(reverse_base):
+    return PolicySet.load(reverse_base, device="cpu")
+
+
+@pytest.fixture
+def through(real):
+    """(openai client through the gateway, the gateway, interaction events, feedback events, upstream)."""
+    interactions, feedback = [], []
+    upstream = Upstream(PolicyServer(real, "policy"))
+    gw = Gateway(upstream.url, "policy", interactions.append, feedback.append)
+    http = TestClient(create_gateway_app(gw))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    yield client, gw, interactions, feedback, upstream, http
+    upstream.stop()
+
+
+def test_the_client_gets_what_it_asked_for_and_the_event_what_training_needs(through, real):
+    client, gw, events, _, _, _ = through
+    plain = client.chat.completions.create(model="policy", messages=ASK, max_tokens=6, seed=2, temperature=0.8)
+    assert plain.choices[0].logprobs is None  # not asked for: removed
+    wait_for(lambda: events, 10, "the interaction event")
+    ev = events[0]
+    assert ev["request_id"] == plain.id and ev["completion"] == plain.choices[0].message.content
+    assert len(ev["completion_token_ids"]) == len(ev["behavior_logprobs"]) > 0
+    assert real.tokenizer.decode([t for t in ev["completion_token_ids"] if t != real.tokenizer.eos_token_id]) \
+        == ev["completion"]
+    assert ev["sampling"] == {"temperature": 0.8, "max_tokens": 6, "seed": 2} and ev["policy_version"] == "base"
+    asked = client.chat.completions.create(model="policy", messages=ASK, max_tokens=4, seed=2, logprobs=True)
+    assert not any(e.token.startswith("token_id:") for e in asked.choices[0].logprobs.content)  # text, as asked
+
+
+def test_a_stream_through_the_gateway_and_its_event_once_it_ends(through):
+    client, _, events, _, _, _ = through
+    chunks = list(client.chat.completions.create(model="policy", messages=ASK, max_tokens=8, seed=4, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    wait_for(lambda: events, 10, "the streamed answer's event")
+    assert events[0]["completion"] == text and events[0]["request_id"] == chunks[0].id
+    assert len(events[0]["completion_token_ids"]) == len(events[0]["behavior_logprobs"]) > 0
+    assert "truncated" not in events[0]
+
+
+def test_tool_calls_pass_through_and_reach_the_event(real):
+    events: list[dict] = []
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
+    upstream = Upstream(PolicyServer(Scripted(real, call), "policy"))
+    try:
+        gw = Gateway(upstream.url, "policy", events.append, None)
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                               http_client=TestClient(create_gateway_app(gw)), max_retries=0)
+        answer = client.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64)
+        assert answer.choices[0].message.tool_calls[0].function.name == "lookup"
+        wait_for(lambda: events, 10, "the event")
+        assert events[0]["tools"] == [LOOKUP] and events[0]["tool_calls"][0]["function"]["name"] == "lookup"
+    finally:
+        upstream.stop()
+
+
+def test_feedback_is_validated_and_counted_when_its_request_is_unknown(through):
+    client, gw, _, feedback, _, http = through
+    answer = client.chat.completions.create(model="policy", messages=ASK, max_tokens=2)
+    ok = http.post("/v1/feedback", json={"request_id": answer.id, "kind": "accepted", "value": True})
+    assert ok.status_code == 202 and feedback[0]["request_id"] == answer.id and feedback[0]["value"] is True
+    bad = http.post("/v1/feedback", json={"request_id": answer.id, "kind": "accepted", "value": "yes"})
+    assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("value")
+    assert len(feedback) == 1
+    http.post("/v1/feedback", json={"request_id": "req-elsewhere", "kind": "accepted", "value": 1})
+    assert len(feedback) == 2  # accepted: the join handles any order, and counted
+    assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 1
+
+
+def test_an_upstream_error_or_absence_reaches_the_client_and_produces_no_event(through):
+    client, gw, events, _, upstream, _ = through
+    with pytest.raises(openai.BadRequestError) as err:  # rtrl serve refuses `stop`: its 400, passed on
+        client.chat.completions.create(model="policy", messages=ASK, max_tokens=2, stop=["\n"])
+    assert "stop is not supported" in err.value.message
+    upstream.stop()
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="policy", messages=ASK, max_tokens=2)
+    assert err.value.status_code == 502 and "unreachable" in err.value.message
+    assert events == []
+
+
+def test_routing_follows_the_champion_and_the_canary_s_share():
+    gw = Gateway("http://127.0.0.1:9", "m", None, None)
+    assert gw.route("req-1") == ("base", None)
+    gw.on_update(ModelUpdate("champion", "3", "runs:/a/adapter"))
+    gw.on_update(ModelUpdate("canary", "4", "runs:/b/adapter", share=0.5))
+    routed = [gw.route(f"req-{i}") for i in range(400)]
+    assert {r for r in routed} == {("3", "m-v3"), ("4", "m-v4")}
+    assert 150 < sum(r[0] == "4" for r in routed) < 250
+    gw.on_update(ModelUpdate("canary", None))
+    assert gw.route("req-1") == ("3", "m-v3")
