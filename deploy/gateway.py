@@ -22,7 +22,8 @@ For each request the gateway:
 An upstream error reaches the client as the upstream gave it (a 502 or 504 with the reason when
 there was no answer at all), and no event is sent for a request that got no answer.
 
-The vLLM fields relied on (OpenAI-compatible server, vLLM 0.8-0.11): `logprobs` (chat: true;
+The vLLM fields relied on, as its OpenAI-compatible server defines them
+(vllm/entrypoints/openai/protocol.py; version not pinned here): `logprobs` (chat: true;
 completions: 0), `return_tokens_as_token_ids`, and in the answer `logprobs.content[].token` as
 "token_id:<id>", `.logprob`, `.bytes` (chat) and `logprobs.tokens` / `token_logprobs` (completions).
 """
