@@ -132,3 +132,45 @@ def test_routing_follows_the_champion_and_the_canary_s_share():
     assert 150 < sum(r[0] == "4" for r in routed) < 250
     gw.on_update(ModelUpdate("canary", None))
     assert gw.route("req-1") == ("3", "m-v3")
+
+
+def test_vllm_s_fields_as_its_server_gives_them():
+    """vLLM cannot run here: its answer's shape (tests/fixtures/vllm_chat_completion.json, from its
+    protocol definitions) served by a stand-in, to check the fields the gateway reads and rewrites."""
+    import json
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from tests.conftest import REPO
+
+    canned = (REPO / "tests" / "fixtures" / "vllm_chat_completion.json").read_bytes()
+    asked: list[dict] = []
+
+    class VllmShaped(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(canned)
+
+        def log_message(self, *_):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), VllmShaped)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        events: list[dict] = []
+        gw = Gateway(f"http://127.0.0.1:{httpd.server_port}", "rtrl-policy", events.append, None)
+        gw.on_update(ModelUpdate("champion", "3", "runs:/a/adapter"))
+        http = TestClient(create_gateway_app(gw))
+        answer = http.post("/v1/chat/completions", json={"model": "my-model", "messages": ASK, "logprobs": True})
+        body = answer.json()
+        assert asked[0]["model"] == "rtrl-policy-v3" and asked[0]["logprobs"] is True
+        assert asked[0]["return_tokens_as_token_ids"] is True
+        assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == ["H", "é", "llo"]  # as asked: text
+        assert answer.headers["X-Rtrl-Policy-Version"] == "3" and body["id"] == answer.headers["X-Request-Id"]
+        wait_for(lambda: events, 10, "the event")
+        assert events[0]["completion_token_ids"] == [39, 4417, 654]
+        assert events[0]["behavior_logprobs"] == [-0.25, -1.5, -0.125] and events[0]["policy_version"] == "3"
+    finally:
+        httpd.shutdown()
