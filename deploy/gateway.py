@@ -255,14 +255,31 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 gw.send_later(lambda: event(request_id, version, body, headers, "".join(text),
                                             [calls[k] for k in sorted(calls)], entries, truncated=not done))
 
+    async def json_object(request: Request) -> dict[str, Any] | None:
+        try:
+            body = await request.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def not_json() -> JSONResponse:
+        return JSONResponse({"error": {"message": "the request body must be a JSON object",
+                                       "type": "invalid_request_error"}}, 400)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await request.json()
+        body = await json_object(request)
+        if body is None or not isinstance(body.get("messages"), list):
+            return not_json() if body is None else JSONResponse(
+                {"error": {"message": "messages: a list of chat messages is required", "param": "messages",
+                           "type": "invalid_request_error"}}, 400)
         return await _in_thread(forward, "/v1/chat/completions", body, request.headers, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await request.json()
+        body = await json_object(request)
+        if body is None:
+            return not_json()
         return await _in_thread(forward, "/v1/completions", body, request.headers, False)
 
     @app.get("/v1/models")
@@ -272,7 +289,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
-        body = await request.json()
+        body = await json_object(request)
+        if body is None:
+            return not_json()
         try:
             ev = FeedbackEvent.model_validate({
                 "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or f"gwf-{uuid.uuid4().hex}",

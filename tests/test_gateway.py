@@ -105,6 +105,8 @@ def test_feedback_is_validated_and_counted_when_its_request_is_unknown(through):
     bad = http.post("/v1/feedback", json={"request_id": answer.id, "kind": "accepted", "value": "yes"})
     assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("value")
     assert len(feedback) == 1
+    assert http.post("/v1/feedback", content=b"[1, 2]").status_code == 400  # not a JSON object: refused
+    assert http.post("/v1/chat/completions", content=b"{nope").status_code == 400
     http.post("/v1/feedback", json={"request_id": "req-elsewhere", "kind": "accepted", "value": 1})
     assert len(feedback) == 2  # accepted: the join handles any order, and counted
     assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 1
