@@ -108,3 +108,16 @@ def test_a_truncated_stream_and_the_tools_offered_reach_the_selection_s_tokeniza
     assert report.data.skipped == {Skip.TRUNCATED.value: 1} and len(episodes) == 1
     with_tools = tok(render_prompt(tok, prompt, tools), add_special_tokens=False).input_ids
     assert episodes[0].input_ids[:len(with_tools)] == with_tools and "lookup" in render_prompt(tok, prompt, tools)
+
+
+def test_episodes_of_one_task_are_one_group_whatever_came_after_the_task():
+    """Group-relative advantages compare answers to the same task: an agent's later call (more
+    turns after the first user message) and a call under another system prompt are the task's."""
+    from pipeline.core.types import task_key
+
+    task = {"role": "user", "content": "rename foo.py"}
+    first = [{"role": "system", "content": "terse"}, task]
+    later = [{"role": "system", "content": "verbose"}, task, {"role": "assistant", "content": "looking"},
+             {"role": "tool", "content": "foo.py exists"}]
+    assert task_key(first) == task_key(later) != task_key([{"role": "user", "content": "rename bar.py"}])
+    assert task_key("reverse: abc") != task_key("reverse: abd")  # a text prompt is its own task

@@ -41,7 +41,7 @@ from pipeline.core.store.training import (
     start_run,
 )
 from pipeline.core.timing import Stopwatch
-from pipeline.core.types import prompt_key, sampling_params
+from pipeline.core.types import sampling_params, task_key
 from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
 from train.distributed import run_distributed
 from train.loop import LoopResult, train_policy
@@ -126,8 +126,8 @@ def _nothing(report: TrainReport, why: str) -> NothingToTrain:
 
 def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
                        report: TrainReport) -> tuple[list[TokenizedEpisode], list[Any], list[str]]:
-    """Tokenized episodes, the selection rows they came from, and each one's prompt group
-    (episodes with the same prompt, for group-relative advantages); skips counted in `report`."""
+    """Tokenized episodes, the selection rows they came from, and each one's group (episodes of
+    the same task -- first user message -- for group-relative advantages); skips counted in `report`."""
     episodes, rows, groups = [], [], []
     for row in selection.rows:
         try:
@@ -154,7 +154,7 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
         out.sample_with(sampling)
         episodes.append(out)
         rows.append(row)
-        groups.append(hashlib.sha1(prompt_key(ev.get("prompt", ""))).hexdigest())
+        groups.append(hashlib.sha1(task_key(ev.get("prompt", ""))).hexdigest())
     return episodes, rows, groups
 
 

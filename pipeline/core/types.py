@@ -207,6 +207,18 @@ def prompt_key(prompt: Any) -> bytes:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
+def task_key(prompt: Any) -> bytes:
+    """The task a prompt asks for, as canonical bytes: its first user message (an agent's later
+    calls carry the same task with more turns after it; a system prompt is not the task), the
+    whole prompt when it has none (text prompts). Training's group-relative advantages compare
+    the episodes of one task."""
+    if isinstance(prompt, list):
+        for message in prompt:
+            if isinstance(message, dict) and message.get("role") == "user":
+                return prompt_key(message.get("content"))
+    return prompt_key(prompt)
+
+
 def expects_attempt(metadata: Any) -> bool:
     """`metadata.expects_attempt` of an interaction, true unless the producer says otherwise:
     whether an abstention (empty output, a clarifying question) is a failure to attempt."""
