@@ -30,6 +30,7 @@ completions: 0), `return_tokens_as_token_ids`, and in the answer `logprobs.conte
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -47,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import ValidationError
 
 from deploy.rollout import routes_to_canary
+from deploy.serve import header_id
 from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, ModelUpdate, Sampling
 
 log = logging.getLogger("rtrl.gateway")
@@ -139,11 +141,6 @@ def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
              else e.get("token")} for e in entries]
 
 
-def _header(headers: Any, name: str) -> str | None:
-    value = (headers.get(name) or "")[:256]
-    return value if value.strip() else None
-
-
 def create_gateway_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="rtrl gateway")
 
@@ -153,16 +150,16 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         return InteractionEvent(
             schema_version=SCHEMA_VERSION, event_id=f"gw-{uuid.uuid4().hex}", type="interaction",
             ts=datetime.now(timezone.utc), request_id=request_id,
-            session_id=_header(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
-            tenant=_header(headers, "x-tenant") or gw.default_tenant, policy_version=version,
+            session_id=header_id(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
+            tenant=header_id(headers, "x-tenant") or gw.default_tenant, policy_version=version,
             prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=completion,
             completion_token_ids=ids if entries and None not in ids else None,
             behavior_logprobs=[e["logprob"] for e in entries] if entries else None,
             sampling=Sampling(temperature=body.get("temperature", 1.0), top_p=body.get("top_p"),
                               top_k=body.get("top_k"), max_tokens=body.get("max_tokens"), seed=body.get("seed")),
             metadata={"server": "rtrl-gateway", "upstream": gw.upstream},
-            client_request_id=_header(headers, "x-request-id"), tools=body.get("tools"),
-            tool_calls=tool_calls or None, episode_id=_header(headers, "x-rtrl-episode-id"),
+            client_request_id=header_id(headers, "x-request-id"), tools=body.get("tools"),
+            tool_calls=tool_calls or None, episode_id=header_id(headers, "x-rtrl-episode-id"),
             truncated=truncated or None)
 
     def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool) -> Response:
@@ -319,8 +316,5 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """A blocking upstream call off the event loop (a sync route would do it too; the request's
-    JSON body is read first, on the loop)."""
-    import asyncio
-
+    """A blocking upstream call off the event loop (the request's JSON body is read first, on it)."""
     return await asyncio.to_thread(fn, *args)

@@ -169,14 +169,14 @@ class PolicyServer:
             event = InteractionEvent(
                 schema_version=SCHEMA_VERSION, event_id=f"srv-{uuid.uuid4().hex}", type="interaction",
                 ts=datetime.now(timezone.utc), request_id=a.request_id,
-                session_id=_header(headers, "x-session-id") or a.request_id, user_id=req.user or "anonymous",
-                tenant=_header(headers, "x-tenant") or self.default_tenant, policy_version=a.version,
+                session_id=header_id(headers, "x-session-id") or a.request_id, user_id=req.user or "anonymous",
+                tenant=header_id(headers, "x-tenant") or self.default_tenant, policy_version=a.version,
                 prompt=prompt, completion=a.gen.text, completion_token_ids=a.gen.token_ids,
                 behavior_logprobs=a.gen.logprobs,
                 sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
                                   seed=a.seed),
                 latency_ms=round(a.gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
-                client_request_id=_header(headers, "x-request-id"), tools=tools,
+                client_request_id=header_id(headers, "x-request-id"), tools=tools,
                 tool_calls=a.calls.calls if a.calls is not None and a.calls.calls else None,
                 group_id=a.group_id, truncated=truncated or None)
             self.emit(event.to_wire())
@@ -189,7 +189,7 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
-def _header(headers: dict[str, str], name: str) -> str | None:
+def header_id(headers: dict[str, str], name: str) -> str | None:
     """A header as an event identifier: at most 256 characters, None when absent or blank."""
     value = (headers.get(name) or "")[:256]
     return value if value.strip() else None

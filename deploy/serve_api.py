@@ -173,7 +173,7 @@ def create_app(server: PolicyServer) -> FastAPI:
     @app.post("/v1/completions")
     def completions(req: CompletionRequest, request: Request) -> Response:
         if req.stream:
-            return _stream(server, req, req.prompt, None, None, dict(request.headers), chat=False)
+            return _stream(req, req.prompt, None, None, dict(request.headers), chat=False)
         answers = server.answer(req.prompt, req, dict(request.headers))
         server.requests.labels("completions", "ok").inc()
         body = {"id": answers[0].request_id, "object": "text_completion", "created": int(time.time()),
@@ -190,7 +190,7 @@ def create_app(server: PolicyServer) -> FastAPI:
     def chat(req: ChatRequest, request: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         if req.stream:
-            return _stream(server, req, messages, req.tools, req.parse_tools(), dict(request.headers), chat=True)
+            return _stream(req, messages, req.tools, req.parse_tools(), dict(request.headers), chat=True)
         answers = server.answer(messages, req, dict(request.headers), tools=req.tools, parse_tools=req.parse_tools())
         server.requests.labels("chat", "ok").inc()
         choices = []
@@ -215,7 +215,7 @@ def create_app(server: PolicyServer) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(server.metrics), media_type=CONTENT_TYPE_LATEST)
 
-    def _stream(server: PolicyServer, req: _Sampling, prompt: Any, tools: Any, parse: Any,
+    def _stream(req: _Sampling, prompt: Any, tools: Any, parse: Any,
                 request_headers: dict[str, str], chat: bool) -> StreamingResponse:
         """Generation in a thread, its tokens through a queue to the client as server-sent events;
         the event once the stream ends (truncated if the client went away first)."""
@@ -245,7 +245,8 @@ def create_app(server: PolicyServer) -> FastAPI:
             finished, ids, text, sent = False, [], "", 0
             try:
                 if chat:
-                    yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+                    yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
                 while (item := await asyncio.to_thread(tokens.get)) is not None:
                     token, lp = item
                     ids.append(token)

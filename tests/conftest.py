@@ -185,3 +185,24 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)  # polling with a deadline, not synchronisation by sleep
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class InProcessServer:
+    """An ASGI app served by uvicorn on a free port in a thread of this process (a real socket:
+    what a client that disconnects, or a proxy in front, needs); `.url`, `.stop()`."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.uv.started, 30, "the server to start")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)

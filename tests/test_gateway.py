@@ -9,33 +9,15 @@ import threading
 
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from deploy.gateway import Gateway, create_gateway_app
 from deploy.serve import PolicyServer
 from deploy.serve_api import create_app
 from pipeline.core.types import ModelUpdate
-from tests.conftest import free_port, wait_for
+from tests.conftest import InProcessServer, wait_for
 from tests.test_serve_agents import ASK, LOOKUP, Scripted
 from train.inference import PolicySet
-
-
-class Upstream:
-    """An rtrl serve app on a free port, in this process."""
-
-    def __init__(self, server: PolicyServer) -> None:
-        self.port = free_port()
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port,
-                                                log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.uv.started, 30, "the upstream to start")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +29,7 @@ def real(reverse_base):
 def through(real):
     """(openai client through the gateway, the gateway, interaction events, feedback events, upstream)."""
     interactions, feedback = [], []
-    upstream = Upstream(PolicyServer(real, "policy"))
+    upstream = InProcessServer(create_app(PolicyServer(real, "policy")))
     gw = Gateway(upstream.url, "policy", interactions.append, feedback.append)
     http = TestClient(create_gateway_app(gw))
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
@@ -84,7 +66,7 @@ def test_a_stream_through_the_gateway_and_its_event_once_it_ends(through):
 def test_tool_calls_pass_through_and_reach_the_event(real):
     events: list[dict] = []
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
-    upstream = Upstream(PolicyServer(Scripted(real, call), "policy"))
+    upstream = InProcessServer(create_app(PolicyServer(Scripted(real, call), "policy")))
     try:
         gw = Gateway(upstream.url, "policy", events.append, None)
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",

@@ -9,19 +9,17 @@ Where a test needs the model to write a particular tool call, `Scripted` answers
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import openai
 import pytest
 import requests
-import uvicorn
 from fastapi.testclient import TestClient
 
 from deploy.serve import PolicyServer
 from deploy.serve_api import create_app
 from pipeline.core.textchecks import malformed_tool_call
-from tests.conftest import free_port, wait_for
+from tests.conftest import InProcessServer, wait_for
 from train.inference import Generation, PolicySet
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "the word stored under a key",
@@ -145,19 +143,14 @@ def test_a_streamed_tool_call_arrives_as_tool_call_deltas(real):
 def test_a_client_that_goes_away_mid_stream_stops_generation_and_its_event_is_marked_truncated(real):
     sent: list[dict] = []
     server = PolicyServer(Scripted(real, "x" * 200, delay_s=0.02), "policy", emit=sent.append)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
+    http = InProcessServer(create_app(server))
     try:
-        wait_for(lambda: uv.started, 30, "the server to start")
-        with requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", stream=True, timeout=30,
+        with requests.post(f"{http.url}/v1/chat/completions", stream=True, timeout=30,
                            json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
             lines = response.iter_lines()
             assert next(lines).startswith(b"data: ")  # the first chunk arrived; then the client leaves
         wait_for(lambda: sent, 30, "the interaction event")
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
+        http.stop()
     (event,) = sent
     assert event["truncated"] is True and len(event["completion_token_ids"]) < 201  # stopped early

@@ -46,10 +46,18 @@ class Spool:
                  commit_s: float = 0.05, segment_bytes: int = 16 << 20) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes, self.when_full, self.commit_s, self.segment_bytes = max_bytes, when_full, commit_s, segment_bytes
+        self.max_bytes, self.when_full = max_bytes, when_full
+        self.commit_s, self.segment_bytes = commit_s, segment_bytes
         self.lock = threading.Condition()
         self.refused = 0
+        seg, off = self._position()
+        for sent in (s for s in self._segments() if s < seg):  # sent whole before a crash removed it
+            self._path(sent).unlink()
         segments = self._segments()
+        # kept in memory, not read from the disk on every append (serving appends per request):
+        # the bytes the segments hold, and how many of the oldest segment's were sent already
+        self.bytes = sum(self._path(s).stat().st_size for s in segments)
+        self.sent_offset = off if seg in segments else 0
         self.segment = (segments[-1] + 1) if segments else 0  # never append to a segment a crash may have torn
         self.file = open(self._path(self.segment), "ab")
         self.dirty = False
@@ -74,17 +82,16 @@ class Spool:
             if self.file.tell() + len(record) > self.segment_bytes and self.file.tell() > 0:
                 self._roll()
             self.file.write(record)
+            self.bytes += len(record)
             self.dirty = True
 
     def size(self) -> int:
         """Bytes the spool holds (a segment's sent records included, until it is sent whole)."""
-        return sum(self._length(s) for s in self._segments())
+        return self.bytes
 
     def pending(self) -> bool:
         """Whether anything waits to be sent."""
-        with self.lock:
-            seg, off = self._position()
-            return any(self._length(s) > (off if s == seg else 0) for s in self._segments() if s >= seg)
+        return self.bytes > self.sent_offset
 
     # -- draining ----------------------------------------------------------------------------
 
@@ -99,9 +106,6 @@ class Spool:
             segments = [s for s in self._segments() if s != self.segment]
         seg, off = self._position()
         for s in segments:
-            if s < seg:
-                self._path(s).unlink(missing_ok=True)  # sent whole before a crash
-                continue
             start = off if s == seg else 0
             done = 0
             for end, (topic, key, value) in self._records(s, start):
@@ -109,9 +113,12 @@ class Spool:
                 sent, done = sent + 1, done + 1
                 if done % batch == 0:
                     self._save_position(s, end)
+                    self.sent_offset = end
             self._save_position(s + 1, 0)
+            length = self._length(s)
             self._path(s).unlink(missing_ok=True)
             with self.lock:
+                self.bytes, self.sent_offset = self.bytes - length, 0
                 self.lock.notify_all()  # room for a blocked append
         return sent
 
@@ -162,8 +169,6 @@ class Spool:
         return self.dir / f"{segment:012d}.spool"
 
     def _length(self, segment: int) -> int:
-        if segment == self.segment and not self.closed:
-            return self.file.tell()  # the open segment: what was written, flushed or not
         path = self._path(segment)
         return path.stat().st_size if path.exists() else 0
 
