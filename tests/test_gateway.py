@@ -11,9 +11,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.gateway import Gateway, create_gateway_app
+from deploy.gateway import Gateway
+from deploy.gateway_api import create_gateway_app
 from deploy.serve import PolicyServer
-from deploy.serve_api import create_app
+from deploy.serve_api import ChatRequest, create_app
 from pipeline.core.types import ModelUpdate
 from tests.conftest import InProcessServer, wait_for
 from tests.test_serve_agents import ASK, LOOKUP, Scripted
@@ -94,6 +95,20 @@ def test_feedback_is_validated_and_counted_when_its_request_is_unknown(through):
     assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 1
 
 
+def test_an_episode_s_outcome_is_feedback_naming_the_episode(through):
+    client, gw, events, feedback, _, http = through
+    client.chat.completions.create(model="policy", messages=ASK, max_tokens=2,
+                                   extra_headers={"X-Rtrl-Episode-Id": "task-7", "X-Rtrl-Step": "0"})
+    ok = http.post("/v1/feedback", json={"episode_id": "task-7", "kind": "persisted", "value": True})
+    assert ok.status_code == 202 and ok.json()["episode_id"] == "task-7" and "request_id" not in ok.json()
+    assert feedback[-1]["episode_id"] == "task-7" and "request_id" not in feedback[-1]
+    assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 0  # it was answered
+    both = http.post("/v1/feedback", json={"episode_id": "task-7", "request_id": "r", "kind": "x", "value": 1})
+    assert both.status_code == 422 and "exactly one of request_id" in both.json()["error"]["message"]
+    wait_for(lambda: events, 10, "the interaction event")
+    assert events[-1]["episode_id"] == "task-7" and events[-1]["step"] == 0
+
+
 def test_an_upstream_error_or_absence_reaches_the_client_and_produces_no_event(through):
     client, gw, events, _, upstream, _ = through
     with pytest.raises(openai.BadRequestError) as err:  # rtrl serve refuses `stop`: its 400, passed on
@@ -116,6 +131,22 @@ def test_routing_follows_the_champion_and_the_canary_s_share():
     assert 150 < sum(r[0] == "4" for r in routed) < 250
     gw.on_update(ModelUpdate("canary", None))
     assert gw.route("req-1") == ("3", "m-v3")
+
+
+def test_rtrl_serve_behind_a_gateway_answers_with_the_version_the_model_names(real):
+    """As vLLM serves the LoRA a request's `model` names: the gateway in front then decides the
+    canary's share. A name that is not the champion or the canary is routed by the server."""
+    server = PolicyServer(real, "policy")
+    server.version, server.canary, server.canary_share = "3", "4", 0.5
+    assert [server.named(m) for m in ("policy-v4", "policy-v3", "policy-v5", "other-v3", "policy", None)] == [
+        "4", "3", None, None, None, None]
+    # the base champion has no adapter name: the gateway's header says it chose the champion, and
+    # the server must not split that request again (the canary answered 68 % instead of 50 % in
+    # a demo through the gateway: half of the base's share went to the canary a second time)
+    server.version, server.canary_share = "base", 1.0  # the canary (not loaded here) would take every request
+    req = ChatRequest(model="policy", messages=ASK, max_tokens=2)
+    (answer,) = server.answer(ASK, req, {"x-rtrl-routed": "champion"}, send_event=False)
+    assert answer.version == "base"
 
 
 def test_vllm_s_fields_as_its_server_gives_them():

@@ -22,21 +22,24 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     while Kafka is away."""
     import uvicorn
 
-    from deploy.events import EventSender
+    from deploy.events import FEEDBACK_KEY, EventSender
     from deploy.follow import Follower, current
-    from deploy.gateway import Gateway, create_gateway_app
+    from deploy.gateway import Gateway
+    from deploy.gateway_api import create_gateway_app
     from deploy.registry import Registry
     from pipeline.core.spool import Spool
 
     config = ctx.config
     spool_dir = config.state_dir / "spool" / f"gateway-{port}"
 
-    def sender(topic: str, part: str) -> EventSender:
-        return EventSender(config.kafka_access, topic, key="request_id", timeout_s=10.0,
+    def sender(topic: str, part: str, key: str | tuple[str, ...]) -> EventSender:
+        # write-ahead: an event is in the spool (fsynced within its commit interval) before it is
+        # sent, so a gateway killed under load loses at most that interval's events
+        return EventSender(config.kafka_access, topic, key=key, timeout_s=10.0, write_ahead=True,
                            spool=Spool(spool_dir / part, config.spool.max_bytes, config.spool.when_full))
 
-    interactions, feedback = sender(config.kafka.interactions_topic, "interactions"), \
-        sender(config.kafka.feedback_topic, "feedback")
+    interactions = sender(config.kafka.interactions_topic, "interactions", "request_id")
+    feedback = sender(config.kafka.feedback_topic, "feedback", FEEDBACK_KEY)
     gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s)
     registry = Registry(config.tracking_uri, config.mlflow.registered_model, None)
     try:

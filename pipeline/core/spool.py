@@ -12,6 +12,10 @@ while Kafka is away, and what waits is sent in order once it is back.
              False: the caller counts and logs it) or, with `when_full = "block"`, waits for
              the drain to make room -- never a silent drop
 
+One process owns a spool directory: it holds an exclusive lock on `<dir>/lock` while open
+(released by the OS when it dies, kill -9 included); a second opener gets SpoolBusy at once
+instead of two writers interleaving records and positions.
+
 On disk: `<dir>/<segment:012d>.spool`, each record `[4-byte length][4-byte crc32][payload]`
 (payload: JSON {"topic", "key", "value"}); `<dir>/position` holds "<segment> <offset>". A
 record torn by a crash (short, or failing its checksum) ends its segment: it and what follows
@@ -22,6 +26,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -31,7 +36,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger("rtrl.spool")
 _HEAD = struct.Struct(">II")  # length, crc32
@@ -41,11 +46,22 @@ class SpoolFull(RuntimeError):
     """The spool is at max_bytes and refuses new records (`when_full = "refuse"`)."""
 
 
+class SpoolBusy(RuntimeError):
+    """Another process (or another open Spool) holds this spool directory."""
+
+
 class Spool:
     def __init__(self, directory: Path, max_bytes: int = 1 << 30, when_full: Literal["refuse", "block"] = "refuse",
                  commit_s: float = 0.05, segment_bytes: int = 16 << 20) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.lockfile = open(self.dir / "lock", "a+")
+        try:
+            fcntl.flock(self.lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lockfile.close()
+            raise SpoolBusy(f"the spool under {self.dir} is in use by another process: give each process "
+                            "(each gateway port, each application worker) its own spool directory") from None
         self.max_bytes, self.when_full = max_bytes, when_full
         self.commit_s, self.segment_bytes = commit_s, segment_bytes
         self.lock = threading.Condition()
@@ -95,9 +111,12 @@ class Spool:
 
     # -- draining ----------------------------------------------------------------------------
 
-    def drain(self, send: Callable[[str, bytes | None, bytes], None], batch: int = 500) -> int:
-        """Send every waiting record in order; returns how many were sent. A send that raises
-        stops the drain there (the record stays first in line); the caller retries later."""
+    def drain(self, send: Callable[[str, bytes | None, bytes], Any], batch: int = 500) -> int:
+        """Send every waiting record in order; returns how many were sent. `send` may return a
+        future (anything with `.get()`): the records of a batch are then in flight together,
+        and the position is saved only once every one of them is acknowledged. A send (or a
+        future) that raises stops the drain there (the batch stays first in line: records of
+        it that did arrive arrive again, duplicates ingest drops); the caller retries later."""
         sent = 0
         with self.lock:
             self._flush()
@@ -107,13 +126,20 @@ class Spool:
         seg, off = self._position()
         for s in segments:
             start = off if s == seg else 0
-            done = 0
+            done, in_flight = 0, []
             for end, (topic, key, value) in self._records(s, start):
-                send(topic, key, value)
+                future = send(topic, key, value)
+                if future is not None:
+                    in_flight.append(future)
                 sent, done = sent + 1, done + 1
                 if done % batch == 0:
+                    for future in in_flight:
+                        future.get()
+                    in_flight.clear()
                     self._save_position(s, end)
                     self.sent_offset = end
+            for future in in_flight:
+                future.get()
             self._save_position(s + 1, 0)
             length = self._length(s)
             self._path(s).unlink(missing_ok=True)
@@ -192,6 +218,7 @@ class Spool:
             self._flush()
             self.closed = True
             self.file.close()
+            self.lockfile.close()  # releases the lock
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,244 @@
+"""`rtrl gateway`'s HTTP surface (deploy/gateway.py holds its routing state and the events' way
+out): the OpenAI-compatible routes forwarded to the upstream, as the client asked for them, with
+what training needs asked of the upstream and put in the interaction event; the feedback and
+interaction routes; /health and /metrics. See deploy/gateway.py for the whole design."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from deploy.gateway import Gateway, new_id
+from deploy.serve import header_id, header_step
+from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
+
+
+def _token_id(entry: dict[str, Any]) -> int | None:
+    token = entry.get("token")
+    if isinstance(token, str) and token.startswith("token_id:"):
+        return int(token.split(":", 1)[1])
+    return entry.get("token_id")
+
+
+def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
+    """Log-prob entries with tokens as the client asked: ids, or text (from the entry's bytes)."""
+    if ids:
+        return entries
+    return [{**e, "token": bytes(e["bytes"]).decode(errors="replace") if e.get("bytes") is not None
+             else e.get("token")} for e in entries]
+
+
+def create_gateway_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="rtrl gateway")
+
+    def event(request_id: str, version: str, body: dict[str, Any], headers: Any, completion: str,
+              tool_calls: list | None, entries: list[dict[str, Any]], truncated: bool = False) -> InteractionEvent:
+        ids = [_token_id(e) for e in entries]
+        return InteractionEvent(
+            schema_version=SCHEMA_VERSION, event_id=new_id("gw"), type="interaction",
+            ts=datetime.now(timezone.utc), request_id=request_id,
+            session_id=header_id(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
+            tenant=header_id(headers, "x-tenant") or gw.default_tenant, policy_version=version,
+            prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=completion,
+            completion_token_ids=ids if entries and None not in ids else None,
+            behavior_logprobs=[e["logprob"] for e in entries] if entries else None,
+            sampling=Sampling(temperature=body.get("temperature", 1.0), top_p=body.get("top_p"),
+                              top_k=body.get("top_k"), max_tokens=body.get("max_tokens"), seed=body.get("seed")),
+            metadata={"server": "rtrl-gateway", "upstream": gw.upstream},
+            client_request_id=header_id(headers, "x-request-id"), tools=body.get("tools"),
+            tool_calls=tool_calls or None, episode_id=header_id(headers, "x-rtrl-episode-id"),
+            step=header_step(headers), truncated=truncated or None)
+
+    async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool) -> Response:
+        request_id = new_id("req")
+        version, model = gw.route(request_id)
+        asked_logprobs = bool(request_body.get("logprobs"))
+        asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
+        up = {**request_body, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}
+        if model is not None:
+            up["model"] = model
+        stream = bool(request_body.get("stream"))
+        endpoint = "chat" if chat else "completions"
+        try:
+            # X-Rtrl-Routed: the choice made, for an upstream that routes canaries itself (rtrl
+            # serve); vLLM goes by the adapter `model` names
+            answer = await (await gw.session()).post(
+                f"{gw.upstream}{path}", data=orjson.dumps(up),
+                headers={"X-Request-Id": request_id, "Content-Type": "application/json",
+                         "X-Rtrl-Routed": "canary" if gw.canary is not None and version == gw.canary else "champion"})
+        except asyncio.TimeoutError:
+            gw.requests.labels(endpoint, "upstream_timeout").inc()
+            return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not answer in "
+                                                      f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
+        except aiohttp.ClientError as exc:
+            gw.requests.labels(endpoint, "upstream_unreachable").inc()
+            return JSONResponse({"error": {"message": f"the upstream {gw.upstream} is unreachable: {exc}",
+                                           "type": "upstream_unreachable"}}, 502)
+        if answer.status >= 400:  # the client gets the upstream's own error; no answer, no event
+            gw.requests.labels(endpoint, "upstream_error").inc()
+            async with answer:
+                return Response(await answer.read(), answer.status, media_type=answer.headers.get("content-type"))
+        served = answer.headers.get("x-rtrl-policy-version") or version  # an rtrl serve upstream says
+        out_headers = {"X-Request-Id": request_id, "X-Rtrl-Policy-Version": served}
+        if stream:
+            return StreamingResponse(relay(answer, request_id, served, request_body, headers, chat, asked_logprobs,
+                                           asked_ids), media_type="text/event-stream", headers=out_headers)
+        try:
+            async with answer:
+                data = orjson.loads(await answer.read())
+        except asyncio.TimeoutError:
+            gw.requests.labels(endpoint, "upstream_timeout").inc()
+            return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not finish its answer in "
+                                                      f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
+        gw.requests.labels(endpoint, "ok").inc()
+        gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
+        for choice in data.get("choices", []):
+            lp = choice.get("logprobs") or {}
+            if chat:
+                entries = lp.get("content") or []
+                message = choice.get("message") or {}
+                completion, calls = message.get("content") or "", message.get("tool_calls")
+            else:
+                entries = [{"token": t, "logprob": v} for t, v in zip(lp.get("tokens") or [],
+                                                                       lp.get("token_logprobs") or [])]
+                completion, calls = choice.get("text") or "", None
+            gw.send_later(lambda: event(request_id, served, request_body, headers, completion, calls, entries))
+            if not asked_logprobs:
+                choice.pop("logprobs", None)
+            elif chat:
+                choice["logprobs"] = {"content": _as_asked(entries, asked_ids)}
+        data["id"] = request_id
+        return Response(orjson.dumps(data), media_type="application/json", headers=out_headers)
+
+    async def relay(answer: aiohttp.ClientResponse, request_id: str, version: str, body: dict[str, Any],
+                    headers: Any, chat: bool, asked_logprobs: bool, asked_ids: bool) -> AsyncIterator[bytes]:
+        """The upstream's chunks to the client, as asked; the event once the stream ends (a client
+        that leaves cancels this generator: the upstream's connection is closed, which stops its
+        generation, and the event is marked truncated)."""
+        text, calls, entries, done = [], {}, [], False
+        try:
+            async for line in answer.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[len(b"data: "):].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    yield b"data: [DONE]\n\n"
+                    break
+                chunk = orjson.loads(payload)
+                chunk["id"] = request_id
+                for choice in chunk.get("choices", []):
+                    lp = choice.get("logprobs") or {}
+                    if chat:
+                        delta = choice.get("delta") or {}
+                        text.append(delta.get("content") or "")
+                        for tc in delta.get("tool_calls") or ():
+                            calls.setdefault(tc.get("index", 0), tc)
+                        entries.extend(lp.get("content") or [])
+                    else:
+                        text.append(choice.get("text") or "")
+                        entries.extend({"token": t, "logprob": v} for t, v in zip(lp.get("tokens") or [],
+                                                                                  lp.get("token_logprobs") or []))
+                    if not asked_logprobs:
+                        choice.pop("logprobs", None)
+                    elif chat and lp.get("content"):
+                        choice["logprobs"] = {"content": _as_asked(lp["content"], asked_ids)}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        finally:
+            answer.close()
+            gw.requests.labels("chat" if chat else "completions", "ok" if done else "disconnected").inc()
+            if entries or text:
+                gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
+                gw.send_later(lambda: event(request_id, version, body, headers, "".join(text),
+                                            [calls[k] for k in sorted(calls)], entries, truncated=not done))
+
+    async def json_object(request: Request) -> dict[str, Any] | None:
+        try:
+            body = await request.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def not_json() -> JSONResponse:
+        return JSONResponse({"error": {"message": "the request body must be a JSON object",
+                                       "type": "invalid_request_error"}}, 400)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await json_object(request)
+        if body is None or not isinstance(body.get("messages"), list):
+            return not_json() if body is None else JSONResponse(
+                {"error": {"message": "messages: a list of chat messages is required", "param": "messages",
+                           "type": "invalid_request_error"}}, 400)
+        return await forward("/v1/chat/completions", body, request.headers, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await json_object(request)
+        if body is None:
+            return not_json()
+        return await forward("/v1/completions", body, request.headers, False)
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
+        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+
+    def refused(exc: ValidationError) -> Response:
+        field, reason = first_violation(exc)
+        return JSONResponse({"error": {"message": f"{field}: {reason}", "param": field}}, 422)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> Response:
+        body = await json_object(request)
+        if body is None:
+            return not_json()
+        try:
+            ev = FeedbackEvent.model_validate({
+                "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or new_id("gwf"),
+                "type": "feedback", "ts": body.get("ts") or datetime.now(timezone.utc), **{
+                    k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")}})
+        except ValidationError as exc:
+            return refused(exc)
+        if (f"r:{ev.request_id}" if ev.request_id is not None else f"e:{ev.episode_id}") not in gw.recent:
+            gw.unknown.inc()
+        gw._emit("feedback", gw.emit_feedback, ev.to_wire())
+        return JSONResponse({"event_id": ev.event_id, **ev.model_dump(include={"request_id", "episode_id"},
+                                                                       exclude_none=True)}, 202)
+
+    @app.post("/v1/interactions")
+    async def interaction(request: Request) -> Response:
+        """An interaction event of an application that serves its model itself (pipeline/client.py):
+        validated against the contract and produced as sent."""
+        body = await json_object(request)
+        if body is None:
+            return not_json()
+        try:
+            ev = InteractionEvent.model_validate(body)
+        except ValidationError as exc:
+            return refused(exc)
+        gw.answered(ev.request_id, ev.episode_id)
+        gw._emit("interaction", gw.emit_interaction, body)
+        return JSONResponse({"event_id": ev.event_id, "request_id": ev.request_id}, 202)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "upstream": gw.upstream, "version": gw.champion or "base",  # as rtrl serve's
+                "champion": gw.champion or "base",
+                "canary": {"version": gw.canary, "share": gw.canary_share} if gw.canary else None}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(gw.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

@@ -1,0 +1,103 @@
+"""The client library (pipeline/client.py): importable without the ML stack; through a real
+`rtrl gateway` (uvicorn on a socket) and straight to the real broker; events checked by the
+contract's models before they leave; a spool per process while the broker is away."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deploy.gateway import Gateway
+from deploy.gateway_api import create_gateway_app
+from pipeline.client import Rtrl
+from pipeline.core.spool import SpoolBusy
+from tests.conftest import InProcessServer, free_port, wait_for
+
+
+def test_importing_the_client_loads_no_ml_stack(tmp_path):
+    code = ("import sys; from pipeline.client import Rtrl; "
+            f"Rtrl(bootstrap='127.0.0.1:9', spool_dir={str(tmp_path)!r}).close(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_exactly_one_transport():
+    with pytest.raises(ValueError, match="exactly one"):
+        Rtrl()
+    with pytest.raises(ValueError, match="exactly one"):
+        Rtrl("http://127.0.0.1:9", bootstrap="127.0.0.1:9")
+
+
+@pytest.fixture
+def gateway():
+    interactions, feedback = [], []
+    gw = Gateway("http://127.0.0.1:9", "policy", interactions.append, feedback.append)
+    server = InProcessServer(create_gateway_app(gw))
+    yield server.url, interactions, feedback
+    server.stop()
+
+
+def test_through_the_gateway(gateway):
+    url, interactions, feedback = gateway
+    with Rtrl(gateway_url=url) as rtrl:
+        request_id = rtrl.interaction(prompt=[{"role": "user", "content": "reverse abc"}], completion="cba",
+                                      policy_version="3", episode_id="task-1", step=0,
+                                      completion_token_ids=[5, 6], behavior_logprobs=[-0.1, -0.2],
+                                      sampling={"temperature": 1.0})
+        first = rtrl.feedback(request_id, kind="accepted", value=True)
+        rtrl.episode_outcome("task-1", kind="persisted", value=True, payload={"tests": "passed"})
+        # refused here, before it leaves, naming the field
+        with pytest.raises(ValueError, match="value"):
+            rtrl.feedback(request_id, kind="accepted", value="yes")
+        with pytest.raises(ValueError, match="policy_version"):
+            rtrl.interaction(prompt="p", completion="c", policy_version="")
+    wait_for(lambda: interactions, 10, "the interaction event")
+    assert interactions[0]["request_id"] == request_id and interactions[0]["episode_id"] == "task-1"
+    assert feedback[0] == {**feedback[0], "request_id": request_id, "event_id": first, "kind": "accepted"}
+    assert feedback[1]["episode_id"] == "task-1" and "request_id" not in feedback[1]
+    assert feedback[1]["payload"] == {"tests": "passed"} and len(feedback) == 2
+
+
+def test_a_gateway_that_is_away_is_a_connection_error():
+    with Rtrl(gateway_url=f"http://127.0.0.1:{free_port()}", timeout_s=2) as rtrl:
+        with pytest.raises(ConnectionError, match="is `rtrl gateway` running there"):
+            rtrl.feedback("r-1", kind="accepted", value=True)
+
+
+def test_one_process_per_spool_and_events_wait_there_while_the_broker_is_away(tmp_path):
+    with Rtrl(bootstrap=f"127.0.0.1:{free_port()}", spool_dir=tmp_path, timeout_s=1) as rtrl:
+        rtrl.episode_outcome("task-9", kind="persisted", value=False)  # no broker: spooled, not lost
+        assert rtrl.senders["feedback"].spool.pending()
+        with pytest.raises(SpoolBusy, match="its own spool directory"):
+            Rtrl(bootstrap="127.0.0.1:9", spool_dir=tmp_path)
+    assert any(p.suffix == ".spool" and p.stat().st_size for p in (tmp_path / "feedback").iterdir())
+
+
+@pytest.mark.kafka
+def test_straight_to_kafka(kafka_bootstrap, topics, tmp_path):
+    from kafka import KafkaConsumer
+
+    with Rtrl(bootstrap=kafka_bootstrap, interactions_topic=topics["interactions"],
+              feedback_topic=topics["feedback"], spool_dir=tmp_path) as rtrl:
+        request_id = rtrl.interaction(prompt="reverse abc", completion="cba", policy_version="3",
+                                      episode_id="task-2")
+        rtrl.feedback(request_id, kind="accepted", value=True)
+        rtrl.episode_outcome("task-2", kind="persisted", value=True)
+        assert not any(s.spool.pending() for s in rtrl.senders.values())  # the broker has them
+
+    def read(topic: str) -> list[tuple[bytes, dict]]:
+        consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                                 consumer_timeout_ms=3000)
+        got = [(m.key, json.loads(m.value)) for m in consumer]
+        consumer.close()
+        return got
+
+    (key, interaction), = read(topics["interactions"])
+    assert key == request_id.encode() and interaction["episode_id"] == "task-2"
+    keys = sorted(k for k, _ in read(topics["feedback"]))
+    assert keys == sorted([request_id.encode(), b"task-2"])  # an episode's outcome is keyed by the episode
