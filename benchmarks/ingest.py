@@ -118,6 +118,10 @@ def phase_naive(bootstrap: str, topic: str, db_url: str, n: int, q) -> None:
                 session_id=ev["session_id"], user_id=ev["user_id"], tenant=ev["tenant"],
                 policy_version=ev["policy_version"], body=msg.value.decode(),
                 source=msg.topic, partition=msg.partition, offset=msg.offset, ingested_at=datetime.utcnow(),
+                # the columns migration 0008 made required: the text written, and whether an
+                # answer was expected (the naive loop takes them as they come)
+                output_text=ev["completion"] if isinstance(ev["completion"], str) else json.dumps(ev["completion"]),
+                expects_attempt=True,
             )
             session.add(row)
             session.commit()

@@ -50,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-dir", type=Path, required=True, help="the state folder of a finished `rtrl demo`")
     ap.add_argument("--min-served", type=int, default=100, help="versions that served fewer are left out")
+    ap.add_argument("--base", type=Path, help="the demo's base model (default: <state-dir>/demo-base)")
     args = ap.parse_args()
     state = args.state_dir
     engine = store_db.make_engine(f"sqlite:///{state / 'demo' / 'rtrl.db'}")
@@ -63,7 +64,7 @@ def main() -> None:
             "SELECT policy_version, count(*), avg(value) FROM rewards WHERE spec_version = :spec "
             "GROUP BY policy_version"), {"spec": spec.version}) if v in adapters and n >= args.min_served}
         data = {v: served_episodes(conn, spec.version, v) for v in online}
-    policies = PolicySet.load(state / "demo-base")
+    policies = PolicySet.load(args.base or state / "demo-base")
     for v in online:
         policies.add(f"v{v}", adapters[v])
     print(f"{'target':>6} {'on data of':>10} {'n':>5} {'truth':>7} {'SNIS':>7} {'IPW':>7} "

@@ -1,0 +1,48 @@
+"""Every script under benchmarks/ runs at a tiny size (seconds each, no timing asserted), so that
+a schema or API change that breaks one fails here rather than the next time someone measures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
+    return done.stdout
+
+
+def test_reward():
+    assert "episodes/s" in bench("benchmarks/reward.py", "--sizes", "300", "--workers", "1", "--repeat", "1")
+
+
+def test_train():
+    out = bench("benchmarks/train.py", "--steps", "2", "--repeats", "1", "--hidden", "32", "--layers", "1",
+                "--prompt", "8", "--completion", "8", "--batch", "4", "--variants", "rtrl")
+    assert "tokens/s" in out
+
+
+def test_gate_memory():
+    assert '"kl"' in bench("benchmarks/gate_memory.py", "--episodes", "2", "--vocab", "1000", "--completion", "4")
+
+
+def test_gateway():
+    out = bench("benchmarks/gateway.py", "--concurrency", "2", "--seconds", "0.3")
+    assert out.count("/") >= 2 and "events" in out
+
+
+@pytest.mark.kafka
+def test_ingest(kafka_bootstrap):
+    out = bench("benchmarks/ingest.py", "--events", "400", "--naive-events", "50", "--bootstrap", kafka_bootstrap)
+    assert "(d) naive" in out
+
+
+def test_the_gpu_check_script_parses():
+    assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")]).returncode == 0
