@@ -1,1 +1,1 @@
-"""reward stage (see DESIGN.md). Talks to other stages only through the store and pipeline.core.types."""
+"""reward stage (see docs/architecture.md). Talks to other stages only through the store and pipeline.core.types."""

@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 
 from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.rewards import feedback_rows, iter_episode_chunks
+from pipeline.core.store.rewards import iter_episode_chunks
 from pipeline.core.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
 from reward.scoring import PAYLOAD_KINDS, build_episode
@@ -34,7 +34,7 @@ _RESERVOIR = 50_000
 def iter_episodes(engine: Engine, spec_version: str = "") -> Iterator[Episode]:
     for chunk in iter_episode_chunks(engine, spec_version, payload_kinds=PAYLOAD_KINDS):
         for row in chunk.interactions:
-            yield build_episode(row, feedback_rows(row)[1])
+            yield build_episode(row)
 
 
 @dataclass

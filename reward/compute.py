@@ -9,6 +9,19 @@ Feedback events are ordered by (ts, event_id) before combining, so the result do
 on the order they arrived in. Kinds the spec does not name contribute nothing (and are listed
 as ignored). An episode is ripe once `ripeness.window_s` has passed since the interaction, or
 a terminal kind has arrived.
+
+A call of an agent episode (calls sharing an `episode_id`) adds its share of the episode's
+outcome -- the feedback naming the episode, scored by the same signals -- to its own reward:
+
+    reward(call) = clip( own signals + judge - own guards
+                         + credit(call) * sum over kinds k of weight_k * combine_k(outcome_k) )
+    credit(call) = 1                                  spec [episode] credit = "equal"
+                 = gamma ** (calls after this one)    credit = "discounted"
+
+so a guard still lands on the call it concerns (a malformed tool call in step 3 costs step 3),
+and the outcome that arrives once, after many calls, reaches every one of them. Such a call is
+ripe when its episode is: a terminal kind of the outcome arrived, or `[episode] window_s`
+(default: ripeness.window_s) has passed since the episode's last call.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ from typing import NamedTuple
 
 from reward.guards import GUARDS
 from reward.signals import COMBINE, SIGNALS, Episode, Feedback, SignalFn, decayed, numeric
-from reward.spec import RewardSpec
+from reward.spec import EpisodeCredit, RewardSpec
 
 
 class RewardResult(NamedTuple):
@@ -77,24 +90,55 @@ class Scorer:
         self.lo, self.hi = spec.clip.min, spec.clip.max
         self.window = timedelta(seconds=spec.ripeness.window_s)
         self.terminal = frozenset(spec.ripeness.terminal_kinds)
+        episode = spec.episode or EpisodeCredit()
+        self.gamma = episode.gamma if episode.credit == "discounted" else 1.0
+        self.episode_window = timedelta(seconds=episode.window_s or spec.ripeness.window_s)
 
     def is_ripe(self, ep: Episode, now: datetime) -> bool:
         return self.ripeness(now)(ep)
 
     def ripeness(self, now: datetime) -> Callable[[Episode], bool]:
         """`is_ripe` at one `now`, as a predicate with the window's cutoff computed once."""
-        cutoff, terminal = now - self.window, self.terminal
+        cutoff, terminal, episode_cutoff = now - self.window, self.terminal, now - self.episode_window
 
         def ripe(ep: Episode) -> bool:
+            if ep.episode_id is not None:
+                return ep.last_call_ts <= episode_cutoff or any(fb.kind in terminal for fb in ep.outcome)
             return ep.ts <= cutoff or any(fb.kind in terminal for fb in ep.feedback)
 
         return ripe
 
+    @staticmethod
+    def finished(ep: Episode) -> bool:
+        """Whether a call's agent episode got an outcome (any feedback naming the episode): the
+        reward stage reports episodes that ripened by their window with none."""
+        return bool(ep.outcome)
+
+    def credit(self, ep: Episode) -> float:
+        """The share of its episode's outcome a call gets (see the module docstring)."""
+        return self.gamma ** ep.calls_after
+
     def __call__(self, ep: Episode, judge_score: float | None = None) -> RewardResult:
         components: dict[str, float] = {}
-        ignored = []
+        ignored: list[str] = []
+        self._signals(ep, ep.feedback, components, ignored, "", 1.0)
+        if ep.outcome:
+            self._signals(ep, ep.outcome, components, ignored, "episode.", self.credit(ep))
+        if self.judge_weight is not None and judge_score is not None:
+            components["judge.score"] = self.judge_weight * (2 * judge_score - 1)
+        for name, guard, params in self.guards:
+            penalty = guard(ep, params)
+            if penalty:
+                components[name] = -penalty
+        total = sum(components.values())
+        return RewardResult(min(self.hi, max(self.lo, total)), components, tuple(ignored))
+
+    def _signals(self, ep: Episode, feedback: tuple, components: dict[str, float], ignored: list[str],
+                 prefix: str, scale: float) -> None:
+        """The spec's signals over `feedback` (the call's own, or its episode's outcome with the
+        call's credit as `scale`) into `components`, named `prefix` + "signal.<kind>"."""
         signals = self.signals
-        for kind, events in _by_kind_in_time_order(ep.feedback):
+        for kind, events in _by_kind_in_time_order(feedback):
             sig = signals.get(kind)
             if sig is None:
                 ignored.append(kind)
@@ -107,15 +151,7 @@ class Scorer:
                 value = fn(newest, ep)
             else:
                 value = combine([fn(fb, ep) for fb in events])
-            components[name] = weight * value
-        if self.judge_weight is not None and judge_score is not None:
-            components["judge.score"] = self.judge_weight * (2 * judge_score - 1)
-        for name, guard, params in self.guards:
-            penalty = guard(ep, params)
-            if penalty:
-                components[name] = -penalty
-        total = sum(components.values())
-        return RewardResult(min(self.hi, max(self.lo, total)), components, tuple(ignored))
+            components[prefix + name] = scale * weight * value
 
 
 def compute_reward(ep: Episode, spec: RewardSpec, judge_score: float | None = None) -> RewardResult:

@@ -38,6 +38,7 @@ from sqlalchemy import Engine
 from pipeline.core.store import db as store_db
 from pipeline.core.store.rewards import (
     RewardRow,
+    episode_rows,
     feedback_rows,
     iter_episode_chunks,
     judge_scores_for,
@@ -61,22 +62,59 @@ def prompt_text(prompt: Any) -> str:
     return "\n".join(lines)
 
 
-def build_episode(row: Any, feedback: list[list[Any]]) -> Episode:
-    """An episode from a chunk's row (see iter_episode_chunks) and its feedback_rows() events:
-    positional, because this runs once per episode and a row's attribute lookup costs more than
-    the rest of it. The prompt is rendered only when the row has the body (a judge reads it;
-    rules never do)."""
-    _, request_id, ts, policy_version, text, calls, expects, _, _, body = row
+def read_episode(row: Any) -> tuple[int, Episode]:
+    """A chunk's row (see iter_episode_chunks) as (the newest feedback id it reflects, 0 when
+    none; the episode): positional, because this runs once per episode and a row's attribute
+    lookup costs more than the rest of it. The prompt is rendered only when the row has the
+    body (a judge reads it; rules never do)."""
+    newest, feedback = feedback_rows(row)
+    _, request_id, ts, policy_version, text, calls, expects, _, _, body, episode_id, _, _ = row
     if isinstance(ts, str):  # SQLite's text (see iter_episode_chunks)
         ts = datetime.fromisoformat(ts)
-    fbs = tuple([
+    prompt = prompt_text(orjson.loads(body).get("prompt", "")) if body is not None else ""
+    episode = Episode(request_id, ts, policy_version, text, tuple(orjson.loads(calls)) if calls else (),
+                      _feedback(feedback), bool(expects), prompt)
+    if episode_id is None:
+        return newest, episode
+    outcome_newest, outcome, episode_calls = episode_rows(row)
+    return max(newest, outcome_newest), _in_episode(episode, episode_id, outcome, episode_calls)
+
+
+def build_episode(row: Any) -> Episode:
+    return read_episode(row)[1]
+
+
+def _feedback(events: list[list[Any]]) -> tuple[Feedback, ...]:
+    return tuple([
         Feedback(event_id, kind, float(value), datetime.fromisoformat(fts),
                  orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None)
-        for _, event_id, kind, value, fts, fbody in feedback
+        for _, event_id, kind, value, fts, fbody in events
     ])
-    prompt = prompt_text(orjson.loads(body).get("prompt", "")) if body is not None else ""
-    return Episode(request_id, ts, policy_version, text, tuple(orjson.loads(calls)) if calls else (), fbs,
-                   bool(expects), prompt)
+
+
+def _in_episode(call: Episode, episode_id: str, outcome: list[list[Any]], calls: list[list[Any]]) -> Episode:
+    """A call with its agent episode: the outcome, and its place among the episode's calls --
+    ordered by the producer's `step` where both calls have one, else by the time they were
+    served (then request id: a total order whatever the arrival order)."""
+    served = [(rid, step, datetime.fromisoformat(cts)) for rid, step, cts in calls]
+
+    def after(other: tuple) -> bool:
+        rid, step, cts = other
+        if rid == call.request_id:
+            return False
+        if step is not None and own_step is not None and step != own_step:
+            return step > own_step
+        return (cts, rid) > (call.ts, call.request_id)
+
+    own_step = next((step for rid, step, _ in served if rid == call.request_id), None)
+    return call._replace(episode_id=episode_id, outcome=_feedback(outcome), calls_after=sum(map(after, served)),
+                         episode_calls=len(served), last_call_ts=max(cts for _, _, cts in served))
+
+
+def inputs_counted(ep: Episode) -> int:
+    """What a call's stored reward reflects, counted as iter_episode_chunks counts it for
+    staleness: its feedback, and for a call of an agent episode its episode's outcome and calls."""
+    return len(ep.feedback) + (len(ep.outcome) + ep.episode_calls if ep.episode_id is not None else 0)
 
 
 @dataclass
@@ -93,13 +131,17 @@ class RewardRunReport:
     changed_after_training: int = 0  # updated rewards of episodes a training run already used
     duplicate_interactions: int = 0  # more than one interaction for a request_id: the first counts
     unusable: int = 0  # stored episodes whose feedback could not be read (stored before the contract refused it)
+    # agent episodes that ripened by their window without an outcome (each counted once: when
+    # its last call is first rewarded) -- an application that never reports, or a lost outcome
+    unfinished_episodes: int = 0
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "RewardRunReport") -> None:
         """Count another part of the same run (a worker's) into this report."""
         for name in ("episodes", "computed", "updated", "unchanged", "unripe", "judge_deferred",
-                     "changed_after_training", "duplicate_interactions", "unusable", "value_sum"):
+                     "changed_after_training", "duplicate_interactions", "unusable", "unfinished_episodes",
+                     "value_sum"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for kind, n in other.ignored_kinds.items():
             self.ignored_kinds[kind] = self.ignored_kinds.get(kind, 0) + n
@@ -116,7 +158,9 @@ class RewardRunReport:
                    if self.changed_after_training else "")
                 + (f"; {self.duplicate_interactions} duplicate interactions ignored (first one counts)"
                    if self.duplicate_interactions else "")
-                + (f"; {self.unusable} episodes skipped: their feedback could not be read" if self.unusable else ""))
+                + (f"; {self.unusable} episodes skipped: their feedback could not be read" if self.unusable else "")
+                + (f"; {self.unfinished_episodes} agent episodes ended by their window without an outcome"
+                   if self.unfinished_episodes else ""))
 
 
 @contextmanager
@@ -177,8 +221,7 @@ def score_part(
             unusable = 0
             for row in chunk.interactions:
                 try:
-                    newest, feedback = feedback_rows(row)
-                    ep = build_episode(row, feedback)
+                    newest, ep = read_episode(row)
                 except (ValueError, TypeError):  # orjson's decode error is a ValueError: one episode, not the run
                     unusable += 1
                     continue
@@ -193,14 +236,18 @@ def score_part(
             # used (training_episodes); the reward moves on, and the change is counted
             trained = trained_request_ids(engine, [ep.request_id for ep, _, first in todo if not first], version)
             out: list[RewardRow] = []
-            first_times, value_sum = 0, 0.0
+            first_times, value_sum, unfinished = 0, 0.0, 0
             for ep, newest, first in todo:
                 if judge is not None and ep.request_id not in scores:
                     report.judge_deferred += 1  # over this run's judge budget: next run
                     continue
                 result = score(ep, scores.get(ep.request_id))
                 out.append(RewardRow(ep.request_id, ep.policy_version, result.value, result.components,
-                                     len(ep.feedback), newest))
+                                     inputs_counted(ep), newest, None if ep.episode_id is None else {
+                                         "episode_id": ep.episode_id, "credit": score.credit(ep),
+                                         "events": [fb.event_id for fb in ep.outcome]}))
+                if first and ep.episode_id is not None and not ep.calls_after and not score.finished(ep):
+                    unfinished += 1  # ripe by its window alone, reported once: its last call's first reward
                 first_times += first
                 value_sum += result.value
                 for kind in result.ignored_kinds:
@@ -208,6 +255,7 @@ def score_part(
             settle()  # at most one chunk in flight: memory stays bounded
             pending = (submit(upsert_rewards, engine, version, out), RewardRunReport(
                 version, computed=first_times, updated=len(out) - first_times, value_sum=value_sum,
+                unfinished_episodes=unfinished,
                 changed_after_training=sum(r.request_id in trained for r in out) if trained else 0))
         settle()
     return report

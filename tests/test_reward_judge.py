@@ -107,6 +107,7 @@ def test_the_judge_options_added_later_leave_existing_versions_alone(tiny_model)
     content["judge"] = old_section
     for entry in content["signals"].values():  # (an earlier later-field, left out the same way)
         entry.pop("half_life_s")
+    assert content.pop("episode") is None  # (a later section, left out the same way when absent)
     assert spec.version.split("@")[1] == hashlib.sha256(
         json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
     assert spec_with_judge(tiny_model).judge.model_copy(update={"chat": True}) != spec.judge

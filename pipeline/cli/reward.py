@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import click
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -14,7 +14,8 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
 from reward.analysis import audit as audit_canaries
 from reward.analysis import diff_specs
 from reward.spec import RewardSpec, SpecError, load_spec
-from reward.stage import explain as explain_episode
+from reward.stage import explain as explain_call
+from reward.stage import explain_episode as explain_calls
 from reward.stage import run_rewards
 
 SPEC_OPTION = click.option(
@@ -81,39 +82,77 @@ def run(ctx: Context, spec_path: str | None, workers: int) -> None:
 
 @reward.command()
 @click.argument("request_id")
+@click.option("--episode", "is_episode", is_flag=True,
+              help="The id is an agent episode's: show its calls, its outcome and each call's credited reward.")
 @SPEC_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def explain(ctx: Context, request_id: str, spec_path: str | None, as_json: bool) -> None:
-    """Print an episode, its feedback and every component of its reward."""
+def explain(ctx: Context, request_id: str, is_episode: bool, spec_path: str | None, as_json: bool) -> None:
+    """Print an episode, its feedback and every component of its reward (with --episode, every
+    call of an agent episode: its own feedback and guards, and its share of the outcome)."""
     spec = reward_spec(ctx, spec_path)
-    found = explain_episode(ctx.engine(), spec, request_id)
-    if found is None:
-        raise click.ClickException(f"no interaction with request_id {request_id!r} is stored")
-    ep, result, ripe = found
+    if is_episode:
+        found = explain_calls(ctx.engine(), spec, request_id)
+        if not found:
+            raise click.ClickException(f"no interaction of episode {request_id!r} is stored "
+                                       "(an episode id is the interactions' `episode_id`)")
+    else:
+        one = explain_call(ctx.engine(), spec, request_id)
+        if one is None:
+            raise click.ClickException(f"no interaction with request_id {request_id!r} is stored "
+                                       "(for an agent episode's id, add --episode)")
+        found = [one]
     if as_json:
-        click.echo(json.dumps({
-            "request_id": ep.request_id, "policy_version": ep.policy_version, "spec": spec.version,
-            "ripe": ripe, "value": result.value, "components": result.components,
-            "ignored_kinds": list(result.ignored_kinds),
-            "feedback": [{"kind": f.kind, "value": f.value, "ts": f.ts.isoformat(),
-                          "delay_s": (f.ts - ep.ts).total_seconds()} for f in ep.feedback],
-        }, indent=2))
+        click.echo(json.dumps([_as_json(spec, *f) for f in found] if is_episode else _as_json(spec, *found[0]),
+                              indent=2))
         return
+    if is_episode:
+        ep = found[0][0]
+        click.echo(f"agent episode {request_id}: {len(found)} calls, spec {spec.version}")
+        _print_feedback("outcome", ep.outcome, ep.ts)
+        for k, (call, result, ripe) in enumerate(found):
+            credited = sum(v for name, v in result.components.items() if name.startswith("episode."))
+            click.echo(f"  call {k}  {call.request_id}  policy {call.policy_version}  "
+                       f"{len(call.tool_calls)} tool calls  outcome credited {credited:+.4f}  "
+                       f"reward {result.value:+.4f}" + ("" if ripe else "  (not ripe yet)"))
+        return
+    ep, result, ripe = found[0]
     text = ep.text if len(ep.text) <= 300 else ep.text[:300] + f"... ({len(ep.text)} chars)"
     click.echo(f"episode {ep.request_id}  policy {ep.policy_version}  at {ep.ts.isoformat()}Z")
+    if ep.episode_id is not None:
+        click.echo(f"call of agent episode {ep.episode_id} ({ep.episode_calls} calls, {ep.calls_after} after this "
+                   f"one): `rtrl reward explain --episode {ep.episode_id}` shows them all")
     click.echo(f"output: {text!r}" + (f"  [{len(ep.tool_calls)} tool calls]" if ep.tool_calls else ""))
-    click.echo("feedback:" + ("" if ep.feedback else " none"))
-    for f in sorted(ep.feedback, key=lambda f: (f.ts, f.event_id)):
-        # the delay after the interaction: what ripeness and a signal's half-life go by
-        click.echo(f"  {f.ts.isoformat()}Z  {f.kind:<12} {f.value:<6g} {_delay(f.ts - ep.ts)}")
+    _print_feedback("feedback", ep.feedback, ep.ts)
+    if ep.episode_id is not None:
+        _print_feedback("episode outcome", ep.outcome, ep.ts)
     click.echo(f"reward under {spec.version}" + ("" if ripe else " (not ripe yet: may still change)") + ":")
     for name, value in result.components.items():
-        click.echo(f"  {name:<22} {value:+.4f}")
+        click.echo(f"  {name:<30} {value:+.4f}")
     if result.ignored_kinds:
         click.echo(f"  (ignored kinds: {', '.join(result.ignored_kinds)})")
     clipped = "" if result.value == result.unclipped else f"  (clipped from {result.unclipped:+.4f})"
-    click.echo(f"  {'= reward':<22} {result.value:+.4f}{clipped}")
+    click.echo(f"  {'= reward':<30} {result.value:+.4f}{clipped}")
+
+
+def _print_feedback(title: str, feedback: tuple, served: datetime) -> None:
+    click.echo(f"{title}:" + ("" if feedback else " none"))
+    for f in sorted(feedback, key=lambda f: (f.ts, f.event_id)):
+        # the delay after the interaction: what ripeness and a signal's half-life go by
+        click.echo(f"  {f.ts.isoformat()}Z  {f.kind:<12} {f.value:<6g} {_delay(f.ts - served)}")
+
+
+def _as_json(spec: RewardSpec, ep, result, ripe: bool) -> dict:
+    def events(feedback: tuple) -> list[dict]:
+        return [{"kind": f.kind, "value": f.value, "ts": f.ts.isoformat(), "delay_s": (f.ts - ep.ts).total_seconds()}
+                for f in feedback]
+
+    out = {"request_id": ep.request_id, "policy_version": ep.policy_version, "spec": spec.version,
+           "ripe": ripe, "value": result.value, "components": result.components,
+           "ignored_kinds": list(result.ignored_kinds), "feedback": events(ep.feedback)}
+    if ep.episode_id is not None:
+        out.update(episode_id=ep.episode_id, calls_after=ep.calls_after, outcome=events(ep.outcome))
+    return out
 
 
 def _delay(delta: timedelta) -> str:

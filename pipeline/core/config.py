@@ -171,6 +171,10 @@ class RolloutConfig(_Section):
     margin: float = Field(default=0.05, ge=0.0, description="how much lower (in reward) the canary's mean may "
                           "be than the champion's and still pass")
     confidence: float = Field(default=0.9, gt=0.5, lt=1.0, description="one-sided confidence of that bound")
+    max_tool_error_increase: float | None = Field(
+        default=0.02, ge=0.0, description="how much higher the canary's share of served calls with a malformed tool "
+        "call may be than the champion's (the same one-sided confidence) -- the online tool-format canary; unset: "
+        "not checked")
     max_wait: str = Field(default="24h", description="a canary without enough requests after this long is "
                           "withdrawn (never promoted unmeasured): <n>s|m|h|d")
     check_every: str = Field(default="5m", description="how often the daemon checks a canary between cycles")

@@ -64,7 +64,8 @@ class TrainConfig(_Section):
         default=7 * 86400, gt=0, description="episodes served longer ago than this are excluded (counted)")
     tenant: str | None = Field(default=None, description="train on one tenant's episodes only (unset: all)")
     holdout_percent: float = Field(
-        default=10.0, ge=0, lt=100, description="share of episodes (by request id) that never train: the gate's eval set")
+        default=10.0, ge=0, lt=100, description="share of tasks (by a hash of the first user message) whose episodes "
+                                                "never train: the gate's eval set")
     # LoRA (peft)
     lora_r: int = Field(default=16, ge=1, le=1024, description="LoRA rank")
     lora_alpha: float = Field(default=32.0, gt=0, description="LoRA scaling (alpha / r)")

@@ -5,7 +5,10 @@ Every Kafka record carries exactly one JSON event. Two types exist in v1:
     interaction  what the serving policy produced for a request (prompt, completion, ...)
     feedback     what a user or the environment did about it afterwards (accepted, edited, ...)
 
-Both share the envelope `schema_version, event_id, type, ts, request_id`. Unknown fields are
+Both share the envelope `schema_version, event_id, type, ts`. An interaction names its
+`request_id` (and, for one call of an agent's multi-call task, its `episode_id` and `step`); a
+feedback event names the `request_id` of the call it concerns or the `episode_id` of the
+whole episode whose outcome it reports -- exactly one of them. Unknown fields are
 kept: the store keeps every event's JSON text verbatim, so the models only validate what the
 contract names (`extra="ignore"`; copying extras into each model would double validation
 time). A producer may add fields without a coordinated release; a *newer* `schema_version`
@@ -29,6 +32,8 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    ValidationError,
+    model_validator,
 )
 
 SCHEMA_VERSION = 1
@@ -81,7 +86,10 @@ class _Envelope(BaseModel):
     schema_version: StrictInt = Field(ge=1, le=SCHEMA_VERSION)
     event_id: Identifier
     ts: EventTime
-    request_id: Identifier
+
+    def to_wire(self) -> dict[str, Any]:
+        """The event as a producer sends it (JSON types; absent fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 class Sampling(BaseModel):
@@ -139,6 +147,7 @@ class InteractionEvent(_Envelope):
     trajectory a list of assistant and tool messages (only assistant tokens are trained)."""
 
     type: Literal["interaction"]
+    request_id: Identifier
     session_id: Identifier
     user_id: Identifier
     tenant: Identifier
@@ -157,12 +166,11 @@ class InteractionEvent(_Envelope):
     # that did not parse, named no offered tool or broke its schema carries an `error`
     tool_calls: list[dict[str, Any]] | None = None
     group_id: Identifier | None = None  # the siblings of one request with n > 1 (one group for advantages)
-    episode_id: Identifier | None = None  # the agent episode (task) this call belongs to, as its application names it
+    # the agent episode (task) this call belongs to, as its application names it: its calls share
+    # the episode's outcome (reward spec [episode]); None -- an episode of this one call
+    episode_id: Identifier | None = None
+    step: StrictInt | None = Field(default=None, ge=0, le=1_000_000)  # the call's place in its episode (0 first)
     truncated: bool | None = None  # the client went away mid-stream: not trained on
-
-    def to_wire(self) -> dict[str, Any]:
-        """The event as a producer sends it (JSON types; absent fields left out)."""
-        return self.model_dump(mode="json", exclude_none=True)
 
 
 def _feedback_value(value: Any) -> Any:
@@ -174,15 +182,33 @@ def _feedback_value(value: Any) -> Any:
 
 
 class FeedbackEvent(_Envelope):
-    """What happened after serving. `kind` is an open set (see FEEDBACK_KINDS_KNOWN)."""
+    """What happened after serving. `kind` is an open set (see FEEDBACK_KINDS_KNOWN). It names
+    the call it concerns (`request_id`) or the agent episode whose outcome it reports
+    (`episode_id`: every call of the episode is credited with it, see reward.compute)."""
 
     type: Literal["feedback"]
+    request_id: Identifier | None = None
+    episode_id: Identifier | None = None
     kind: Identifier
     value: Annotated[Union[StrictBool, StrictInt, FiniteFloat], AfterValidator(_feedback_value)]
     payload: dict[str, Any] | str | None = None
 
+    @model_validator(mode="after")
+    def _one_subject(self) -> "FeedbackEvent":
+        # both would be ambiguous: an outcome of the call, or of its whole episode?
+        if (self.request_id is None) == (self.episode_id is None):
+            raise ValueError("name exactly one of request_id (an outcome of one call) and episode_id "
+                             "(an outcome of the whole episode)")
+        return self
+
 
 Event = Annotated[Union[InteractionEvent, FeedbackEvent], Field(discriminator="type")]
+
+
+def first_violation(exc: ValidationError) -> tuple[str, str]:
+    """(the field, the reason) of an event's first contract violation, as producers are told it."""
+    first = exc.errors()[0]
+    return ".".join(str(p) for p in first["loc"]) or "event", first["msg"]
 
 
 def completion_parts(completion: Any) -> tuple[str, tuple]:
@@ -217,6 +243,14 @@ def task_key(prompt: Any) -> bytes:
             if isinstance(message, dict) and message.get("role") == "user":
                 return prompt_key(message.get("content"))
     return prompt_key(prompt)
+
+
+def is_our_version(policy_version: str) -> bool:
+    """Whether a call was served by the policy this loop trains: "base" (before any promotion) or
+    a version of its registered model (the registry numbers them). A call another model served
+    -- a frozen sub-agent under a trained orchestrator, a vendor's model in the same episode --
+    is context: rewarded and credited like any call, never trained on or evaluated as ours."""
+    return policy_version == "base" or policy_version.isdigit()
 
 
 def expects_attempt(metadata: Any) -> bool:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, case, exists, func, select, update
+from sqlalchemy import Engine, and_, case, cast, exists, func, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 
+from pipeline.core.store.episodes import wrote_malformed_call
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.leases import Fence
 from pipeline.core.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
@@ -232,4 +234,39 @@ def online_rewards(engine: Engine, spec_version: str, versions: list[str], since
             mean, mean_sq = float(mean), float(mean_sq)
             # sample variance from the two moments (n / (n - 1): unbiased)
             out[version] = (n, mean, max(mean_sq - mean * mean, 0.0) * n / max(n - 1, 1))
+    return out
+
+
+def tool_call_errors(engine: Engine, versions: list[str], since: datetime,
+                     until: datetime | None = None) -> dict[str, tuple[int, int]]:
+    """Per policy version: calls it served from `since` to `until`, and how many of them wrote a
+    malformed tool call (store.episodes.wrote_malformed_call: one a server flagged, no name,
+    arguments that are no JSON object) -- a staged rollout's online tool-format canary.
+    Versions that served nothing are left out."""
+    window = [interactions.c.ts >= since, interactions.c.policy_version.in_(versions)] + \
+        ([interactions.c.ts <= until] if until is not None else [])
+    with engine.connect() as conn:
+        served = dict(conn.execute(select(interactions.c.policy_version, func.count()).where(*window)
+                                   .group_by(interactions.c.policy_version)).all())
+        with_calls = conn.execute(select(interactions.c.policy_version, interactions.c.output_tool_calls)
+                                  .where(*window, interactions.c.output_tool_calls.is_not(None))).all()
+    errors: dict[str, int] = {}
+    for version, calls in with_calls:
+        if wrote_malformed_call(calls):
+            errors[version] = errors.get(version, 0) + 1
+    return {version: (int(n), errors.get(version, 0)) for version, n in served.items()}
+
+
+def served_by(engine: Engine) -> dict[str, dict[str, int]]:
+    """Interactions per server that sent them (`metadata.server`: rtrl-serve, rtrl-gateway, ...;
+    "" when unnamed) and policy version: who captured the traffic, and how it was routed."""
+    if engine.dialect.name == "sqlite":
+        server = func.json_extract(interactions.c.body, "$.metadata.server")
+    else:
+        server = cast(interactions.c.body, JSONB)["metadata"]["server"].astext
+    out: dict[str, dict[str, int]] = {}
+    with engine.connect() as conn:
+        for name, version, n in conn.execute(select(server, interactions.c.policy_version, func.count())
+                                             .group_by(server, interactions.c.policy_version)):
+            out.setdefault(name or "", {})[version] = n
     return out

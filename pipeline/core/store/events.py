@@ -93,6 +93,7 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
         "type": ev.type,
         "event_id": ev.event_id,
         "request_id": ev.request_id,
+        "episode_id": ev.episode_id,
         "schema_version": ev.schema_version,
         "ts": _naive_utc(ev.ts),
         "body": body,
@@ -102,7 +103,8 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
     }
     if isinstance(ev, InteractionEvent):
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
-                   policy_version=ev.policy_version, **output_columns(ev.completion, ev.metadata, ev.tool_calls))
+                   policy_version=ev.policy_version, step=ev.step,
+                   **output_columns(ev.completion, ev.metadata, ev.tool_calls))
     else:
         row.update(kind=ev.kind, value=float(ev.value))
     return row
@@ -169,7 +171,8 @@ def insert_ignore(
     same: dict[str, Any] | None = None,
 ) -> int:
     """Insert many rows, skipping those whose `key` exists; returns how many were new.
-    `same` holds column values shared by every row (e.g. the batch's timestamp).
+    `same` holds column values shared by every row (e.g. the batch's timestamp); a column a
+    row leaves out is NULL (the store refuses it, naming the column, where NULL is not allowed).
 
     The hot path of ingest: one statement compiled once, executed by the driver's
     executemany (sqlite3's C loop, psycopg's pipeline), without SQLAlchemy's per-row
@@ -183,7 +186,7 @@ def insert_ignore(
     params: list[Any] = []
     for row in rows:
         values = [
-            shared[n] if n in shared else (row[n] if p is None else p(row[n])) for n, p in columns
+            shared[n] if n in shared else (row.get(n) if p is None else p(row.get(n))) for n, p in columns
         ]
         params.append(tuple(values) if plan.positional else dict(zip(plan.columns, values)))
     return conn.exec_driver_sql(plan.sql, params).rowcount

@@ -24,7 +24,8 @@ class EpisodeChunk:
     # rows, read by position: id, request_id, ts (a datetime, or ISO text on SQLite), policy_version,
     # output_text, output_tool_calls (JSON text or None), expects_attempt, feedback (read it with
     # feedback_rows: the newest id and the events), stored (the last_feedback_id of the episode's
-    # reward under the spec; None: no reward yet), body (None unless asked for)
+    # reward under the spec; None: no reward yet), body (None unless asked for), episode_id, and
+    # the agent episode's outcome and calls (read them with episode_rows; None without an episode)
     interactions: list[Any]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
     current: int = 0  # with only_stale: episodes left out because their reward is up to date
@@ -47,9 +48,9 @@ def feedback_rows(row: Any) -> tuple[int, list[list[Any]]]:
     return newest or 0, events or []
 
 
-def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None):
+def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None, on: Any = None):
     """A correlated subquery: [newest feedback id, [[id, event_id, kind, value, ts, body], ...]]
-    of the interaction's feedback as one JSON value, built by SQLite or PostgreSQL in C. Three
+    of the interaction's feedback (`on`: which feedback; default, the request's) as one JSON value, built by SQLite or PostgreSQL in C. Three
     rows per episode through the driver and SQLAlchemy's row processing cost more: the chunk
     reads of a 100k-episode run went from 2.9 s to 1.8 s. (The newest id, which the stored
     reward is compared with, costs nothing here and 1.3 us per episode in Python.)"""
@@ -58,8 +59,34 @@ def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None):
     body = feedback.c.body if payload_kinds is None else case(
         (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
     events = agg(array(feedback.c.id, feedback.c.event_id, feedback.c.kind, feedback.c.value, feedback.c.ts, body))
-    return (select(array(func.max(feedback.c.id), events))
-            .where(feedback.c.request_id == interactions.c.request_id).scalar_subquery())
+    on = feedback.c.request_id == interactions.c.request_id if on is None else on
+    return select(array(func.max(feedback.c.id), events)).where(on).scalar_subquery()
+
+
+def _episode_json(dialect: str, payload_kinds: Sequence[str] | None):
+    """Two correlated subqueries for a call of an agent episode (NULL for a call that is its own
+    episode, without a probe): its episode's outcome, as _feedback_json's value of the feedback
+    naming the episode, and its episode's calls as [[request_id, step, ts], ...] (the call's
+    place and the episode's last call are worked out from these in Python: episodes are short)."""
+    agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
+                                                                                        func.json_build_array)
+    outcome = _feedback_json(dialect, payload_kinds, on=feedback.c.episode_id == interactions.c.episode_id)
+    calls = interactions.alias("calls")
+    siblings = (select(agg(array(calls.c.request_id, calls.c.step, calls.c.ts)))
+                .where(calls.c.episode_id == interactions.c.episode_id).scalar_subquery())
+    alone = interactions.c.episode_id.is_(None)
+    return case((alone, null()), else_=outcome), case((alone, null()), else_=siblings)
+
+
+def episode_rows(row: Any) -> tuple[int, list[list[Any]], list[list[Any]]] | None:
+    """A chunk row's agent episode: (the newest outcome feedback id, 0 when none; the outcome's
+    events as feedback_rows gives them; the episode's calls as [request_id, step, ts (ISO
+    text)]), None for a call that is its own episode."""
+    if row[10] is None:
+        return None
+    found, calls = row[11], row[12]
+    newest, events = (orjson.loads(found) if isinstance(found, str) else found) or (None, None)
+    return newest or 0, events or [], orjson.loads(calls) if isinstance(calls, str) else calls
 
 
 def iter_episode_chunks(
@@ -97,6 +124,7 @@ def iter_episode_chunks(
         return
     k, n = part
     earlier = interactions.alias("earlier")
+    siblings = interactions.alias("siblings")
     # Scalar subqueries, each one index probe per row. PostgreSQL plans from its statistics, and
     # those of a rewards table that was empty when last analysed (a fresh store's first run, say
     # after a replay of history) make a scan of it look free: a scan per episode, of a table the
@@ -121,15 +149,22 @@ def iter_episode_chunks(
                                 rewards.c.spec_version == spec_version))
                     .scalar_subquery())
     count = select(func.count()).where(feedback.c.request_id == interactions.c.request_id).scalar_subquery()
+    # a call of an agent episode also reflects the episode's outcome and its calls (a late call
+    # moves the others' place from the end): reward.scoring.inputs_counted counts the same
+    in_episode = case((interactions.c.episode_id.is_(None), 0), else_=(
+        select(func.count()).where(feedback.c.episode_id == interactions.c.episode_id).scalar_subquery()
+        + select(func.count()).select_from(siblings).where(siblings.c.episode_id == interactions.c.episode_id)
+        .scalar_subquery()))
     # (no reward yet is tested first: a first run then never counts)
-    stale = or_(stored_count.is_(None), count != stored_count)
+    stale = or_(stored_count.is_(None), count + in_episode != stored_count)
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
     columns = (interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String).label("ts"),
                interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
                interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
                stored.label("stored"),
-               interactions.c.body if with_body else null().label("body"))
+               interactions.c.body if with_body else null().label("body"),
+               interactions.c.episode_id, *_episode_json(engine.dialect.name, payload_kinds))
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         # capped at the last id: an interaction that arrives between the two queries is the next run's
         rng = and_(where, interactions.c.id > lo, interactions.c.id <= min(lo + chunk, last_id))
@@ -157,12 +192,13 @@ class RewardRow(NamedTuple):
     policy_version: str
     value: float
     components: dict[str, float]  # "signal.accepted": 0.5, "guard.abstention": -0.6, ...
-    feedback_count: int
+    feedback_count: int  # what the value reflects (see tables.rewards)
     last_feedback_id: int  # the newest feedback row the value reflects
+    outcome: dict[str, Any] | None = None  # the agent episode's outcome it credited (see tables.rewards)
 
 
 _COLUMNS = ("request_id", "spec_version", "policy_version", "value", "components", "feedback_count",
-            "last_feedback_id", "computed_at")
+            "last_feedback_id", "outcome", "computed_at")
 # Sent to the driver as is, because it runs for every reward of a run: SQLAlchemy's
 # per-row parameter processing cost more than the insert itself. The statement is the same
 # in SQLite and PostgreSQL but for the placeholders; values are made driver-ready here.
@@ -187,8 +223,8 @@ def upsert_rewards(engine: Engine, spec_version: str, rows: Sequence[RewardRow])
             sql = _UPSERT.format(values=", ".join(["%s"] * len(_COLUMNS)))
         conn.exec_driver_sql(sql, [
             (request_id, spec_version, policy_version, float(value), orjson.dumps(components).decode(),
-             feedback_count, last_feedback_id, now)
-            for request_id, policy_version, value, components, feedback_count, last_feedback_id in rows
+             feedback_count, last_feedback_id, None if outcome is None else orjson.dumps(outcome).decode(), now)
+            for request_id, policy_version, value, components, feedback_count, last_feedback_id, outcome in rows
         ])
 
 
@@ -207,13 +243,23 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
     run counts this over the whole history; joining each feedback row to its interaction
     instead read 3M rows through the ts index at 1M episodes (2.5 s against 0.8 s on SQLite)."""
     window = feedback.c.ts >= since if since is not None else true()
-    with_feedback = select(feedback.c.request_id).where(window).distinct().subquery()
-    orphans = select(with_feedback.c.request_id).where(
-        ~exists().where(interactions.c.request_id == with_feedback.c.request_id))
-    stmt = select(func.count()).select_from(feedback).where(
-        feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
+    total = 0
     with engine.connect() as conn:
-        return conn.scalar(stmt)
+        # feedback on one call by request_id, an episode's outcome by episode_id (NULL: the other kind)
+        for key, column in ((feedback.c.request_id, interactions.c.request_id),
+                            (feedback.c.episode_id, interactions.c.episode_id)):
+            with_feedback = select(key.label("key")).where(window, key.is_not(None)).distinct().subquery()
+            orphans = select(with_feedback.c.key).where(~exists().where(column == with_feedback.c.key))
+            total += conn.scalar(select(func.count()).select_from(feedback).where(
+                key.in_(orphans), feedback.c.ts < older_than, window))
+    return total
+
+
+def episode_request_ids(engine: Engine, episode_id: str) -> list[str]:
+    """The request ids of an agent episode's calls, in the order they were stored."""
+    with engine.connect() as conn:
+        return list(conn.scalars(select(interactions.c.request_id).where(interactions.c.episode_id == episode_id)
+                                 .order_by(interactions.c.id)))
 
 
 def judge_scores_for(engine: Engine, request_ids: Sequence[str], judge_version: str) -> dict[str, float]:

@@ -60,6 +60,10 @@ interactions = Table(
     Column("output_text", Text, nullable=False),
     Column("output_tool_calls", Text),
     Column("expects_attempt", Boolean, nullable=False),
+    # an agent's task: its calls share the episode's outcome (NULL: an episode of this one call);
+    # `step` is the call's place in it as the producer numbered it (NULL: ordered by ts). See 0011.
+    Column("episode_id", ID, index=True),
+    Column("step", Integer),
     # where the row came from, for tracing; not part of the event
     Column("source", String(512), nullable=False),
     Column("partition", Integer, nullable=False),
@@ -72,7 +76,9 @@ feedback = Table(
     metadata,
     Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
     Column("event_id", ID, nullable=False, unique=True),
-    Column("request_id", ID, nullable=False, index=True),
+    # the call the feedback concerns, or (exactly one of the two) the episode whose outcome it is
+    Column("request_id", ID, index=True),
+    Column("episode_id", ID, index=True),
     Column("schema_version", Integer, nullable=False),
     Column("ts", DateTime, nullable=False, index=True),
     Column("kind", ID, nullable=False, index=True),
@@ -123,9 +129,14 @@ rewards = Table(
     Column("policy_version", ID, nullable=False),  # not indexed: see alembic 0006
     Column("value", Float, nullable=False),
     Column("components", JSON, nullable=False),  # "signal.accepted": 0.5, "guard.abstention": -0.6
+    # what the value reflects, counted: the call's feedback, and for a call of an agent episode
+    # also the episode's outcome events and its calls (a late one changes everyone's credit)
     Column("feedback_count", Integer, nullable=False),
     Column("last_feedback_id", BigInteger, nullable=False),
     Column("computed_at", DateTime, nullable=False),
+    # a call of an agent episode: {"episode_id", "events": the outcome's feedback event ids, "credit":
+    # the share of the outcome this call got}; NULL for a call that is its own episode
+    Column("outcome", JSON),
     UniqueConstraint("request_id", "spec_version"),
 )
 
@@ -139,6 +150,7 @@ training_episodes = Table(
     Column("request_id", ID, nullable=False, index=True),
     Column("spec_version", String(128), nullable=False),
     Column("reward", Float, nullable=False),
+    Column("outcome", JSON),  # the episode outcome the reward credited (rewards.outcome as used)
     Column("used_at", DateTime, nullable=False),
     UniqueConstraint("run_id", "request_id"),
 )

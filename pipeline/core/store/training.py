@@ -12,10 +12,17 @@ watermark behind every unread episode, but after a rejected candidate the next c
 select the very same rows, see nothing new and skip, for as long as the backlog lasts (forever
 with no staleness limit). The newest episodes are also the ones closest to the serving policy.
 
-The held-out slice is fixed by a hash of the prompt: a prompt of the slice never trains, however
-often it is asked (split by request id, a repeated prompt would be held out in some requests
-and trained on in others, and the gate would measure memory, not generalisation). The gate evaluates
-candidates on the most recent held-out episodes (select_eval_episodes).
+The held-out slice is fixed by a hash of the task (the first user message): a task of the slice
+never trains, however often it is asked (split by request id, a repeated prompt would be held out
+in some requests and trained on in others, and the gate would measure memory, not
+generalisation). The task of a call of an agent episode is its episode's: its first call's --
+a call whose prompt is a summary the agent wrote of its own earlier calls starts with another
+user message, yet belongs to the same task and the same side. The gate evaluates candidates on
+the most recent held-out episodes (select_eval_episodes).
+
+Calls another model served (pipeline.core.types.is_our_version: a frozen sub-agent's in the
+episode of a trained orchestrator) are neither trained on nor evaluated (`other_policy`); their
+episode's outcome still credits the calls our policy made.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from sqlalchemy import Engine, and_, exists, func, select, update
 
 from pipeline.core.store.events import insert_ignore, utcnow
 from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
-from pipeline.core.types import prompt_key
+from pipeline.core.types import is_our_version, task_key
 
 
 @dataclass
@@ -39,22 +46,69 @@ class Selection:
     watermark_from: int
     watermark_to: int  # the newest reward id among the rows (watermark_from when none)
     counts: dict[str, int] = field(default_factory=dict)  # candidates, stale, other_tenant, over_limit
+    tasks: dict[str, bytes] = field(default_factory=dict)  # request id -> its task (task_of), every row
 
 
 def _in_slice(key: bytes, percent: float) -> bool:
     return zlib.crc32(key) % 10_000 < percent * 100
 
 
-def is_held_out(request_id: str, body: str | bytes, percent: float) -> bool:
+def is_held_out(request_id: str, body: str | bytes, percent: float, task: bytes | None = None) -> bool:
     """Whether an episode (its request id and stored event body) belongs to the slice kept out
-    of training for evaluation: by its prompt (by request id if the body has none)."""
+    of training for evaluation: by its task (`task`, else task_of(body): a chat prompt's first
+    user message, so every call of an agent's task and every ask of it under another system
+    prompt fall on one side; a text prompt whole), by request id if the body has none."""
     if not percent:
         return False
+    if task is None:
+        task = task_of(body)
+    return _in_slice(task if task is not None else request_id.encode(), percent)
+
+
+def task_of(body: str | bytes) -> bytes | None:
+    """The task of a stored event body (pipeline.core.types.task_key of its prompt); None when it
+    has no readable prompt."""
+    return _episode_and_task(body)[1]
+
+
+def _episode_and_task(body: str | bytes) -> tuple[str | None, bytes | None]:
+    """A stored event body's episode id and task (None where it has none), from one parse."""
     try:
-        prompt = orjson.loads(body)["prompt"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return _in_slice(request_id.encode(), percent)
-    return _in_slice(prompt_key(prompt), percent)
+        ev = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(ev, dict):
+        return None, None
+    episode = ev.get("episode_id")
+    return (episode if isinstance(episode, str) else None), (task_key(ev["prompt"]) if "prompt" in ev else None)
+
+
+def episode_tasks(conn: Any, episode_ids: set[str]) -> dict[str, bytes]:
+    """The task of each episode: its first call's (lowest step, then earliest), whatever later
+    calls' prompts start with (an agent's summary of its own context, say)."""
+    out: dict[str, tuple] = {}
+    ids = sorted(episode_ids)
+    for k in range(0, len(ids), 500):
+        stmt = (select(interactions.c.episode_id, interactions.c.step, interactions.c.ts, interactions.c.id,
+                       interactions.c.body).where(interactions.c.episode_id.in_(ids[k:k + 500])))
+        for episode_id, step, ts, row_id, body in conn.execute(stmt):
+            order = (step if step is not None else 1 << 30, str(ts), row_id)
+            if episode_id not in out or order < out[episode_id][0]:
+                out[episode_id] = (order, body)
+    return {e: task for e, (_, body) in out.items() if (task := task_of(body)) is not None}
+
+
+def _tasks(conn: Any, rows: list[Any]) -> dict[str, bytes]:
+    """Each row's task (request id -> task): its episode's when it belongs to one."""
+    parsed = {r.request_id: _episode_and_task(r.body) for r in rows}
+    episodes = {e for e, _ in parsed.values() if e is not None}
+    by_episode = episode_tasks(conn, episodes) if episodes else {}
+    out = {}
+    for request_id, (episode, own) in parsed.items():
+        task = by_episode.get(episode) if episode is not None else None
+        if (task := task if task is not None else own) is not None:
+            out[request_id] = task
+    return out
 
 
 def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
@@ -78,28 +132,33 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
                 and_(*keep, interactions.c.tenant != tenant)))
             keep.append(interactions.c.tenant == tenant)
         stmt = (select(rewards.c.id.label("reward_id"), rewards.c.request_id, rewards.c.value.label("reward"),
+                       rewards.c.outcome,
                        interactions.c.id.label("interaction_id"), interactions.c.event_id,
                        interactions.c.policy_version, interactions.c.tenant, interactions.c.ts, interactions.c.body)
                 .select_from(joined).where(and_(*keep)).order_by(rewards.c.id, interactions.c.id))
-        rows = []
+        found = []
         seen: set[int] = set()
-        held_out = 0
+        other_policy = 0
         for row in conn.execute(stmt):
             if row.reward_id in seen:  # a producer sent two interactions for one request: the first counts
                 continue
             seen.add(row.reward_id)
-            if holdout_percent and is_held_out(row.request_id, row.body, holdout_percent):
-                held_out += 1
+            if not is_our_version(row.policy_version):
+                other_policy += 1
                 continue
-            rows.append(row)
+            found.append(row)
+        tasks = _tasks(conn, found)
+        rows = [r for r in found if not is_held_out(r.request_id, r.body, holdout_percent, tasks.get(r.request_id))]
+        held_out = len(found) - len(rows)
     over_limit = 0
     if limit is not None and len(rows) > limit:
         # the newest (see the module docstring); in reward order still
         over_limit, rows = len(rows) - limit, rows[len(rows) - limit:]
-    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant, "held_out": held_out,
-              "over_limit": over_limit, "selected": len(rows)}
+    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant,
+              "other_policy": other_policy, "held_out": held_out, "over_limit": over_limit, "selected": len(rows)}
     watermark_to = max((r.reward_id for r in rows), default=since_reward_id)
-    return Selection(rows, since_reward_id, watermark_to, counts)
+    return Selection(rows, since_reward_id, watermark_to, counts, {r.request_id: tasks[r.request_id] for r in rows
+                                                                   if r.request_id in tasks})
 
 
 def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: float, limit: int,
@@ -113,9 +172,16 @@ def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: flo
                    interactions.c.ts, interactions.c.body)
             .select_from(joined).where(and_(*where)).order_by(interactions.c.ts.desc(), interactions.c.id))
     out, seen = [], set()
-    with engine.connect() as conn:
+    tasks: dict[str, bytes] = {}  # episode id -> its task, looked up once per episode
+    with engine.connect() as conn, engine.connect() as lookup:
         for row in conn.execution_options(yield_per=1000).execute(stmt):
-            if row.request_id in seen or not is_held_out(row.request_id, row.body, holdout_percent):
+            if row.request_id in seen or not is_our_version(row.policy_version):
+                continue
+            episode, own = _episode_and_task(row.body)
+            if episode is not None and episode not in tasks:
+                tasks.update(episode_tasks(lookup, {episode}))
+            task = tasks.get(episode) if episode is not None else None
+            if not is_held_out(row.request_id, row.body, holdout_percent, task if task is not None else own):
                 continue
             seen.add(row.request_id)
             out.append(row)
@@ -158,9 +224,11 @@ def latest_finished_run(engine: Engine, spec_version: str | None = None,
                             .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
 
 
-def record_lineage(engine: Engine, run_id: str, spec_version: str, episodes: list[tuple[str, float]]) -> None:
-    """The exact episodes (request_id, reward used) a run trained on."""
-    rows = [{"request_id": rid, "reward": value} for rid, value in episodes]
+def record_lineage(engine: Engine, run_id: str, spec_version: str,
+                   episodes: list[tuple[str, float, dict[str, Any] | None]]) -> None:
+    """The exact episodes (request_id, reward used, the agent episode outcome it credited) a
+    run trained on."""
+    rows = [{"request_id": rid, "reward": value, "outcome": outcome} for rid, value, outcome in episodes]
     with engine.begin() as conn:
         insert_ignore(conn, training_episodes, rows, ["run_id", "request_id"],
                       same={"run_id": run_id, "spec_version": spec_version, "used_at": utcnow()})
@@ -168,6 +236,7 @@ def record_lineage(engine: Engine, run_id: str, spec_version: str, episodes: lis
 
 def lineage(engine: Engine, run_id: str) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(select(training_episodes.c.request_id, training_episodes.c.reward)
+        return conn.execute(select(training_episodes.c.request_id, training_episodes.c.reward,
+                                   training_episodes.c.outcome)
                             .where(training_episodes.c.run_id == run_id)
                             .order_by(training_episodes.c.request_id)).all()
