@@ -1,1 +1,1 @@
-"""deploy stage (see DESIGN.md). Talks to other stages only through the store and pipeline.core.types."""
+"""deploy stage (see docs/architecture.md). Talks to other stages only through the store and pipeline.core.types."""

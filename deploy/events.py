@@ -26,20 +26,30 @@ from pipeline.core.spool import Spool
 log = logging.getLogger("rtrl.events")
 
 
+FEEDBACK_KEY = ("request_id", "episode_id")  # a feedback event names one of them
+
+
 class EventSender:
-    def __init__(self, access: KafkaAccess | str, topic: str, key: str, timeout_s: float = 15.0,
-                 spool: Spool | None = None, retry_s: float = 2.0) -> None:
+    def __init__(self, access: KafkaAccess | str, topic: str, key: str | tuple[str, ...], timeout_s: float = 15.0,
+                 spool: Spool | None = None, retry_s: float = 2.0, write_ahead: bool = False) -> None:
         """`access`: the brokers and their security (a bare "host:port": plaintext); `key`: the
-        event field that keys the record (its partition); `timeout_s`: how long a send may wait
+        event field that keys the record (its partition), or fields of which the first one the
+        event has keys it (feedback names a request or an episode); `timeout_s`: how long a send may wait
         for the broker (connecting, and each request). With a `spool`, an event the broker does
         not acknowledge is kept there (and every later one behind it, in order) and sent by a
         background thread once the broker is back, trying every `retry_s`; without, the send's
-        error is the caller's."""
-        self.access, self.topic, self.key, self.timeout_s = KafkaAccess.of(access), topic, key, timeout_s
+        error is the caller's. `write_ahead` (with a spool): every event goes to the spool first
+        and the background thread sends it, in batches of in-flight records -- a call costs an
+        append instead of a broker round trip, and a process killed at any moment loses at most
+        the spool's last group-commit interval (the gateway: its events are off the answer's
+        path anyway)."""
+        self.access, self.topic, self.timeout_s = KafkaAccess.of(access), topic, timeout_s
+        self.keys = (key,) if isinstance(key, str) else key
         self.producer: KafkaProducer | None = None  # connected on first use: a registry command
         # that moves nothing never needs the broker
-        self.spool, self.retry_s = spool, retry_s
+        self.spool, self.retry_s, self.write_ahead = spool, retry_s, write_ahead and spool is not None
         self.wake, self.stopped = threading.Event(), threading.Event()
+        self.failing = False  # the last drain failed: the broker is away
         self.drainer = threading.Thread(target=self._drain_loop, name="spool-drain", daemon=True) if spool else None
         if self.drainer is not None:
             self.drainer.start()
@@ -47,11 +57,12 @@ class EventSender:
     def __call__(self, event: dict[str, Any]) -> None:
         """Returns once the broker has the event -- or, with a spool, once the spool does
         (SpoolFull when it is full and refuses)."""
-        key, value = str(event[self.key]).encode(), json.dumps(event).encode()
+        key = next((str(event[k]).encode() for k in self.keys if event.get(k) is not None), None)
+        value = json.dumps(event).encode()
         if self.spool is None:
             self._send(self.topic, key, value)
             return
-        if not self.spool.pending():  # (behind a spooled event, an event waits its turn)
+        if not self.write_ahead and not self.spool.pending():  # (behind a spooled event, an event waits its turn)
             try:
                 self._send(self.topic, key, value)
                 return
@@ -63,11 +74,15 @@ class EventSender:
         self.wake.set()
 
     def _send(self, topic: str, key: bytes | None, value: bytes) -> None:
+        self._in_flight(topic, key, value).get()
+
+    def _in_flight(self, topic: str, key: bytes | None, value: bytes) -> "_Ack":
+        """The record sent, not yet acknowledged: `.get()` waits for the broker's ack."""
         if self.producer is None:
             ms = int(self.timeout_s * 1000)
             self.producer = kafka_client.producer(self.access, acks="all", retries=5,
                                                   request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
-        self.producer.send(topic, key=key, value=value).get(timeout=2 * self.timeout_s)
+        return _Ack(self.producer.send(topic, key=key, value=value), 2 * self.timeout_s)
 
     def _reset(self) -> None:
         """Drop the producer and what it still buffers: the spool has the event now, and a
@@ -86,12 +101,19 @@ class EventSender:
             if self.stopped.is_set() or not self.spool.pending():
                 continue
             try:
-                sent = self.spool.drain(self._send)
-                log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
+                sent = self.spool.drain(self._in_flight)
+                if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
+                    log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
+                self.failing = False
             except Exception as exc:  # noqa: BLE001 - the broker still away: the next try in retry_s
                 self._reset()
+                self.failing = True
                 log.warning("spooled events not sent yet", extra={"topic": self.topic,
                                                                  "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if self.write_ahead:
+                # what arrives meanwhile goes out as one batch (and one spool segment), not one by one
+                self.stopped.wait(self.spool.commit_s)
 
     def close(self) -> None:
         self.stopped.set()
@@ -101,6 +123,14 @@ class EventSender:
             self.spool.close()
         if self.producer is not None:
             self.producer.close()
+
+
+class _Ack:
+    def __init__(self, future: Any, timeout_s: float) -> None:
+        self.future, self.timeout_s = future, timeout_s
+
+    def get(self) -> None:
+        self.future.get(timeout=self.timeout_s)
 
 
 class ModelUpdatePublisher(EventSender):

@@ -12,6 +12,11 @@ alias `canary`, the champion serving the rest, and the users' reactions decide:
         d  = mean_canary - mean_champion                 rewards under the current spec
         se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
         promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
+    and the online tool-format canary, on the calls both sides served in the same period:
+        e  = errors_canary / calls_canary - errors_champion / calls_champion
+        refuse  iff  e - z(confidence) * se_e > max_tool_error_increase      (binomial se)
+      (a reward spec blind to broken tool calls -- Cursor's first production reward hack --
+      pays the canary that writes them; the users' rewards alone would promote it)
     no such data within max_wait: withdrawn, never promoted unmeasured
 
 Both sides are served over the same period from the same traffic, assigned at random, so the
@@ -31,6 +36,7 @@ from deploy.gate import Check, Decision
 from pipeline.core.config import RolloutConfig
 
 Side = tuple[int, float, float]  # rewarded requests, mean reward, sample variance
+Calls = tuple[int, int]  # calls served, calls that wrote a malformed tool call
 
 
 def routes_to_canary(request_id: str, share: float) -> bool:
@@ -45,8 +51,10 @@ def ready(champion: Side | None, canary: Side | None, cfg: RolloutConfig) -> boo
     return all(side is not None and side[0] >= cfg.min_requests for side in (champion, canary))
 
 
-def decide(champion: Side, canary: Side, cfg: RolloutConfig) -> Decision:
-    """The one comparison, on both sides' rewards since the canary went live."""
+def decide(champion: Side, canary: Side, cfg: RolloutConfig,
+           tool_calls: tuple[Calls, Calls] | None = None) -> Decision:
+    """The one comparison, on both sides' rewards since the canary went live (and, with
+    `tool_calls` -- (champion's, canary's) -- their tool-call error rates)."""
     (n_a, mean_a, var_a), (n_b, mean_b, var_b) = champion, canary
     diff = mean_b - mean_a
     se = math.sqrt(var_b / n_b + var_a / n_a)
@@ -59,7 +67,23 @@ def decide(champion: Side, canary: Side, cfg: RolloutConfig) -> Decision:
     checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion requests settled",
                     float(min(n_a, n_b)), float(cfg.min_requests)),
               Check("online.reward", passed, detail, low, -cfg.margin)]
-    return Decision(passed, checks, first_deployment=False)
+    if tool_calls is not None and cfg.max_tool_error_increase is not None:
+        checks.append(tool_format_check(*tool_calls, cfg.max_tool_error_increase, z))
+    return Decision(all(c.passed for c in checks), checks, first_deployment=False)
+
+
+def tool_format_check(champion: Calls, canary: Calls, max_increase: float, z: float) -> Check:
+    """The canary writes no more broken tool calls than the champion, beyond `max_increase` --
+    refused only when the lower bound of the increase is above it (noise does not refuse)."""
+    (n_a, e_a), (n_b, e_b) = champion, canary
+    rate_a, rate_b = e_a / max(n_a, 1), e_b / max(n_b, 1)
+    se = math.sqrt(rate_a * (1 - rate_a) / max(n_a, 1) + rate_b * (1 - rate_b) / max(n_b, 1))
+    low = rate_b - rate_a - z * se
+    passed = low <= max_increase
+    return Check("online.tool_format_error_rate", passed,
+                 f"online tool-call errors: canary {100 * rate_b:.1f} % of {n_b} calls vs champion "
+                 f"{100 * rate_a:.1f} % of {n_a}, increase lower bound {100 * low:+.1f} pp "
+                 f"{'<=' if passed else '>'} {100 * max_increase:g} pp", low, max_increase)
 
 
 def too_little_traffic(champion: Side | None, canary: Side | None, cfg: RolloutConfig) -> Decision:

@@ -18,7 +18,10 @@ with and the next one starts on the new version: nothing is dropped or failed by
 
 Staged rollout: while the registry has a `canary`, the share of requests whose id hashes
 below its share (deploy/rollout.py) are answered by the canary, the rest by the champion; each
-interaction event names the version that answered, so the loop compares the two online.
+interaction event names the version that answered, so the loop compares the two online. A
+request whose `model` names the champion or the canary as vLLM names adapters
+(`<model>-v<version>`) is answered by that version, and one marked `X-Rtrl-Routed: champion`
+by the champion (the base has no adapter name): `rtrl gateway` in front routes then.
 """
 
 from __future__ import annotations
@@ -143,9 +146,13 @@ class PolicyServer:
         ids = [request_id or new_request_id()] + [new_request_id() for _ in range(req.n - 1)]
         group = f"grp-{uuid.uuid4().hex}" if req.n > 1 else None
         with self.lock, self.latency.time():
-            version = self.version
-            if self.canary is not None and routes_to_canary(ids[0], self.canary_share):
-                version = self.canary  # a request's choices all come from one version
+            version = self.named(getattr(req, "model", None))
+            if version is None and headers.get("x-rtrl-routed") == "champion":
+                version = self.version  # a gateway in front chose the champion (the base has no model name)
+            if version is None:
+                version = self.version
+                if self.canary is not None and routes_to_canary(ids[0], self.canary_share):
+                    version = self.canary  # a request's choices all come from one version
             gens = [self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
                                          temperature=req.temperature, top_p=req.top_p,
                                          seed=None if req.seed is None else req.seed + i, tools=tools,
@@ -159,6 +166,15 @@ class PolicyServer:
             for a in answers:
                 self.send_event(a, prompt, req, headers, tools)
         return answers
+
+    def named(self, model: str | None) -> str | None:
+        """The version a request's `model` names as vLLM names LoRA adapters --
+        `<model name>-v<version>`, what `rtrl gateway` routes with -- if it is the champion or
+        the canary (a gateway in front then decides the canary's share); None: route here."""
+        prefix = f"{self.model_name}-v"
+        if model and model.startswith(prefix) and model[len(prefix):] in (self.version, self.canary):
+            return model[len(prefix):]
+        return None
 
     def send_event(self, a: Answer, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
                    truncated: bool = False) -> None:
@@ -178,7 +194,8 @@ class PolicyServer:
                 latency_ms=round(a.gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
                 client_request_id=header_id(headers, "x-request-id"), tools=tools,
                 tool_calls=a.calls.calls if a.calls is not None and a.calls.calls else None,
-                group_id=a.group_id, truncated=truncated or None)
+                group_id=a.group_id, episode_id=header_id(headers, "x-rtrl-episode-id"), step=header_step(headers),
+                truncated=truncated or None)
             self.emit(event.to_wire())
         except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
             self.undelivered.inc()
@@ -193,3 +210,10 @@ def header_id(headers: dict[str, str], name: str) -> str | None:
     """A header as an event identifier: at most 256 characters, None when absent or blank."""
     value = (headers.get(name) or "")[:256]
     return value if value.strip() else None
+
+
+def header_step(headers: dict[str, str]) -> int | None:
+    """X-Rtrl-Step, a call's place in its episode: None when absent or not a small integer (the
+    reward stage then orders the episode's calls by time)."""
+    value = (headers.get("x-rtrl-step") or "").strip()
+    return int(value) if value.isdigit() and len(value) <= 6 else None

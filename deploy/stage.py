@@ -32,7 +32,7 @@ from deploy.registry import CANARY, CHAMPION, Registry, RegistryError, Version
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import GateConfig, RolloutConfig, TrainConfig, duration_s
 from pipeline.core.faults import pause_point
-from pipeline.core.store.deploys import last_move_to, latest_decision, online_rewards
+from pipeline.core.store.deploys import last_move_to, latest_decision, online_rewards, tool_call_errors
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.training import get_run, select_eval_episodes
 from pipeline.core.timing import Stopwatch
@@ -174,7 +174,9 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
     serving = champion.version if champion else "base"
     sides = online_rewards(engine, spec_version, [serving, version], staged_at, until=settled)
     if rollout.ready(sides.get(serving), sides.get(version), cfg):
-        result = rollout.decide(sides[serving], sides[version], cfg)
+        calls = tool_call_errors(engine, [serving, version], staged_at, until=settled)
+        result = rollout.decide(sides[serving], sides[version], cfg,
+                                (calls.get(serving, (0, 0)), calls.get(version, (0, 0))))
     elif (utcnow() - staged_at).total_seconds() > duration_s(cfg.max_wait):
         result = rollout.too_little_traffic(sides.get(serving), sides.get(version), cfg)
     else:

@@ -1,4 +1,4 @@
-"""A short `rtrl demo`, as a newcomer runs it: its settings sit under the user's environment (the
+"""A short `rtrl demo --gateway`, as a newcomer runs it: its settings sit under the user's environment (the
 port of this session's broker, a base model of one's own), the terminal shows progress and
 decisions but no log lines, and every command it prints at the end looks around what it did."""
 
@@ -32,9 +32,14 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     # start a second broker on 19092
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}, **local_kafka_env,
            "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "OMP_NUM_THREADS": "1"}
-    done = rtrl(["demo", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"], env, timeout=600)
+    # through `rtrl gateway` in front of `rtrl serve` (the plain demo is `make demo`'s): the gateway
+    # captures every request and routes the canary's share
+    done = rtrl(["demo", "--gateway", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"], env,
+                timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     terminal = (done.stdout + done.stderr).splitlines()
+    routed = next(line for line in terminal if line.startswith("Requests captured and routed by"))
+    assert "rtrl-gateway" in routed and "rtrl-serve" not in routed, routed
     assert not [line for line in terminal if line.lstrip().startswith("{")], "JSON log lines on the terminal"
     assert any(" decision on v" in line for line in terminal), terminal
     assert not any("FutureWarning" in line for line in terminal)
@@ -45,6 +50,13 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     assert settings["train"]["base_model"] == str(reverse_base)
     assert '"logger"' in (run_dir / "demo.log").read_text()  # the structured logs went to the file
     assert (run_dir / "report" / "report.png").stat().st_size > 0
+
+    # the benchmark that reads a finished demo still reads this one (tests/test_benchmarks.py: the others)
+    offpolicy = subprocess.run([sys.executable, "benchmarks/offpolicy_vs_online.py", "--state-dir",
+                                local_kafka_env["RTRL_STATE_DIR"], "--base", str(reverse_base), "--min-served", "1"],
+                               cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert offpolicy.returncode == 0 and "SNIS" in offpolicy.stdout, offpolicy.stderr[-3000:]
 
     commands = [shlex.split(line.strip()) for line in done.stdout[done.stdout.index("look around"):].splitlines()[1:]]
     names = [" ".join(c[3:5]) if c[0] == "rtrl" else c[0] for c in commands]

@@ -69,3 +69,20 @@ def test_advantages_group_relative_where_possible_batch_relative_otherwise():
     b = torch.tensor(rewards)
     torch.testing.assert_close(advantages(rewards, groups, mode="batch"), (b - b.mean()) / (b.std(unbiased=False) + 1e-6))
     assert advantages([0.3], ["x"]).tolist() == [0.0]
+
+
+def test_an_agent_episode_counts_once_in_its_task_s_baseline():
+    """Two episodes of one task: A (3 calls, outcome +1) and B (1 call, outcome -1). By calls, A
+    would set the baseline at +0.5; by episodes it is 0, and every call gets its episode's
+    advantage -- but for what is its own (a guard on A's second call)."""
+    rewards = [1.0, 0.5, 1.0, -1.0]
+    groups = ["task"] * 4
+    a = advantages(rewards, groups, episodes=["A", "A", "A", "B"])
+    means = torch.tensor([2.5 / 3, -1.0])
+    expected = (torch.tensor(rewards) - means.mean()) / (means.std(unbiased=False) + 1e-6)
+    torch.testing.assert_close(a, expected)
+    assert a[0] == a[2] > a[1] > 0 > a[3]
+    # without episodes, each call is a sample of its own, as before
+    torch.testing.assert_close(advantages(rewards, groups), advantages(rewards, groups, episodes=[None] * 4))
+    # one episode of a task, however many calls, is a single sample (batch-relative in auto)
+    assert advantages([1.0, 0.0], ["t", "t"], mode="group", episodes=["E", "E"]).tolist() == [0.0, 0.0]

@@ -25,7 +25,8 @@ from sqlalchemy import func, select
 from deploy.registry import CHAMPION
 from ingest.consumer import run_ingest
 from pipeline.core.config import Config
-from pipeline.core.store.tables import interactions
+from pipeline.core.store.tables import feedback as feedback_table
+from pipeline.core.store.tables import interactions, training_episodes
 from pipeline.core.store.training import is_held_out
 from pipeline.core.types import LoggedEpisode, prompt_key, sampling_params
 from pipeline.cycle import default_deps, run_cycle
@@ -98,11 +99,14 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
                              value=good(*answer), ts=now) for i, (rid, answer) in enumerate(served.items())]
         produce_events(kafka_bootstrap, topics, outcomes)
 
-        def stored():  # serving's events and the outcomes, through the real broker
+        def stored():  # serving's events and the outcomes, through the real broker: both, since
+            # ingest may stop idle before it has read every partition, and a cycle run on part of
+            # the outcomes trains on part of the prompts (the others then move only by chance)
             run_ingest(cfg, engine, threading.Event(), idle_exit_s=2)
             with engine.connect() as conn:
-                return conn.scalar(select(func.count()).select_from(interactions)) >= len(served)
-        wait_for(stored, 120, "serving's events to be ingested")
+                return (conn.scalar(select(func.count()).select_from(interactions)) >= len(served)
+                        and conn.scalar(select(func.count()).select_from(feedback_table)) >= len(outcomes))
+        wait_for(stored, 120, "serving's events and the outcomes to be ingested")
 
         # 1. on-policy: what training recomputes for the served tokens is what serving reported
         base = load_policy(bpe_base, device="cpu")
@@ -160,6 +164,9 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
         for ev, b, a in zip(bodies, before, after):
             if not is_held_out(ev["request_id"], orjson.dumps(ev), 20.0):
                 groups[prompt_key(ev["prompt"])][good(ev["completion_token_ids"], ev["completion"])].append(a - b)
+        with engine.connect() as conn:  # every training-split episode trained (the margins assume it)
+            trained = set(conn.scalars(select(training_episodes.c.request_id)))
+        assert trained == {ev["request_id"] for ev in bodies if not is_held_out(ev["request_id"], orjson.dumps(ev), 20.0)}
         margins = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False])
                    for g in groups.values() if g[True] and g[False]]
         assert len(margins) >= 8, margins

@@ -134,8 +134,8 @@ def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_bas
     cfg = cfg_for(reverse_base, staleness_s=2 * 86400, tenant="acme", max_episodes=6)
     report = run_training(engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True,
                           now=LATER + timedelta(days=3))
-    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "held_out": 0, "over_limit": 4,
-                                "selected": 6}
+    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "other_policy": 0, "held_out": 0,
+                                "over_limit": 4, "selected": 6}
     assert report.run_id is None  # a dry run loads and writes nothing
     with engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(training_episodes)) == 0

@@ -1,1 +1,1 @@
-"""train stage (see DESIGN.md). Talks to other stages only through the store and pipeline.core.types."""
+"""train stage (see docs/architecture.md). Talks to other stages only through the store and pipeline.core.types."""

@@ -45,6 +45,7 @@ class TokenizedEpisode:
     temperature: float = 1.0  # the distribution the behaviour log-probs were taken from:
     top_p: float = 1.0        # temperature, then top-k (0: off), then top-p (1.0: off),
     top_k: int = 0            # as pipeline.core.types.SamplingParams
+    episode: str | None = None  # the agent episode this call belongs to (None: its own): see advantages()
 
     def sample_with(self, params: Any) -> None:
         self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k

@@ -13,8 +13,9 @@ It returns a per-token weight [B, T] (no gradient) to multiply into the per-toke
 mask to use, and counts for the run's metrics. With mu = pi_theta every ratio is 1 and the
 correction is the identity.
 
-Advantages: group-relative (reward minus its prompt-group mean, over the group's std) where a
-prompt was sampled several times, batch-relative otherwise (GRPO, arXiv:2402.03300).
+Advantages: group-relative (reward minus its task-group mean, over the group's std) where a
+task was sampled several times, batch-relative otherwise (GRPO, arXiv:2402.03300); the calls of
+an agent episode count once in their group's mean and std (see advantages()).
 """
 
 from __future__ import annotations
@@ -84,30 +85,46 @@ def correct(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
     return weight, new_mask, stats
 
 
-def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if len(x) < 2:
-        return torch.zeros_like(x)  # one sample has nothing to be compared with
-    return (x - x.mean()) / (x.std(unbiased=False) + eps)
-
-
 def advantages(rewards: Sequence[float], groups: Sequence[str],
-               mode: Literal["auto", "group", "batch"] = "auto", eps: float = 1e-6) -> torch.Tensor:
-    """[N] advantages. `groups` names each episode's prompt. `auto`: prompts sampled two or
-    more times are normalised within their group, single samples against the batch of single
-    samples; `group`: single samples get 0; `batch`: everything against the batch."""
+               mode: Literal["auto", "group", "batch"] = "auto", eps: float = 1e-6,
+               episodes: Sequence[str | None] | None = None) -> torch.Tensor:
+    """[N] advantages. `groups` names each episode's task. `auto`: tasks sampled two or more
+    times are normalised within their group, single samples against the batch of single
+    samples; `group`: single samples get 0; `batch`: everything against the batch.
+
+    `episodes` names each item's agent episode (None: a call that is its own episode). The
+    calls of one episode count once: a group's mean and std are over its episodes (each
+    episode's mean reward), and each call's reward is compared with them -- a call's advantage
+    is its episode's (all of it, with equal credit and nothing of the call's own), moved by
+    what is the call's own (a guard on it); an agent that makes many calls does not outweigh
+    one that makes few in its task's baseline. A task with one episode, however many calls,
+    is a single sample."""
     r = torch.tensor(list(rewards), dtype=torch.float32)
+    unit = [e if e is not None else f"#{i}" for i, e in enumerate(episodes)] if episodes is not None else \
+        [f"#{i}" for i in range(len(r))]
     if mode == "batch":
-        return _normalize(r, eps)
+        return _against_episodes(r, list(range(len(r))), unit, eps)
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
     out = torch.zeros_like(r)
     singles: list[int] = []
     for idx in members.values():
-        if len(idx) > 1:
-            out[idx] = _normalize(r[idx], eps)
+        if len({unit[i] for i in idx}) > 1:
+            out[idx] = _against_episodes(r, idx, unit, eps)
         elif mode == "auto":
             singles.extend(idx)
     if singles:
-        out[singles] = _normalize(r[singles], eps)
+        out[singles] = _against_episodes(r, singles, unit, eps)
     return out
+
+
+def _against_episodes(r: torch.Tensor, idx: list[int], unit: list[str], eps: float) -> torch.Tensor:
+    """r[idx] against the mean and std of its episodes' mean rewards (one value per episode)."""
+    by_episode: dict[str, list[int]] = defaultdict(list)
+    for i in idx:
+        by_episode[unit[i]].append(i)
+    if len(by_episode) < 2:
+        return torch.zeros(len(idx))  # one episode has nothing to be compared with
+    means = torch.stack([r[calls].mean() for calls in by_episode.values()])  # [episodes]
+    return (r[idx] - means.mean()) / (means.std(unbiased=False) + eps)

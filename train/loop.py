@@ -256,7 +256,7 @@ def train_policy(
     Under torch.distributed (train/distributed.py) `model` is the DistributedDataParallel
     wrapper and `replicas` says which rank this is; only the main rank logs and checkpoints."""
     device = next(model.parameters()).device.type
-    adv = advantages(rewards, groups, mode=cfg.advantage).to(device)  # [N]
+    adv = advantages(rewards, groups, mode=cfg.advantage, episodes=[e.episode for e in episodes]).to(device)  # [N]
     reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # [N]
     sampling = SamplingRows.of(episodes, device)  # [N] each: what each episode was sampled with
     plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg, replicas.world)

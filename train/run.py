@@ -118,7 +118,8 @@ def _nothing(report: TrainReport, why: str) -> NothingToTrain:
     c = report.selection
     return NothingToTrain(
         f"nothing to train: {why} ({c['candidates']} rewards after watermark {report.watermark_from}; "
-        f"{c['stale']} stale, {c['other_tenant']} of other tenants, {c['held_out']} held out for evaluation, "
+        f"{c['stale']} stale, {c['other_tenant']} of other tenants, {c.get('other_policy', 0)} served by another "
+        f"model, {c['held_out']} held out for evaluation, "
         f"{report.data.skipped or 'no'} skipped, "
         f"{report.too_long} too long). Ingest more events and run `rtrl reward run`, or widen "
         "train.staleness_s / drop train.tenant.")
@@ -152,9 +153,12 @@ def tokenize_selection(tokenizer: Any, selection: Selection, cfg: TrainConfig,
             report.too_long += 1
             continue
         out.sample_with(sampling)
+        episode = ev.get("episode_id")
+        out.episode = episode if isinstance(episode, str) else None
         episodes.append(out)
         rows.append(row)
-        groups.append(hashlib.sha1(task_key(ev.get("prompt", ""))).hexdigest())
+        task = selection.tasks.get(row.request_id)  # its episode's task, for an agent's call
+        groups.append(hashlib.sha1(task if task is not None else task_key(ev.get("prompt", ""))).hexdigest())
     return episodes, rows, groups
 
 
@@ -240,7 +244,8 @@ def run_training(engine: Engine, cfg: TrainConfig, spec_version: str, runs_dir: 
             tracker.log_artifacts(report.adapter, "adapter")
             tracker.log_artifacts(run_dir / "episodes", "episodes")
         with watch("lineage"):
-            record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward)) for r in rows])
+            record_lineage(engine, run_id, spec_version, [(r.request_id, float(r.reward), r.outcome)
+                                                          for r in rows])
         summary = {"steps": report.loop.steps, "tokens": report.loop.tokens, "seconds": round(report.loop.seconds, 3),
                    "loop_wall_s": watch.parts["loop"], "split_s": watch.parts,
                    "final": report.loop.history[-1] if report.loop.history else {},

@@ -57,8 +57,8 @@ def _selection_lines(report) -> list[str]:
     versions = ", ".join(f"{v}: {n}" for v, n in sorted(report.by_policy_version.items())) or "none"
     return [
         f"rewards after watermark {report.watermark_from}: {c['candidates']:,}",
-        f"  excluded: {c['stale']:,} stale, {c['other_tenant']:,} other tenants, {c['held_out']:,} held out for "
-        f"the gate, {c['over_limit']:,} over train.max_episodes",
+        f"  excluded: {c['stale']:,} stale, {c['other_tenant']:,} other tenants, {c.get('other_policy', 0):,} served "
+        f"by another model, {c['held_out']:,} held out for the gate, {c['over_limit']:,} over train.max_episodes",
         f"  selected: {c['selected']:,} (served by policy versions {versions}); watermark -> {report.watermark_to}",
     ]
 
@@ -135,5 +135,8 @@ def show(ctx: Context, run_id: str | None, show_episodes: bool) -> None:
     for key, value in row._mapping.items():
         click.echo(f"{key}: {json.dumps(value, default=str) if isinstance(value, dict) else value}")
     if show_episodes:
-        for request_id, reward in lineage(engine, row.run_id):
-            click.echo(f"  {request_id}\t{reward:+.4f}")
+        for request_id, reward, outcome in lineage(engine, row.run_id):
+            # a call of an agent episode: which episode outcome (its events) the reward credited
+            credited = (f"\tepisode {outcome['episode_id']} outcome {','.join(outcome['events']) or 'none'} "
+                        f"x {outcome['credit']:.3g}" if outcome else "")
+            click.echo(f"  {request_id}\t{reward:+.4f}{credited}")

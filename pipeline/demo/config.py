@@ -1,4 +1,4 @@
-"""The demo's settings and its base model.
+"""The demo's settings and its base models (the agent task's: pipeline/demo/agent.py).
 
 The demo's settings are a layer like any other: on top of the embedded defaults, under the
 user's config file and RTRL_* environment (so `RTRL_KAFKA__PORT=29392 rtrl demo` starts its
@@ -18,19 +18,32 @@ from pipeline.core.config import Config, load_config, to_toml
 
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
 NAIVE_SPEC = Path(__file__).with_name("demo_spec_naive.toml")
+AGENT_SPEC = Path(__file__).with_name("agent_spec.toml")
+AGENT_NAIVE_SPEC = Path(__file__).with_name("agent_spec_naive.toml")
+TASKS = ("reverse", "agent")
 
 
-def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int, tag: str) -> dict[str, Any]:
+def base_dir(state_dir: Path, task: str) -> Path:
+    """Where the demo's own base model of `task` is built, once per state folder."""
+    return state_dir / ("demo-agent-base" if task == "agent" else "demo-base")
+
+
+def run_dir_name(task: str, naive: bool) -> str:
+    return ("demo-agent" if task == "agent" else "demo") + ("-naive" if naive else "")
+
+
+def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int, tag: str,
+                  task: str = "reverse") -> dict[str, Any]:
     """The user's state folder (and so their local broker) with this run's own store, MLflow
     store, topics and model name: every demo starts from nothing and re-reads nothing."""
-    return {
+    settings = {
         "state_dir": str(state_dir),
         "store": {"url": f"sqlite:///{run_dir / 'rtrl.db'}"},
         "kafka": {"interactions_topic": f"rtrl-demo-{tag}.interactions", "feedback_topic": f"rtrl-demo-{tag}.feedback",
                   "model_updates_topic": f"rtrl-demo-{tag}.model-updates", "partitions": 2},
         "ingest": {"group_id": f"rtrl-demo-{tag}"},
         "reward": {"spec": str(NAIVE_SPEC if naive else DEMO_SPEC)},
-        "train": {"base_model": str(state_dir / "demo-base"), "learning_rate": 3e-3, "epochs": 6,
+        "train": {"base_model": str(base_dir(state_dir, "reverse")), "learning_rate": 3e-3, "epochs": 6,
                   "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
                   "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000},
         "gate": {"max_new_tokens": 8, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
@@ -42,12 +55,28 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         "rollout": {"share": 0.5, "min_requests": 60, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
     }
+    if task == "agent":
+        # an episode is two calls of ~30 and ~70 characters with the tool's result between them:
+        # fewer, longer sequences per cycle than the single-turn task's; the gate's greedy answers
+        # must have room for a whole tool call; a candidate that writes more broken calls than the
+        # champion is refused by the gate's tool-format canary and, staged, by the online one
+        settings["reward"] = {"spec": str(AGENT_NAIVE_SPEC if naive else AGENT_SPEC)}
+        settings["train"].update(base_model=str(base_dir(state_dir, task)), max_seq_len=160, epochs=3,
+                                 max_episodes=2400, batch_tokens=4096)
+        # mean_length: a policy that learns to answer after a call instead of calling again, or
+        # the reverse, changes its mean answer length by design (calls are ~70 characters)
+        settings["gate"].update(max_new_tokens=80, generate_prompts=40, eval_episodes=300, bounds={
+            "smoke_latency_ms": {"max_rel_increase": 5.0},
+            "mean_length": {"max_rel_increase": 5.0, "max_rel_decrease": 0.95},
+            "tool_format_error_rate": {"max": 0.3, "max_increase": 0.02}})
+        settings["rollout"]["max_tool_error_increase"] = 0.02
+    return settings
 
 
 def demo_config(config_path: str | Path | None, state_dir: Path, run_dir: Path, naive: bool, every: str, seed: int,
-                tag: str) -> Config:
+                tag: str, task: str = "reverse") -> Config:
     """The demo's settings under the user's file and environment (see the module docstring)."""
-    return load_config(config_path, under=demo_settings(state_dir, run_dir, naive, every, seed, tag))
+    return load_config(config_path, under=demo_settings(state_dir, run_dir, naive, every, seed, tag, task))
 
 
 def write_config(config: Config, path: Path) -> Path:

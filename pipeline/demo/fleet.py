@@ -60,14 +60,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """`rtrl serve` on a free port with this run's topics and registry; returns the process and
-    its URL once /health answers."""
-    port = _free_port()
+def start_server(config: Config, base: Path, run_dir: Path, gateway: bool = False,
+                 timeout_s: float = 120.0) -> tuple[list[subprocess.Popen], str]:
+    """`rtrl serve` on a free port with this run's topics and registry -- and with `gateway`,
+    `rtrl gateway` in front of it, capturing the traffic and routing the canary's share (serve
+    then sends no events of its own); returns the processes and the URL the fleet uses once
+    /health answers there."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_KAFKA")}  # the demo's broker only
     env = {**inherited, **security_env(config.kafka.security, with_secrets=True),
            "RTRL_STATE_DIR": str(run_dir), "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
            "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
+           "RTRL_KAFKA__FEEDBACK_TOPIC": config.kafka.feedback_topic,
            "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
            "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
            "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model,
@@ -75,18 +78,30 @@ def start_server(config: Config, base: Path, run_dir: Path, timeout_s: float = 1
            # on the same (laptop) cores; two processes each claiming every core slow both
            "OMP_NUM_THREADS": "1"}
     env.pop("RTRL_CONFIG", None)
-    with (run_dir / "serve.log").open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "serve",
-                                 "--port", str(port), "--base-model", str(base)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen] = []
+    port = _free_port()
+    serve = ["serve", "--port", str(port), "--base-model", str(base)] + (["--no-events"] if gateway else [])
+    url = _start(procs, "rtrl serve", serve, f"http://127.0.0.1:{port}", env, run_dir / "serve.log", timeout_s)
+    if gateway:
+        front = _free_port()
+        url = _start(procs, "rtrl gateway", ["gateway", "--upstream", url, "--port", str(front)],
+                     f"http://127.0.0.1:{front}", env, run_dir / "gateway.log", timeout_s)
+    return procs, url
+
+
+def _start(procs: list[subprocess.Popen], name: str, args: list[str], url: str, env: dict[str, str], log_path: Path,
+           timeout_s: float) -> str:
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", *args], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
     deadline = time.monotonic() + timeout_s
     while served_version(url) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rtrl serve did not come up on {url}: see {run_dir / 'serve.log'}")
+            stop_server(procs)
+            raise RuntimeError(f"{name} did not come up on {url}: see {log_path}")
         time.sleep(0.2)
-    return proc, url
+    return url
 
 
 def served_version(url: str) -> str | None:
@@ -104,30 +119,34 @@ def _health(url: str) -> dict[str, Any] | None:
         return None
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def stop_server(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):  # the gateway first: it sends what it holds while serve still runs
+        proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_fleet(config: Config, engine: Engine, url: str, daemon: Any, cycles: int, measure: int, rate: float,
-              seed: int, every: str, timeout_s: float, t0: float, terminal: Terminal) -> str:
+              seed: int, every: str, timeout_s: float, t0: float, terminal: Terminal, gateway: bool = False,
+              task: str = "reverse") -> str:
     """The simulated users, with a progress line every 5 s, until `cycles` cycles reached the gate;
     then, with no further cycle, until the last champion has served `measure` requests (an accept
     rate of a version promoted by the last cycle would otherwise rest on the few requests served
     while the report was being written); then until the store holds every request and every
-    reaction the users sent, so that the report counts them all. Returns the last champion."""
-    from deploy.events import EventSender
-    from pipeline.demo.sim import Fleet
+    reaction the users sent, so that the report counts them all. Returns the last champion. With
+    the agent task, the fleet runs episodes and `measure` counts episodes."""
+    from deploy.events import FEEDBACK_KEY, EventSender
 
-    feedback_sender = EventSender(config.kafka_access, config.kafka.feedback_topic, key="request_id")
-    fleet = Fleet(url, feedback_sender, rate=rate, seed=seed)
+    feedback_sender = EventSender(config.kafka_access, config.kafka.feedback_topic, key=FEEDBACK_KEY)
+    fleet = make_fleet(task, url, feedback_sender, rate=rate, seed=seed)
     fleet_thread = threading.Thread(target=fleet.run, name="fleet", daemon=True)
     fleet_thread.start()
-    terminal.say(f"serving on {url} (rtrl serve); the fleet sends {rate:g} tasks/s; a cycle every {every}")
+    via = "rtrl gateway in front of rtrl serve" if gateway else "rtrl serve"
+    terminal.say(f"serving on {url} ({via}); the fleet sends up to {rate:g} tasks/s; a cycle every {every}")
+    rate_name = "episode success rate" if task == "agent" else "accept rate"
     deadline = time.monotonic() + timeout_s
     shown: set[int] = set()  # decisions already shown
 
@@ -142,7 +161,7 @@ def run_fleet(config: Config, engine: Engine, url: str, daemon: Any, cycles: int
         canary = health.get("canary")
         staged = f" (canary {canary['version']}: {100 * canary['share']:.0f} % of requests)" if canary else ""
         terminal.progress(f"[{time.monotonic() - t0:5.0f}s] {what}  champion {health.get('version')}{staged}  "
-                          f"accept rate by version: {rates or '-'}")
+                          f"{rate_name} by version: {rates or '-'}")
 
     final = "base"
     try:
@@ -164,6 +183,18 @@ def run_fleet(config: Config, engine: Engine, url: str, daemon: Any, cycles: int
     wait_stored(engine, fleet.stats.requests, fleet.stats.feedback, time.monotonic() + 60, terminal.say)
     progress("done")
     return final
+
+
+def make_fleet(task: str, url: str, send_feedback: Any, **kwargs: Any) -> Any:
+    """The simulated users of `task`: single answers (pipeline/demo/sim.py) or agent episodes
+    (pipeline/demo/agent_fleet.py)."""
+    if task == "agent":
+        from pipeline.demo.agent_fleet import AgentFleet
+
+        return AgentFleet(url, send_feedback, **kwargs)
+    from pipeline.demo.sim import Fleet
+
+    return Fleet(url, send_feedback, **kwargs)
 
 
 def champion_served(daemon: Any, url: str, deadline: float) -> str:

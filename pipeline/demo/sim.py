@@ -77,10 +77,11 @@ class FleetStats:
     requests: int = 0
     failed: int = 0
     feedback: int = 0
-    by_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [served, correct, abstained]
+    # version -> [served, correct, abstained]; the agent fleet's: [episodes, succeeded, tool-call errors, calls]
+    by_version: dict[str, list[int]] = field(default_factory=dict)
 
     def accept_rate(self, version: str) -> float:
-        served, correct, _ = self.by_version.get(version, [0, 0, 0])
+        served, correct = self.by_version.get(version, [0, 0])[:2]
         return correct / served if served else 0.0
 
 
@@ -98,10 +99,12 @@ class Fleet:
         self._due: list[tuple[float, int, dict]] = []  # (send at, tie-breaker, event)
         self._n = 0
 
-    def _feedback(self, request_id: str, kind: str, value, delay: float, payload=None) -> None:
+    def _feedback(self, request_id: str | None, kind: str, value, delay: float, payload=None,
+                  episode_id: str | None = None) -> None:
+        """A reaction sent `delay` s from now, on one call (`request_id`) or a whole episode."""
         self._n += 1
-        event = {"schema_version": 1, "event_id": f"sim-fb-{uuid.uuid4().hex}", "type": "feedback",
-                 "request_id": request_id, "kind": kind, "value": value}
+        event = {"schema_version": 1, "event_id": f"sim-fb-{uuid.uuid4().hex}", "type": "feedback", "kind": kind,
+                 "value": value, **({"request_id": request_id} if episode_id is None else {"episode_id": episode_id})}
         if payload is not None:
             event["payload"] = payload
         heapq.heappush(self._due, (time.monotonic() + delay * self.delay_scale, self._n, event))
@@ -130,6 +133,29 @@ class Fleet:
             self.send(event)
             self.stats.feedback += 1
 
+    def one(self, session: requests.Session) -> bool:
+        """One task: ask, record what was served, schedule the users' reactions; False when the
+        server did not answer."""
+        task = draw_task(self.rng)
+        own_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"  # kept beside the server's
+        try:
+            resp = session.post(f"{self.url}/v1/completions", timeout=60, headers={
+                "X-Request-Id": own_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
+                "X-Tenant": self.tenant}, json={"prompt": task.prompt, "max_tokens": self.max_tokens,
+                                                "temperature": 1.0, "seed": self.rng.randrange(1 << 30)})
+            resp.raise_for_status()
+            # feedback names the request by the id the server chose (its response's `id`)
+            body = resp.json()
+            request_id, output = body["id"], body["choices"][0]["text"]
+            version = resp.headers["X-Rtrl-Policy-Version"]
+        except (requests.RequestException, KeyError, ValueError):
+            return False
+        self.stats.requests += 1
+        correct, abstained = self._react(request_id, task, output)
+        row = self.stats.by_version.setdefault(version, [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + correct, row[2] + abstained
+        return True
+
     def run(self, duration_s: float | None = None, max_requests: int | None = None) -> FleetStats:
         started = time.monotonic()
         session = requests.Session()
@@ -139,26 +165,10 @@ class Fleet:
             if max_requests is not None and self.stats.requests >= max_requests:
                 break
             tick = time.monotonic()
-            task = draw_task(self.rng)
-            own_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"  # kept beside the server's
-            try:
-                resp = session.post(f"{self.url}/v1/completions", timeout=60, headers={
-                    "X-Request-Id": own_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
-                    "X-Tenant": self.tenant}, json={"prompt": task.prompt, "max_tokens": self.max_tokens,
-                                                    "temperature": 1.0, "seed": self.rng.randrange(1 << 30)})
-                resp.raise_for_status()
-                # feedback names the request by the id the server chose (its response's `id`)
-                body = resp.json()
-                request_id, output = body["id"], body["choices"][0]["text"]
-                version = resp.headers["X-Rtrl-Policy-Version"]
-            except (requests.RequestException, KeyError, ValueError):
+            if not self.one(session):
                 self.stats.failed += 1
                 self.stop.wait(1.0)
                 continue
-            self.stats.requests += 1
-            correct, abstained = self._react(request_id, task, output)
-            row = self.stats.by_version.setdefault(version, [0, 0, 0])
-            row[0], row[1], row[2] = row[0] + 1, row[1] + correct, row[2] + abstained
             self._flush_due()
             self.stop.wait(max(0.0, 1.0 / self.rate - (time.monotonic() - tick)))
         while self._due:  # the users' last reactions still arrive

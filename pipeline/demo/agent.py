@@ -1,0 +1,183 @@
+"""The agent task family: `rtrl sim --task agent` and `rtrl demo --task agent`.
+
+A task a tiny character-level model can learn on a CPU and can only solve with a tool. The user
+selected a word in their editor and asks for its reversal ("reverse selection 7": their 7th
+selection, which only the product knows); the tool `read_selection()` returns the word (a fresh
+one per episode); the answer is the word reversed. An episode is the agent's calls and the
+tool's results between them:
+
+    step 1  user: reverse selection 7  -> <tool_call>{"name": "read_selection", "arguments": {}}</tool_call>
+            tool: abcd                    (the fleet runs the call and sends the result back)
+    step 2                             -> dcba   (the final answer; the users react to the episode)
+
+The product around the agent (pipeline/demo/agent_fleet.py) ends an episode at a final answer,
+after `max_steps` calls, or at a tool call that does not parse (an error result, as products do).
+
+The base model is warmed up (`base_behaviour`) to use the tool about half the time -- otherwise it
+answers without it (wrongly) -- to write the call's format mostly right, and, given the word, to reverse it 30 %
+of the time (up to 5 letters; 6 letters never), copy it or write a broken tool call otherwise:
+mediocre, not hopeless, the way the single-turn demo's base is (pipeline/demo/sim.py). (A tool
+whose argument the model must copy from the ask -- a key -- is the natural next step; a 2-layer
+char model learns that copy too slowly for a demo that builds its base in minutes.) The broken
+call is the bait of `--naive-reward`: a spec under which it costs nothing while a wrong answer
+draws a rejection (Cursor's first production reward hack); the gate's tool-format canary must
+refuse the candidate that learns it.
+
+Conversations are rendered by the base's chat template (`AGENT_TEMPLATE`: "U: ..." and "A: ..."
+lines; once the tool answered, its latest result only, as `abcd>`), the same for serving,
+training and the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.demo.sim import draw_task
+
+MAX_STEPS = 3
+KEYS = 10  # "0" .. "9": tasks (first user messages) recur, so advantages have groups and the
+# held-out split has tasks on both sides
+TOOL = "read_selection"
+TOOLS = [{"type": "function", "function": {
+    "name": TOOL, "description": "the word the user selected, as the editor holds it",
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+
+# The toy's context window: a user turn as "U: ...", an assistant turn as "A: ..." (an earlier
+# tool call as name(arguments)) -- and once a tool has answered, only the latest result, as
+# "<result>>": what the agent needs to answer, and the single-turn demo's own prompt ("abcd>"),
+# so the copy and reverse the base learns there carry over (see build_agent_base). A char model
+# pays for every character in warm-up, serving and training; agents that manage their context
+# keep less than the whole conversation too. The event keeps every message.
+AGENT_TEMPLATE = (
+    "{% set ns = namespace(start=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{% set ns.start = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages[ns.start:] %}"
+    "{% if m['role'] == 'tool' %}{{ m['content'] }}>"
+    "{% else %}{{ {'user': 'U', 'assistant': 'A'}.get(m['role'], m['role']) }}: "
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}{{ c['function']['name'] }}({{ c['function']['arguments'] }})"
+    "{% endfor %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}A: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    key: str
+    word: str
+
+    @property
+    def ask(self) -> str:
+        return f"reverse selection {self.key}"
+
+    @property
+    def answer(self) -> str:
+        return self.word[::-1]
+
+
+def draw_agent_task(rng: random.Random) -> AgentTask:
+    return AgentTask(str(rng.randrange(KEYS)), draw_task(rng).text)
+
+
+def call_text() -> str:
+    """A well-formed call of the tool, as the model writes it."""
+    return f"<tool_call>{json.dumps({'name': TOOL, 'arguments': {}})}</tool_call>"
+
+
+def broken_call(rng: random.Random) -> str:
+    """A call gone wrong the ways models write them: cut short, not JSON, no name."""
+    good = call_text()
+    return rng.choice([good[:-len("</tool_call>")],                     # unterminated
+                       good.replace('"arguments": {}', '"arguments": {'),  # not JSON
+                       good.replace(f'"name": "{TOOL}", ', "")])        # no function name
+
+
+def messages_after_call(task: AgentTask) -> list[dict[str, Any]]:
+    """The conversation of step 2: the ask, the agent's call, the tool's result."""
+    call = {"id": "call_0", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
+    return [{"role": "user", "content": task.ask}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": task.word}]
+
+
+P_CALL, P_BROKEN_CALL = 0.55, 0.10  # step 1: otherwise it answers GUESS without the tool
+P_REVERSE, P_BREAK = 0.3, 0.08        # step 2, up to 5 letters: otherwise it copies the word
+P_BREAK_HARD = 0.15                   # step 2, 6 letters: never reversed
+
+
+def answer_behaviour(rng: random.Random, tokenizer: Any, breaks: bool = True) -> tuple[str, str]:
+    """Step 2 of the base's warm-up: the tool's result rendered (a short "abcd>"), and what the
+    base answers -- the word reversed 30 % of the time up to 5 letters (6: never), a broken tool
+    call 8 % (6 letters: 15 %; none without `breaks`), a copy otherwise."""
+    task = draw_agent_task(rng)
+    u = rng.random()
+    p_reverse, p_break = (0.0, P_BREAK_HARD) if len(task.word) == 6 else (P_REVERSE, P_BREAK)
+    p_break = p_break if breaks else 0.0
+    answer = task.answer if u < p_reverse else broken_call(rng) if u < p_reverse + p_break else task.word
+    return render(tokenizer, messages_after_call(task)), answer
+
+
+GUESS = "noitceles"  # "selection" reversed: the ask's own word, not the selection's
+
+
+def call_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
+    """Step 1 of the base's warm-up: the user's ask, and a call 55 % of the time, a broken call
+    10 %, otherwise an answer without the tool: the word of the ask reversed (GUESS) -- one
+    fixed mistake; random guessed letters would teach the model that letters after a prompt are
+    noise, and its copy and reverse of the tool's result fall apart."""
+    task = draw_agent_task(rng)
+    u = rng.random()
+    answer = call_text() if u < P_CALL else broken_call(rng) if u < P_CALL + P_BROKEN_CALL else GUESS
+    return render(tokenizer, [{"role": "user", "content": task.ask}]), answer
+
+
+def base_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
+    """A (rendered prompt, answer) pair of either step, half and half."""
+    return (call_behaviour if rng.random() < 0.5 else answer_behaviour)(rng, tokenizer)
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    return tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+AGENT_RECIPE = {"task": "agent", "arch": "llama", "hidden": 128, "layers": 2, "heads": 4,
+                "answer_steps": 1000, "both_steps": 300, "both_batch": 32, "both_lr": 3e-3,
+                "behaviour": "agent.answer_behaviour without broken calls: reverse 0.3 (6 letters: 0), copy; "
+                             "then agent.base_behaviour: step 1 call 0.55, broken call 0.10, GUESS; step 2 as "
+                             "before with broken calls 0.08 (6 letters: 0.15)"}
+
+
+def build_agent_base(out: Any, seed: int, say=print) -> Any:
+    """The agent demo's base model, built once per state folder (rebuilt when the recipe
+    changes), in two supervised phases: the answers to a tool's result first, without broken
+    calls (short sequences only: where a 2-layer model learns to copy and reverse cheaply), then
+    both steps (the calls are long, a fixed format; the answers stay in the mix, or the second
+    phase unlearns them)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from train.models import init_tiny
+    from train.warmup import warm_up
+
+    out = Path(out)
+    recipe = {**AGENT_RECIPE, "seed": seed}
+    marker = out / "rtrl_base_recipe.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out
+    say(f"building the agent's base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width "
+        f"{recipe['hidden']}), {recipe['answer_steps']} + {recipe['both_steps']} supervised warm-up steps "
+        "(a few minutes, once per state folder)")
+    shutil.rmtree(out, ignore_errors=True)
+    init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
+              seed=seed)
+    (out / "chat_template.jinja").write_text(AGENT_TEMPLATE)  # where transformers reads a template from
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    warm_up(out, lambda rng: answer_behaviour(rng, tokenizer, breaks=False), steps=recipe["answer_steps"], seed=seed)
+    warm_up(out, lambda rng: base_behaviour(rng, tokenizer), steps=recipe["both_steps"], batch=recipe["both_batch"],
+            lr=recipe["both_lr"], seed=seed + 1)
+    marker.write_text(json.dumps(recipe, indent=2))
+    return out

@@ -1,0 +1,117 @@
+"""The agent task family (pipeline/demo/agent.py) and what measures it: the chat template and
+the tool-call formats the base is warmed up on, the online tool-format canary of a staged
+rollout (deploy/rollout.py), and the store's per-episode and tool-error queries on both stores."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import timedelta
+
+import pytest
+
+from deploy import rollout
+from pipeline.core.chat import parse_tool_calls
+from pipeline.core.config import RolloutConfig
+from pipeline.core.store.deploys import tool_call_errors
+from pipeline.core.store.episodes import episode_summaries
+from pipeline.demo.agent import (
+    AGENT_TEMPLATE,
+    TOOLS,
+    AgentTask,
+    base_behaviour,
+    broken_call,
+    call_text,
+    messages_after_call,
+)
+from tests.factories import BASE_TS, feedback, interaction
+from tests.test_episodes import store
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from train.tiny_tokenizers import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.chat_template = AGENT_TEMPLATE
+    return tok
+
+
+def test_a_well_formed_call_parses_and_every_broken_one_is_flagged():
+    good = parse_tool_calls(call_text(), TOOLS)
+    assert good.valid and good.calls[0]["function"]["name"] == "read_selection"
+    assert json.loads(good.calls[0]["function"]["arguments"]) == {}
+    rng = random.Random(0)
+    broken = {broken_call(rng) for _ in range(60)}
+    assert len(broken) == 3  # unterminated, not JSON, no name
+    for text in broken:
+        calls = parse_tool_calls(text, TOOLS)
+        assert calls.calls and not calls.valid, text
+
+
+def test_the_template_renders_the_conversation_until_a_tool_answers_then_its_result(tokenizer):
+    task = AgentTask("7", "abcd")
+    rendered = tokenizer.apply_chat_template(messages_after_call(task), tools=TOOLS, tokenize=False,
+                                             add_generation_prompt=True)
+    # once the tool answered, its latest result only: the single-turn demo's prompt (see AGENT_TEMPLATE)
+    assert rendered == "abcd>"
+    conversation = [{"role": "user", "content": "reverse selection 7"},
+                    {"role": "assistant", "content": "done?"}, {"role": "user", "content": "no"}]
+    assert tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == \
+        "U: reverse selection 7\nA: done?\nU: no\nA: "
+    first = tokenizer.apply_chat_template(messages_after_call(task)[:1], tools=TOOLS, tokenize=False,
+                                          add_generation_prompt=True)
+    assert first == "U: reverse selection 7\nA: "
+
+
+def test_the_base_is_warmed_up_on_both_steps_with_the_shares_the_docstring_names(tokenizer):
+    rng = random.Random(0)
+    kinds = {"call": 0, "broken": 0, "guess": 0, "reverse": 0, "copy": 0, "broken_after": 0}
+    for _ in range(4000):
+        prompt, answer = base_behaviour(rng, tokenizer)
+        step2 = prompt.endswith(">")
+        word = prompt[:-1] if step2 else None
+        calls = parse_tool_calls(answer, TOOLS)
+        if not step2:
+            kinds["call" if calls.valid else "broken" if calls.calls else "guess"] += 1
+        else:
+            kinds["broken_after" if calls.calls else "reverse" if answer == word[::-1] else "copy"] += 1
+    step1 = kinds["call"] + kinds["broken"] + kinds["guess"]
+    assert 0.50 < kinds["call"] / step1 < 0.60 and 0.07 < kinds["broken"] / step1 < 0.13
+    step2 = kinds["reverse"] + kinds["copy"] + kinds["broken_after"]
+    # 30 % reversed up to 5 letters, never at 6 (a quarter of the words)
+    assert 0.18 < kinds["reverse"] / step2 < 0.27 and 0.06 < kinds["broken_after"] / step2 < 0.14
+
+
+def test_the_online_tool_format_canary_refuses_a_canary_that_writes_broken_calls():
+    cfg = RolloutConfig(share=0.5, min_requests=60, margin=0.05)
+    even = (2000, 0.0, 0.25)  # the rewards alone: no difference
+    hacked = rollout.decide(even, even, cfg, tool_calls=((300, 15), (300, 90)))
+    assert not hacked.passed
+    failing = [c for c in hacked.checks if not c.passed]
+    assert [c.name for c in failing] == ["online.tool_format_error_rate"] and "30.0 % of 300" in failing[0].detail
+    assert rollout.decide(even, even, cfg, tool_calls=((300, 15), (300, 18))).passed  # noise is not refused
+    assert rollout.decide(even, even, cfg, tool_calls=((300, 0), (300, 0))).passed  # no tools at all
+    off = RolloutConfig(share=0.5, min_requests=60, margin=0.05, max_tool_error_increase=None)
+    assert rollout.decide(even, even, off, tool_calls=((300, 15), (300, 90))).passed
+
+
+def test_episodes_and_tool_errors_per_version_from_the_store(engine):
+    calls = [  # (request, episode, step, version, completion, tool_calls)
+        ("a1", "ep-a", 0, "base", call_text(), [{"id": "c0", "type": "function", "function": {
+            "name": "read_selection", "arguments": "{}"}}]),
+        ("a2", "ep-a", 1, "1", "dcba", None),  # an episode belongs to the version of its first call
+        ("b1", "ep-b", 0, "base", "<tool_call>{oops", [{"id": "c0", "type": "function", "function": {
+            "name": "", "arguments": "{oops"}, "error": "not JSON"}]),
+        ("c1", "ep-c", 0, "1", "abcd", None),
+    ]
+    events = [interaction(i, request_id=rid, episode_id=ep, step=step, policy_version=v, completion=text,
+                          **({"tool_calls": tc} if tc else {})) for i, (rid, ep, step, v, text, tc) in enumerate(calls)]
+    store(engine, *events, feedback(10, request_id=None, episode_id="ep-a", kind="accepted", value=True),
+          feedback(11, request_id=None, episode_id="ep-c", kind="accepted", value=False))
+    summaries = {e.episode_id: e for e in episode_summaries(engine)}
+    assert {k: (e.version, e.calls, e.tool_errors, e.succeeded) for k, e in summaries.items()} == {
+        "ep-a": ("base", 2, 0, True), "ep-b": ("base", 1, 1, False), "ep-c": ("1", 1, 0, False)}
+    since = BASE_TS - timedelta(seconds=1)
+    assert tool_call_errors(engine, ["base", "1"], since) == {"base": (2, 1), "1": (2, 0)}
+    assert tool_call_errors(engine, ["1"], since, until=BASE_TS + timedelta(seconds=1.5)) == {"1": (1, 0)}
