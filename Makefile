@@ -27,7 +27,7 @@ lint: venv
 # PostgreSQL: RTRL_TEST_POSTGRES if set, else scripts/postgres.sh installs/starts one (as root).
 test: venv kafka-jars
 	$(BIN)/lint-imports
-	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q
+	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q --durations=15
 
 # The main job on embedded defaults: local Kafka, SQLite, a local MLflow store, a tiny model.
 demo: venv kafka-jars
