@@ -31,6 +31,11 @@ from train.models import load_policy
 pytestmark = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
 
+# A test that calls `Daemon.cycle()` itself has no scheduler beating the lease's heartbeat: the
+# lease must outlast the slowest cycle on a loaded CI machine, or the cycle stops as "lease lost".
+LEASE_TTL_S = 600
+
+
 def cycle_deps(cfg, engine, reverse_base, tmp_path, tracking: str | None = None, publish=None) -> CycleDeps:
     """The cycle's parts on the tiny reverse model; the local MLflow store unless `tracking`."""
     config = Config.model_validate({

@@ -40,7 +40,7 @@ from pipeline.kafka_local import ensure_topics
 from tests import mlflow_server
 from tests.conftest import free_port, wait_for
 from tests.factories import feedback, interaction
-from tests.test_cycle import cycle_deps, feed
+from tests.test_cycle import LEASE_TTL_S, cycle_deps, feed
 from tests.test_ingest_kafka import count, produce_events
 
 
@@ -67,7 +67,7 @@ def test_the_registry_going_away_fails_the_cycle_and_the_next_one_retries_it(
     server = mlflow_server.start(tmp_path / "mlflow", port)
     try:
         deps = cycle_deps(cfg, engine, reverse_base, tmp_path, tracking=f"http://127.0.0.1:{port}")
-        daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+        daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
         assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "g", seed=11) > 0
         with monkeypatch.context() as m:
             _gate_after(m, lambda: mlflow_server.kill(server))
@@ -122,7 +122,7 @@ class PostgresOutage:
 def test_the_store_going_away_leaves_the_cycle_to_resume_once_it_is_back(
         cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch):
     deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
-    daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+    daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
     assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "p", seed=12) > 0
     outage = PostgresOutage(engine)
     try:
@@ -179,7 +179,7 @@ def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
         cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path):
     deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
     deps.config.cycle.every = "1h"  # ingest only: no cycle in this test
-    daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+    daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
 
     def events(start: int, n: int) -> list[dict]:
         return [e for i in range(start, start + n) for e in (interaction(i, prefix="o"), feedback(i, prefix="o"))]

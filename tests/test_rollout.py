@@ -21,7 +21,7 @@ from pipeline.daemon import Daemon
 from reward.spec import load_spec
 from tests.conftest import REPO, wait_for
 from tests.factories import served_now
-from tests.test_cycle import cycle_deps, feed
+from tests.test_cycle import LEASE_TTL_S, cycle_deps, feed
 from tests.test_ingest_kafka import ingest_until_idle, produce_events
 
 # the cycle runs on SQLite and the local MLflow store here, as in test_cycle
@@ -108,7 +108,7 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
     online_traffic(cfg, engine, topics, kafka_bootstrap, "p-canary", version, 60, good=0.8)
     # the daemon's canary job (every rollout.check_every) resumes the waiting cycle; a check
     # with nothing waiting does not start a cycle
-    daemon = Daemon(deps.config, deps, lease_ttl_s=30)
+    daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
     with daemon.cycle_running:  # a cycle is running: the canary job does not queue behind it
         daemon.check_canary()
     assert get_cycle(engine, row.cycle_id).state == "canary"
