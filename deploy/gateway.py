@@ -110,10 +110,12 @@ class Gateway:
         log.info("routing updated", extra={"champion": self.champion, "canary": self.canary,
                                             "share": self.canary_share})
 
-    def route(self, request_id: str) -> tuple[str, str | None]:
-        """(the version that answers, its model name on the upstream; None: the base, as asked)."""
+    def route(self, key: str) -> tuple[str, str | None]:
+        """(the version that answers, its model name on the upstream; None: the base, as asked);
+        `key`: the request's episode id when it names one (an episode's calls go to one version),
+        else its request id."""
         version = self.champion
-        if self.canary is not None and routes_to_canary(request_id, self.canary_share):
+        if self.canary is not None and routes_to_canary(key, self.canary_share):
             version = self.canary
         return (version, f"{self.model_name}-v{version}") if version else ("base", None)
 

@@ -60,7 +60,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool) -> Response:
         request_id = new_id("req")
-        version, model = gw.route(request_id)
+        version, model = gw.route(header_id(headers, "x-rtrl-episode-id") or request_id)
         asked_logprobs = bool(request_body.get("logprobs"))
         asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
         up = {**request_body, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}

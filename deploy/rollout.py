@@ -6,10 +6,13 @@ produced -- the candidate's own mistakes (README, "Known limitation"). With `rol
 a candidate that passed the gate first serves that share of live requests under the registry
 alias `canary`, the champion serving the rest, and the users' reactions decide:
 
-    a request goes to the canary  iff  hash(request_id) < share       (routes_to_canary)
-    once both sides have >= min_requests settled requests since the canary went live (served
+    a request goes to the canary  iff  hash(episode_id or request_id) < share   (routes_to_canary)
+      (every call of an agent's episode goes the same way: a canary is measured as a whole
+      agent, never as the first call of an episode the champion finishes)
+    once both sides have >= min_requests settled episodes since the canary went live (served
     at least the spec's ripeness window ago, so every outcome is in; pipeline/cycle.py):
-        d  = mean_canary - mean_champion                 rewards under the current spec
+        d  = mean_canary - mean_champion                 rewards under the current spec, an
+                                                         episode's calls averaged into one unit
         se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
         promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
     and the online tool-format canary, on the calls both sides served in the same period:
@@ -35,14 +38,15 @@ from statistics import NormalDist
 from deploy.gate import Check, Decision
 from pipeline.core.config import RolloutConfig
 
-Side = tuple[int, float, float]  # rewarded requests, mean reward, sample variance
+Side = tuple[int, float, float]  # rewarded episodes (a request without one: its own), mean reward, variance
 Calls = tuple[int, int]  # calls served, calls that wrote a malformed tool call
 
 
-def routes_to_canary(request_id: str, share: float) -> bool:
-    """The canary serves this request: a stable hash of its id below `share` (the same request id
-    always goes the same way; over many ids, `share` of them go to the canary)."""
-    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+def routes_to_canary(key: str, share: float) -> bool:
+    """The canary serves this request: a stable hash of `key` -- the request's episode id when
+    it names one, else its request id -- below `share` (the same key always goes the same way, so
+    an episode's calls all go to one version; over many keys, `share` of them go to the canary)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0 ** 64 < share
 
 

@@ -151,8 +151,10 @@ class PolicyServer:
                 version = self.version  # a gateway in front chose the champion (the base has no model name)
             if version is None:
                 version = self.version
-                if self.canary is not None and routes_to_canary(ids[0], self.canary_share):
-                    version = self.canary  # a request's choices all come from one version
+                # a request's choices all come from one version, an episode's calls too
+                key = header_id(headers, "x-rtrl-episode-id") or ids[0]
+                if self.canary is not None and routes_to_canary(key, self.canary_share):
+                    version = self.canary
             gens = [self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
                                          temperature=req.temperature, top_p=req.top_p,
                                          seed=None if req.seed is None else req.seed + i, tools=tools,

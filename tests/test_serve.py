@@ -121,6 +121,12 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         staged = len(results)
         wait_for(lambda: len(results) >= staged + 24, 60, "requests during the canary")
         canary_window = results[staged + 4:staged + 24]  # past the (at most 4) requests in flight at the move
+        # an agent's episode goes to one version, whatever its calls' request ids hash to
+        def versions_of(episode: str) -> set[str]:
+            return {requests.post(f"{base_url}/v1/completions", headers={"X-Rtrl-Episode-Id": episode},
+                                  json={"prompt": "ab>", "max_tokens": 2}).headers["X-Rtrl-Policy-Version"]
+                    for _ in range(4)}
+        sticky = {f"ep-sticky-{k}": versions_of(f"ep-sticky-{k}") for k in range(8)}
         registry.unstage(actor="test", reason="withdrawn")
         wait_for(lambda: "canary" not in health(), 60, "the canary to be withdrawn")
         stop.set()
@@ -176,6 +182,8 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         assert [resp.headers["X-Rtrl-Policy-Version"] for rid, _, resp in canary_window] == [
             "1" if routes_to_canary(rid, 0.5) else "2" for rid, _, _ in canary_window]
         assert {resp.headers["X-Rtrl-Policy-Version"] for _, _, resp in canary_window} == {"1", "2"}
+        assert sticky == {ep: {"1" if routes_to_canary(ep, 0.5) else "2"} for ep in sticky}
+        assert set().union(*sticky.values()) == {"1", "2"}
         metrics = requests.get(f"{base_url}/metrics").text
         assert "rtrl_serve_swaps_total 4.0" in metrics and "rtrl_serve_canary_share 0.0" in metrics  # start + 3
     finally:

@@ -185,6 +185,28 @@ def test_online_rewards_per_version_since_a_time(engine):
     assert got["1"][:2] == (2, 0.0) and got["2"][0] == 3 and abs(got["2"][1] - 2 / 3) < 1e-9
 
 
+
+def test_online_rewards_count_an_episode_once(engine):
+    """An agent's episode is one unit of the online comparison: its calls' rewards averaged, so
+    a version whose episodes make more calls does not weigh more (before, each call counted: a
+    canary that used the tool on every episode -- two calls, both credited with a failure --
+    lost to a champion that answered in one call while succeeding twice as often)."""
+    from datetime import timedelta
+
+    from pipeline.core.store.rewards import RewardRow, upsert_rewards
+    from tests.factories import BASE_TS
+
+    # version 1: one episode of three calls (-1, -1, -1) and one of one call (+1)
+    # version 2: two requests without an episode (+1 and -1)
+    spec = [("1", "ep-a", -1.0), ("1", "ep-a", -1.0), ("1", "ep-a", -1.0), ("1", "ep-b", 1.0),
+            ("2", None, 1.0), ("2", None, -1.0)]
+    events = [interaction(i, policy_version=v, **({"episode_id": e} if e else {})) for i, (v, e, _) in enumerate(spec)]
+    write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
+    upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", v, x, {}, 1, 0) for i, (v, _, x) in enumerate(spec)])
+    got = online_rewards(engine, "spec@1", ["1", "2"], BASE_TS.replace(tzinfo=None) - timedelta(seconds=1))
+    assert got["1"][:2] == (2, 0.0) and abs(got["1"][2] - 2.0) < 1e-9  # per call it was (4, -0.5)
+    assert got["2"][:2] == (2, 0.0)
+
 TRAJECTORY = [
     {"role": "assistant", "content": "Let me look.",
      "tool_calls": [{"function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},

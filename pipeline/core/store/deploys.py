@@ -215,25 +215,30 @@ def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> di
 
 def online_rewards(engine: Engine, spec_version: str, versions: list[str], since: datetime,
                    until: datetime | None = None) -> dict[str, tuple[int, float, float]]:
-    """Per policy version: (n, mean, variance) of the rewards under `spec_version` of the
-    requests it served from `since` to `until` -- a staged rollout's online comparison, both
-    sides over the same period. Only rewarded requests count; versions with none are left out."""
+    """Per policy version: (n, mean, variance) over the episodes it served from `since` to
+    `until` of each episode's mean call reward under `spec_version` -- a staged rollout's online
+    comparison, both sides over the same period. An episode counts once whatever its number of
+    calls (an agent that calls a tool more does not weigh more, and calls of one episode are not
+    independent draws); a request without an episode id is its own. Only rewarded requests count;
+    versions with none are left out."""
     window = [interactions.c.ts >= since] + ([interactions.c.ts <= until] if until is not None else [])
     # driven by the window (the ts index), each reward found by its request: the cost follows the
     # window, not the history (an index on the rewards' policy_version would make SQLite read
     # every reward the champion ever had; docs/benchmarks.md has the figures)
-    served = select(interactions.c.request_id).where(*window)
-    stmt = (select(rewards.c.policy_version, func.count(), func.avg(rewards.c.value),
-                   func.avg(rewards.c.value * rewards.c.value))
-            .where(rewards.c.request_id.in_(served), rewards.c.spec_version == spec_version,
-                   rewards.c.policy_version.in_(versions))
-            .group_by(rewards.c.policy_version))
-    out: dict[str, tuple[int, float, float]] = {}
+    unit = func.coalesce(interactions.c.episode_id, interactions.c.request_id)
+    stmt = (select(rewards.c.policy_version, unit, func.avg(rewards.c.value))
+            .select_from(interactions.join(rewards, rewards.c.request_id == interactions.c.request_id))
+            .where(*window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
+            .group_by(rewards.c.policy_version, unit))
+    per_version: dict[str, list[float]] = {}
     with engine.connect() as conn:
-        for version, n, mean, mean_sq in conn.execute(stmt):
-            mean, mean_sq = float(mean), float(mean_sq)
-            # sample variance from the two moments (n / (n - 1): unbiased)
-            out[version] = (n, mean, max(mean_sq - mean * mean, 0.0) * n / max(n - 1, 1))
+        for version, _, mean in conn.execute(stmt):
+            per_version.setdefault(version, []).append(float(mean))
+    out: dict[str, tuple[int, float, float]] = {}
+    for version, values in per_version.items():
+        n = len(values)
+        mean = sum(values) / n
+        out[version] = (n, mean, sum((v - mean) ** 2 for v in values) / max(n - 1, 1))  # unbiased
     return out
 
 
