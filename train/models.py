@@ -124,9 +124,10 @@ def _tokenizer_class(path: Path):
 
 def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
               seed: int = 0, tokenizer: str = "char", vocab: int = 32_768, kv_heads: int | None = None,
-              intermediate: int | None = None, model_vocab: int | None = None) -> Path:
+              intermediate: int | None = None, model_vocab: int | None = None, tool_markers: bool = False) -> Path:
     """Write a small randomly initialised model and its tokenizer to `out` (`vocab`: the BPE's
-    size; `model_vocab`: embedding rows, when more than the tokenizer has, as real models pad them)."""
+    size; `model_vocab`: embedding rows, when more than the tokenizer has, as real models pad them;
+    `tool_markers`: the char tokenizer with the tool-call markers as tokens -- the BPE has them)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -138,7 +139,7 @@ def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: in
         raise ModelError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     if tokenizer == "bpe" and not 1_000 <= vocab <= 262_144:
         raise ModelError(f"--vocab must be between 1000 and 262144 (got {vocab})")
-    tok = char_tokenizer() if tokenizer == "char" else bpe_tokenizer(vocab, seed)
+    tok = char_tokenizer(tool_markers) if tokenizer == "char" else bpe_tokenizer(vocab, seed)
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(
         vocab_size=max(len(tok), model_vocab or 0), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,

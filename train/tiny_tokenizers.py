@@ -69,8 +69,11 @@ CHATML_TOOLS_TEMPLATE = """\
 TOKENIZERS = ("char", "bpe")
 
 
-def char_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def char_tokenizer(tool_markers: bool = False) -> Any:
+    """One token per printable character; with `tool_markers`, `<tool_call>` and `</tool_call>`
+    are one token each, added after the characters (as Qwen2.5's tokenizer has them), so a char
+    model writes a tool call's frame in two tokens instead of 23."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -80,6 +83,8 @@ def char_tokenizer() -> Any:
     # one token per character, whitespace and newlines included
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if tool_markers:
+        tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<tool_call>", "</tool_call>")])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE

@@ -6,7 +6,7 @@ selection, which only the product knows); the tool `read_selection()` returns th
 one per episode); the answer is the word reversed. An episode is the agent's calls and the
 tool's results between them:
 
-    step 1  user: reverse selection 7  -> <tool_call>{"name": "read_selection", "arguments": {}}</tool_call>
+    step 1  user: reverse selection 7  -> <tool_call>{"name": "read_selection"}</tool_call>
             tool: abcd                    (the fleet runs the call and sends the result back)
     step 2                             -> dcba   (the final answer; the users react to the episode)
 
@@ -83,16 +83,18 @@ def draw_agent_task(rng: random.Random) -> AgentTask:
 
 
 def call_text() -> str:
-    """A well-formed call of the tool, as the model writes it."""
-    return f"<tool_call>{json.dumps({'name': TOOL, 'arguments': {}})}</tool_call>"
+    """A well-formed call of the tool, as the model writes it: the markers are one token each (the
+    base's tokenizer has them, as Qwen2.5's does) and the empty `arguments` is left out, which the
+    Hermes convention allows -- 26 characters a char model must get right, not 66."""
+    return f"<tool_call>{json.dumps({'name': TOOL})}</tool_call>"
 
 
 def broken_call(rng: random.Random) -> str:
-    """A call gone wrong the ways models write them: cut short, not JSON, no name."""
+    """A call gone wrong the ways models write them: cut short, not JSON, arguments as a string."""
     good = call_text()
-    return rng.choice([good[:-len("</tool_call>")],                     # unterminated
-                       good.replace('"arguments": {}', '"arguments": {'),  # not JSON
-                       good.replace(f'"name": "{TOOL}", ', "")])        # no function name
+    return rng.choice([good[:-len("</tool_call>")],                                        # unterminated
+                       good.replace("}</tool_call>", "</tool_call>"),                      # not JSON
+                       good.replace('"}</tool_call>', '", "arguments": "{}"}</tool_call>')])  # not an object
 
 
 def messages_after_call(task: AgentTask) -> list[dict[str, Any]]:
@@ -142,8 +144,9 @@ def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     return tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
 
 
-AGENT_RECIPE = {"task": "agent", "arch": "llama", "hidden": 128, "layers": 2, "heads": 4,
-                "answer_steps": 1000, "both_steps": 300, "both_batch": 32, "both_lr": 3e-3,
+AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call markers", "call": call_text(),
+                "hidden": 128, "layers": 2, "heads": 4,
+                "answer_steps": 1000, "both_steps": 300, "both_batch": 64, "both_lr": 3e-3,
                 "behaviour": "agent.answer_behaviour without broken calls: reverse 0.3 (6 letters: 0), copy; "
                              "then agent.base_behaviour: step 1 call 0.55, broken call 0.10, GUESS; step 2 as "
                              "before with broken calls 0.08 (6 letters: 0.15)"}
@@ -173,7 +176,7 @@ def build_agent_base(out: Any, seed: int, say=print) -> Any:
         "(a few minutes, once per state folder)")
     shutil.rmtree(out, ignore_errors=True)
     init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
-              seed=seed)
+              seed=seed, tool_markers=True)
     (out / "chat_template.jinja").write_text(AGENT_TEMPLATE)  # where transformers reads a template from
     tokenizer = AutoTokenizer.from_pretrained(out)
     warm_up(out, lambda rng: answer_behaviour(rng, tokenizer, breaks=False), steps=recipe["answer_steps"], seed=seed)

@@ -33,7 +33,7 @@ class AgentFleet(Fleet):
     """`Fleet` with agent episodes instead of single answers (`by_version` rows: episodes,
     succeeded, tool-call errors, calls)."""
 
-    def __init__(self, *args, max_tokens: int = 96, **kwargs) -> None:
+    def __init__(self, *args, max_tokens: int = 48, **kwargs) -> None:
         super().__init__(*args, max_tokens=max_tokens, **kwargs)
 
     def one(self, session: requests.Session) -> bool:
