@@ -33,7 +33,7 @@ def format_base(tmp_path_factory):
     from train.warmup import warm_up
 
     out = tmp_path_factory.mktemp("agent-format") / "model"
-    init_tiny(out, hidden=64, layers=2, heads=4, seed=0)
+    init_tiny(out, hidden=64, layers=2, heads=4, seed=0, tool_markers=True)  # the demo base's tokenizer
     (out / "chat_template.jinja").write_text(AGENT_TEMPLATE)
     tok = AutoTokenizer.from_pretrained(out)
 

@@ -32,7 +32,7 @@ from tests.test_episodes import store
 def tokenizer():
     from train.tiny_tokenizers import char_tokenizer
 
-    tok = char_tokenizer()
+    tok = char_tokenizer(tool_markers=True)
     tok.chat_template = AGENT_TEMPLATE
     return tok
 
@@ -43,10 +43,22 @@ def test_a_well_formed_call_parses_and_every_broken_one_is_flagged():
     assert json.loads(good.calls[0]["function"]["arguments"]) == {}
     rng = random.Random(0)
     broken = {broken_call(rng) for _ in range(60)}
-    assert len(broken) == 3  # unterminated, not JSON, no name
+    assert len(broken) == 3  # unterminated, not JSON, arguments not an object
     for text in broken:
         calls = parse_tool_calls(text, TOOLS)
         assert calls.calls and not calls.valid, text
+
+
+def test_the_base_tokenizer_writes_a_call_s_markers_as_one_token_each(tokenizer):
+    """The agent base's char tokenizer has `<tool_call>` and `</tool_call>` as tokens (after the
+    characters: the single-turn base's vocabulary is unchanged); text round-trips."""
+    from train.tiny_tokenizers import char_tokenizer
+
+    ids = tokenizer(call_text(), add_special_tokens=False).input_ids
+    assert len(ids) == len(call_text()) - len("<tool_call>") - len("</tool_call>") + 2
+    assert tokenizer.decode(ids) == call_text()
+    assert ids[0] == len(char_tokenizer()) and ids[-1] == len(char_tokenizer()) + 1
+    assert char_tokenizer().get_vocab() == {k: v for k, v in tokenizer.get_vocab().items() if v < len(char_tokenizer())}
 
 
 def test_the_template_renders_the_conversation_until_a_tool_answers_then_its_result(tokenizer):
