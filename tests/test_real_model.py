@@ -134,13 +134,17 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
                       "max_seq_len": 256, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 20.0},
             # the mechanics are under test, not the bounds: a random model learns a parity rule on
             # unseen prompts only by chance (see test_cycle), and at this learning rate its greedy
-            # 4-token answers to them may collapse to nothing -- the canaries that catch that in
-            # earnest are tested in test_gate and test_deploy_registry
+            # 4-token answers to them may collapse to nothing -- or start with "{" or the BPE's
+            # <tool_call> token, which the tool-format canary counts as a broken call: one of the
+            # 10 answers is a 0.1 increase over a limit of 0.02 (the likely cause of a failure
+            # seen once in eleven runs) -- the canaries that catch those in earnest are tested in
+            # test_gate, test_deploy_registry and test_agent_task
             "gate": {"max_new_tokens": 4, "min_ess": 2, "generate_prompts": 10, "max_kl": 50.0,
                      "min_improvement": -1.0, "bounds": {
                          "smoke_latency_ms": {"max_rel_increase": 50.0}, "mean_length": {"max_rel_increase": 50.0},
                          "abstention_rate": {"max": 1.0, "max_increase": 1.0},
-                         "repetition_rate": {"max": 1.0, "max_increase": 1.0}}},
+                         "repetition_rate": {"max": 1.0, "max_increase": 1.0},
+                         "tool_format_error_rate": {"max": 1.0, "max_increase": 1.0}}},
             "cycle": {"min_new_episodes": 20},
         })
         deps = default_deps(config, engine, load_spec())
