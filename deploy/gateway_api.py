@@ -13,12 +13,13 @@ from typing import Any
 import aiohttp
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.gateway import Gateway, new_id
 from deploy.serve import header_id, header_step
+from deploy.serve_api import ClosingStreamingResponse
 from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
 
 
@@ -90,8 +91,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         served = answer.headers.get("x-rtrl-policy-version") or version  # an rtrl serve upstream says
         out_headers = {"X-Request-Id": request_id, "X-Rtrl-Policy-Version": served}
         if stream:
-            return StreamingResponse(relay(answer, request_id, served, request_body, headers, chat, asked_logprobs,
-                                           asked_ids), media_type="text/event-stream", headers=out_headers)
+            return ClosingStreamingResponse(relay(answer, request_id, served, request_body, headers, chat,
+                                                  asked_logprobs, asked_ids),
+                                            media_type="text/event-stream", headers=out_headers)
         try:
             async with answer:
                 data = orjson.loads(await answer.read())

@@ -45,6 +45,19 @@ from pipeline.core.chat import held_back
 from pipeline.core.types import Identifier
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its body generator however the response ends. When the
+    client goes away, Starlette's send raises (ClientDisconnect) outside the generator, which
+    stays suspended at a `yield`: its `finally` -- where the stream's interaction event is sent,
+    marked truncated -- would wait for the garbage collector (a test saw no event after 30 s)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -295,6 +308,7 @@ def create_app(server: PolicyServer) -> FastAPI:
 
                 threading.Thread(target=send, name="stream-event", daemon=True).start()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": result["id"]})
+        return ClosingStreamingResponse(events(), media_type="text/event-stream",
+                                        headers={"X-Request-Id": result["id"]})
 
     return app

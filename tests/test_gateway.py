@@ -109,6 +109,19 @@ def test_an_episode_s_outcome_is_feedback_naming_the_episode(through):
     assert events[-1]["episode_id"] == "task-7" and events[-1]["step"] == 0
 
 
+def test_the_canary_s_share_is_drawn_per_episode(through):
+    """Every call of an agent's episode goes the way its episode id hashes (one version answers
+    the whole episode); a request without one is routed by its own request id."""
+    client, gw, events, _, _, _ = through
+    keys, route = [], gw.route
+    gw.route = lambda key: keys.append(key) or route(key)
+    for _ in range(2):
+        client.chat.completions.create(model="policy", messages=ASK, max_tokens=2,
+                                       extra_headers={"X-Rtrl-Episode-Id": "task-9"})
+    raw = client.chat.completions.with_raw_response.create(model="policy", messages=ASK, max_tokens=2)
+    assert keys == ["task-9", "task-9", raw.headers["X-Request-Id"]]
+
+
 def test_an_upstream_error_or_absence_reaches_the_client_and_produces_no_event(through):
     client, gw, events, _, upstream, _ = through
     with pytest.raises(openai.BadRequestError) as err:  # rtrl serve refuses `stop`: its 400, passed on
