@@ -167,7 +167,8 @@ class RolloutConfig(_Section):
     share: float = Field(default=0.0, ge=0.0, lt=1.0, description="share of requests the canary serves; "
                          "0: no staged rollout, a candidate that passes the gate is promoted at once")
     min_requests: int = Field(default=200, ge=10, description="rewarded requests each side needs before the "
-                              "comparison is made (once: a fixed-size test, no peeking); an agent's episode counts once")
+                              "comparison is made (once: a fixed-size test, no peeking); an agent's episode "
+                              "counts once")
     margin: float = Field(default=0.05, ge=0.0, description="how much lower (in reward) the canary's mean may "
                           "be than the champion's and still pass")
     confidence: float = Field(default=0.9, gt=0.5, lt=1.0, description="one-sided confidence of that bound")
