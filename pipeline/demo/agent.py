@@ -35,6 +35,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.core.chat import render_prompt
 from pipeline.demo.sim import draw_task
 
 MAX_STEPS = 3
@@ -141,7 +142,8 @@ def base_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    return tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    """The conversation as serving renders it, with the demo's tool offered."""
+    return render_prompt(tokenizer, messages, TOOLS)
 
 
 AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call markers", "call": call_text(),
