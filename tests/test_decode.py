@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.decode import decode
-from pipeline.core.types import DeadLetter, FeedbackEvent, InteractionEvent, SourcePosition
+from pipeline.core.decoded import DecodedFeedback, DecodedInteraction
+from pipeline.core.types import DeadLetter, SourcePosition
 from tests.factories import encode, feedback, interaction
 
 POS = SourcePosition(source="t", partition=2, offset=41)
@@ -21,7 +22,7 @@ MAX = 64 * 1024
 def test_valid_interaction_with_unknown_fields_decodes_and_normalises_time():
     ev = interaction(1, ts="2026-11-01T13:00:00+01:00", shiny_new_field={"a": 1})
     out = decode(encode(ev), POS, MAX)
-    assert isinstance(out, InteractionEvent)  # the field itself is kept in the stored body
+    assert isinstance(out, DecodedInteraction)  # the field itself is kept in the stored body
     assert out.ts.isoformat() == "2026-11-01T12:00:00+00:00"
 
 
@@ -31,13 +32,13 @@ def test_agent_trajectory_completion_is_accepted():
         {"role": "tool", "content": "a.py"},
         {"role": "assistant", "content": "done"},
     ]
-    assert isinstance(decode(encode(interaction(2, completion=traj)), POS, MAX), InteractionEvent)
+    assert isinstance(decode(encode(interaction(2, completion=traj)), POS, MAX), DecodedInteraction)
 
 
 @pytest.mark.parametrize("value", [True, 0, 0.25, -3])
 def test_feedback_values(value):
     out = decode(encode(feedback(1, kind="some_new_kind", value=value)), POS, MAX)
-    assert isinstance(out, FeedbackEvent) and out.value == value and out.kind == "some_new_kind"
+    assert isinstance(out, DecodedFeedback) and out.value == value and out.kind == "some_new_kind"
 
 
 BAD = {
@@ -109,7 +110,7 @@ def test_none_value_is_a_dead_letter():
 @given(st.binary(max_size=4096))
 def test_fuzz_arbitrary_bytes_never_raise(raw):
     out = decode(raw, POS, 2048)
-    assert isinstance(out, (DeadLetter, InteractionEvent, FeedbackEvent))
+    assert isinstance(out, (DeadLetter, DecodedInteraction, DecodedFeedback))
 
 
 _json = st.recursive(
@@ -125,7 +126,7 @@ def test_fuzz_mutated_events_never_raise(base, key, junk):
     mutated = dict(base)
     mutated[key] = junk
     out = decode(json.dumps(mutated).encode(), POS, MAX)
-    assert isinstance(out, (DeadLetter, InteractionEvent, FeedbackEvent))
+    assert isinstance(out, (DeadLetter, DecodedInteraction, DecodedFeedback))
     if isinstance(out, DeadLetter):
         assert out.reason.value in {"schema_violation", "unsupported_schema_version"}
 

@@ -64,13 +64,14 @@ def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
     commit after a reward run has read a newer id another lane committed. Staleness by the newest
     id then missed it for good. (On SQLite writers take turns, so ids follow commits; the case is
     run there too, in commit order.)"""
+    from pipeline.core.decoded import from_reference
     from pipeline.core.store.events import Rows, event_row
     from pipeline.core.types import FeedbackEvent, SourcePosition
 
     def row(i: int, kind: str, value) -> Rows:
         ev = fb(1, kind=kind, value=value, event_id=f"late-{i}")
         rows = Rows()
-        rows.add_event(event_row(FeedbackEvent.model_validate(ev), SourcePosition(source="t", partition=i, offset=i),
+        rows.add_event(event_row(from_reference(FeedbackEvent.model_validate(ev)), SourcePosition(source="t", partition=i, offset=i),
                                  encode(ev).decode()))
         return rows
 

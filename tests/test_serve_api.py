@@ -59,7 +59,8 @@ def test_n_with_stream_is_refused_saying_so(client):
 
 def test_the_interaction_event_is_the_contract_s_and_a_user_it_cannot_carry_is_refused(reverse_base):
     from ingest.decode import decode
-    from pipeline.core.types import InteractionEvent, SourcePosition
+    from pipeline.core.decoded import DecodedInteraction
+    from pipeline.core.types import SourcePosition
 
     sent: list[dict] = []
     server = PolicyServer(PolicySet.load(reverse_base, device="cpu"), "policy", emit=sent.append)
@@ -68,7 +69,7 @@ def test_the_interaction_event_is_the_contract_s_and_a_user_it_cannot_carry_is_r
     api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, seed=1, user="u-1",
                                 extra_headers={"X-Session-Id": "s-1", "X-Request-Id": "x" * 300})
     event = decode(orjson.dumps(sent[0]), SourcePosition(source="t", partition=0, offset=0), 1 << 20)
-    assert isinstance(event, InteractionEvent), event
+    assert isinstance(event, DecodedInteraction), event
     assert (event.user_id, event.session_id, event.client_request_id) == ("u-1", "s-1", "x" * 256)
     with pytest.raises(openai.BadRequestError) as err:  # a NUL the store could not hold: refused up front
         api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, user="a\u0000b")

@@ -182,11 +182,12 @@ def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, sample
 def store_unchecked(engine, ev: dict, body: str) -> None:
     """`ev` stored with `body` as its text, past the contract: an event stored before the contract
     checked what later stages trust (rows built as ingest builds them)."""
+    from pipeline.core.decoded import from_reference
     from pipeline.core.store.events import Rows, event_row
     from pipeline.core.types import InteractionEvent, SourcePosition
 
     rows = Rows()
-    rows.add_event(event_row(InteractionEvent.model_validate(ev), SourcePosition(source="t", partition=0, offset=0),
+    rows.add_event(event_row(from_reference(InteractionEvent.model_validate(ev)), SourcePosition(source="t", partition=0, offset=0),
                              body))
     write_rows(engine, rows)
 

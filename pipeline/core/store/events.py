@@ -17,6 +17,7 @@ stored rows cover.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,11 +37,10 @@ from pipeline.core.store.tables import (
     interactions,
     metadata,
 )
+from pipeline.core.decoded import DecodedEvent, DecodedInteraction
 from pipeline.core.types import (
     DeadLetter,
     DeadLetterReason,
-    FeedbackEvent,
-    InteractionEvent,
     SourcePosition,
     completion_parts,
     expects_attempt,
@@ -86,8 +86,9 @@ class WriteResult:
         return sum(self.inserted.values())
 
 
-def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: str) -> dict[str, Any]:
-    """The row for one event: the body verbatim, the fields stages query, and provenance.
+def event_row(ev: DecodedEvent, pos: SourcePosition, body: str) -> dict[str, Any]:
+    """The row for one event as ingest decoded it (pipeline/core/decoded.py): the body
+    verbatim, the fields stages query, and provenance.
     `type` routes the row to its table; it is not a column."""
     row: dict[str, Any] = {
         "type": ev.type,
@@ -101,7 +102,7 @@ def event_row(ev: InteractionEvent | FeedbackEvent, pos: SourcePosition, body: s
         "partition": pos.partition,
         "offset": pos.offset,
     }
-    if isinstance(ev, InteractionEvent):
+    if isinstance(ev, DecodedInteraction):
         row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
                    policy_version=ev.policy_version, step=ev.step,
                    **output_columns(ev.completion, ev.metadata, ev.tool_calls))
@@ -119,8 +120,15 @@ def output_columns(completion: Any, metadata: Any, tool_calls: list | None = Non
     text, calls = completion_parts(completion)
     calls = (*calls, *(tool_calls or ()))
     return {"output_text": text.replace("\x00", "\ufffd") if "\x00" in text else text,
-            "output_tool_calls": orjson.dumps(calls).decode() if calls else None,
+            "output_tool_calls": _json_text(calls) if calls else None,
             "expects_attempt": expects_attempt(metadata)}
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits (ingest's decoder keeps them exact)
+        return json.dumps(value, ensure_ascii=False)
 
 
 def dead_letter_row(dl: DeadLetter) -> dict[str, Any]:
