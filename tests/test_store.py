@@ -71,6 +71,21 @@ def test_write_rows_is_idempotent_and_atomic_with_offsets(engine):
     assert stored_offsets(engine, "g") == {("t", 0): 120, ("t", 1): 7}
 
 
+def test_a_batch_gets_ids_in_log_order_and_a_repeat_within_it_is_stored_once(engine):
+    """PostgreSQL writes a batch with COPY through a staging table: its rows must still be
+    numbered in the order they were read (the reward stage reads feedback past a watermark of
+    ids), a repeat inside one batch is a duplicate like a repeat across batches, and a second
+    batch in the same session finds the staging table empty."""
+    evs = [fb(i) for i in range(300)]
+    first = write_rows(engine, _rows(evs + [evs[7]]))
+    assert first.inserted["feedback"] == 300 and first.duplicates == 1
+    second = write_rows(engine, _rows([fb(i) for i in range(290, 310)]))
+    assert second.inserted["feedback"] == 10 and second.duplicates == 10
+    with engine.connect() as conn:
+        stored = conn.execute(select(feedback.c.event_id).order_by(feedback.c.id)).scalars().all()
+    assert stored == [fb(i)["event_id"] for i in range(310)]
+
+
 def _event_rows(engine):
     """Event content, without provenance/ingestion columns (those differ by design)."""
     skip = {"id", "source", "partition", "offset", "ingested_at"}

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from pipeline.core.store.tables import (
     EVENT_TABLES,
@@ -200,6 +200,62 @@ def insert_ignore(
     return conn.exec_driver_sql(plan.sql, params).rowcount
 
 
+@dataclass(frozen=True)
+class _CopyPlan:
+    stage: str  # the session's staging table: created when missing, emptied at every commit
+    copy: str
+    insert: str
+    columns: tuple[str, ...]
+    types: list[int]  # the staging table's column type oids, for binary COPY
+
+
+_COPY_PLANS: dict[str, _CopyPlan] = {}
+
+
+def _stage(cur: Any, table: Table) -> _CopyPlan:
+    """The staging table of `table` in this session, and how to fill and drain it."""
+    cols = tuple(c.key for c in table.columns if not (c.primary_key and c.autoincrement is True))
+    stage, names = f"rtrl_stage_{table.name}", ", ".join(f'"{c}"' for c in cols)
+    # IF NOT EXISTS every time: a rolled-back transaction takes the session's table with it
+    # `_ord`: the batch's order, so that ids are handed out in log order, as executemany does
+    cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+                f"SELECT {names}, 0::bigint AS _ord FROM {table.name} WITH NO DATA")
+    if table.name not in _COPY_PLANS:
+        cur.execute(f"SELECT {names}, _ord FROM {stage} LIMIT 0")
+        _COPY_PLANS[table.name] = _CopyPlan(
+            stage=stage, copy=f"COPY {stage} ({names}, _ord) FROM STDIN (FORMAT BINARY)",
+            insert=f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {stage} ORDER BY _ord",
+            columns=cols, types=[d.type_code for d in cur.description])
+    return _COPY_PLANS[table.name]
+
+
+def copy_insert_ignore(
+    conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
+    same: dict[str, Any] | None = None,
+) -> int:
+    """`insert_ignore` on PostgreSQL for ingest's batches: the rows COPYed (binary) into a
+    temporary staging table, then inserted from it in one statement with the same conflict
+    handling -- the data in one stream instead of a statement per row. A value the store
+    refuses raises SQLAlchemy's DataError / IntegrityError, as the executemany path does."""
+    if not rows:
+        return 0
+    import psycopg  # the PostgreSQL driver: only imported where PostgreSQL is used
+
+    shared = same or {}
+    try:
+        with conn.connection.driver_connection.cursor() as cur:
+            plan = _stage(cur, table)
+            cur.execute(f"DELETE FROM {plan.stage}")  # empty, unless a batch earlier in this transaction used it
+            with cur.copy(plan.copy) as copy:
+                copy.set_types(plan.types)
+                for order, row in enumerate(rows):
+                    copy.write_row([shared[n] if n in shared else row.get(n) for n in plan.columns] + [order])
+            cur.execute(f"{plan.insert} ON CONFLICT ({', '.join(key)}) DO NOTHING")
+            return cur.rowcount
+    except psycopg.Error as exc:
+        raise DBAPIError.instance(f"COPY into {table.name}", None, exc, psycopg.Error) from exc
+
+
 def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
     if not offsets:
         return
@@ -218,9 +274,10 @@ def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, in
 
 
 def _write_events(conn: Connection, rows: Rows, now: datetime, result: WriteResult) -> None:
+    insert = copy_insert_ignore if conn.dialect.name == "postgresql" else insert_ignore
     for kind, table in EVENT_TABLES.items():
         batch = getattr(rows, kind)
-        added = insert_ignore(conn, table, batch, ["event_id"], same={"ingested_at": now})
+        added = insert(conn, table, batch, ["event_id"], same={"ingested_at": now})
         result.inserted[kind] += added
         result.duplicates += len(batch) - added
 
