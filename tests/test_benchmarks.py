@@ -44,5 +44,10 @@ def test_ingest(kafka_bootstrap):
     assert "(d) naive" in out
 
 
+def test_store_costs():
+    out = bench("benchmarks/store_costs.py", "--events", "200", "--repeat", "1", "--revision", "0011")
+    assert "without ix_feedback_request_id" in out and "without ix_interactions_ts" in out
+
+
 def test_the_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")]).returncode == 0

@@ -76,12 +76,13 @@ feedback = Table(
     metadata,
     Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
     Column("event_id", ID, nullable=False, unique=True),
-    # the call the feedback concerns, or (exactly one of the two) the episode whose outcome it is
-    Column("request_id", ID, index=True),
+    # the call the feedback concerns, or (exactly one of the two) the episode whose outcome it is;
+    # looked up through ix_feedback_request_kind (request_id first): no index of its own (0012)
+    Column("request_id", ID),
     Column("episode_id", ID, index=True),
     Column("schema_version", Integer, nullable=False),
     Column("ts", DateTime, nullable=False, index=True),
-    Column("kind", ID, nullable=False, index=True),
+    Column("kind", ID, nullable=False),  # no query filters by kind alone (0012)
     Column("value", Float, nullable=False),  # booleans as 1.0 / 0.0; the body keeps the original
     Column("body", Text, nullable=False),
     Column("source", String(512), nullable=False),
