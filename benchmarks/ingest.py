@@ -4,6 +4,9 @@
     (b) rtrl ingest -> SQLite                           -- decode, validate, store, commit
     (c) rtrl ingest -> PostgreSQL                       -- needs RTRL_TEST_POSTGRES (admin URL)
     (d) naive: one ORM row per message, commit per message (first 10k events only)
+    (e) two `rtrl ingest` processes in one consumer group -> PostgreSQL, their sum
+    decode: the decoder alone on one core, the reference (orjson + pydantic) and ingest's
+            fast path (orjson + msgspec, pipeline/core/decoded.py), microseconds per event
 
 Each phase runs in its own child process so its peak RSS is its own (for rtrl: the consumer
 process plus its lane). Prints events/s, the ratios b/a, c/a, b/d, and peak RSS.
@@ -94,6 +97,54 @@ def phase_rtrl(cfg: Config, n: int, q) -> None:
     q.put((n / (end["t"] - stats.started), peak_rss_mb()))
 
 
+def phase_group_member(cfg: Config, stop, counts) -> None:
+    """One of two ingest processes of one consumer group: reports its stored events per batch."""
+    engine = store_db.make_engine(cfg.db_url)
+    run_ingest(cfg, engine, stop, on_batch=lambda stats: counts.put((os.getpid(), time.monotonic(), stats.events)))
+
+
+def phase_group(cfg: Config, n: int) -> float:
+    """Two members in one group: from the first member's first stored batch's clock start (its
+    join; the second member's join rebalances the group, a real cost of scaling out) to the
+    batch that brings the sum to n."""
+    ctx = mp.get_context("fork")
+    stop, counts = ctx.Event(), ctx.Queue()
+    start = time.monotonic()
+    members = [ctx.Process(target=phase_group_member, args=(cfg, stop, counts)) for _ in range(2)]
+    for member in members:
+        member.start()
+    stored: dict[int, int] = {}
+    while sum(stored.values()) < n:
+        try:
+            pid, at, events = counts.get(timeout=60)
+        except queue.Empty:
+            raise RuntimeError(f"the group stalled at {sum(stored.values())} of {n} events") from None
+        stored[pid] = events
+    stop.set()
+    for member in members:
+        member.join(timeout=60)
+    return n / (at - start)
+
+
+def decode_costs(n: int = 4000) -> tuple[float, float]:
+    """(reference, fast path) microseconds per event on one core, the best of three passes."""
+    from ingest.decode import decode_fast, decode_reference
+    from pipeline.core.types import SourcePosition
+
+    records = [encode(interaction(i, prefix="b", size=2048)) for i in range(n)]
+    pos = SourcePosition(source="bench", partition=0, offset=0)
+    out = []
+    for fn in (lambda raw: decode_reference(raw, pos, 1 << 20), decode_fast):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for raw in records:
+                fn(raw)
+            best = min(best, (time.perf_counter() - start) / n * 1e6)
+        out.append(best)
+    return out[0], out[1]
+
+
 Base = declarative_base()
 
 
@@ -159,10 +210,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--naive-events", type=int, default=10_000)
+    ap.add_argument("--group", action="store_true", help="also (e): two ingest processes in one group (PostgreSQL)")
     ap.add_argument("--lanes", type=int, default=None, help="ingest.lanes (default: the config default)")
     ap.add_argument("--bootstrap", default=os.environ.get("RTRL_KAFKA_BOOTSTRAP"),
                     help="an existing broker; default: start one under a temporary folder")
     args = ap.parse_args()
+    reference, fast = decode_costs()
+    print(f"decode, one core: reference {reference:.1f} us/event, fast path {fast:.1f} us/event")
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-bench-"))
     broker_cfg = None
     bootstrap = args.bootstrap
@@ -195,6 +249,9 @@ def main() -> None:
         if pg:
             results["c"] = run_phase(phase_rtrl, rtrl_cfg(postgres_db(pg)), args.events)
             print(f"(c) rtrl ingest -> PostgreSQL:{results['c'][0]:10,.0f} events/s  peak RSS {results['c'][1]:.0f} MB")
+            if args.group:
+                results["e"] = (phase_group(rtrl_cfg(postgres_db(pg)), args.events), 0.0)
+                print(f"(e) 2 ingest processes -> PostgreSQL: {results['e'][0]:10,.0f} events/s (their sum)")
         else:
             print("(c) skipped: set RTRL_TEST_POSTGRES to an admin URL")
         naive_url = f"sqlite:///{tmp / 'd.db'}"
@@ -202,9 +259,11 @@ def main() -> None:
         results["d"] = run_phase(phase_naive, bootstrap, topic, naive_url, min(args.naive_events, args.events))
         print(f"(d) naive ORM, commit/message:{results['d'][0]:10,.0f} events/s  peak RSS {results['d'][1]:.0f} MB")
         a, b, d = results["a"][0], results["b"][0], results["d"][0]
-        print(f"b/a = {b / a:.2f}   (target >= 0.5)")
+        print(f"b/a = {b / a:.2f}   (target >= 0.40)")
         if "c" in results:
-            print(f"c/a = {results['c'][0] / a:.2f}")
+            print(f"c/a = {results['c'][0] / a:.2f}   (target >= 0.40)")
+        if "e" in results:
+            print(f"e/a = {results['e'][0] / a:.2f}")
         print(f"b/d = {b / d:.1f}   (target >= 10)")
     finally:
         if broker_cfg is not None:

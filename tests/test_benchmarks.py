@@ -40,8 +40,11 @@ def test_gateway():
 
 @pytest.mark.kafka
 def test_ingest(kafka_bootstrap):
-    out = bench("benchmarks/ingest.py", "--events", "400", "--naive-events", "50", "--bootstrap", kafka_bootstrap)
-    assert "(d) naive" in out
+    out = bench("benchmarks/ingest.py", "--events", "400", "--naive-events", "50", "--bootstrap", kafka_bootstrap,
+                "--group")
+    assert "(d) naive" in out and "fast path" in out
+    if os.environ.get("RTRL_TEST_POSTGRES"):
+        assert "(e) 2 ingest processes" in out
 
 
 def test_store_costs():
