@@ -120,8 +120,10 @@ def run_ingest(
     on_batch: Callable[[IngestStats], None] | None = None,
     max_records: int | None = None,
     idle_exit_s: float | None = None,
+    until_caught_up: bool = False,
 ) -> IngestStats:
-    """Consume until `stop` is set (or `max_records` stored, or idle for `idle_exit_s`)."""
+    """Consume until `stop` is set (or `max_records` stored, or idle for `idle_exit_s`, or --
+    `until_caught_up` -- every record its partitions held when a fetch came back empty is stored)."""
     group_id, topics, icfg = cfg.ingest.group_id, cfg.ingest_topics, cfg.ingest
     consumer = make_consumer(cfg, group_id)
     lanes = Lanes(icfg.lanes, engine, group_id, icfg.max_event_bytes, icfg.max_in_flight)
@@ -169,6 +171,8 @@ def run_ingest(
             commit_stored(wait_all=not records)     # 2. then commit to Kafka
             if not records and idle_exit_s is not None and time.monotonic() - last_data > idle_exit_s:
                 break
+            if not records and until_caught_up and _caught_up(consumer):  # the lanes were waited for above
+                break
         commit_stored(wait_all=True)  # stop: store and commit everything in flight
         clean = True
     finally:
@@ -178,6 +182,16 @@ def run_ingest(
             "events": stats.events, "duplicates": stats.duplicates, "dead_letters": stats.dead_letters,
             "clean": clean})
     return stats
+
+
+def _caught_up(consumer: KafkaConsumer) -> bool:
+    """Whether this member has read every record its partitions hold now: its position is at
+    each one's end offset (asked of the broker: a fetch's high watermark may be stale)."""
+    assignment = list(consumer.assignment())
+    if not assignment:
+        return False  # not joined yet
+    ends = consumer.end_offsets(assignment)
+    return all(consumer.position(tp) >= ends[tp] for tp in assignment)
 
 
 def _commit_to_kafka(consumer: KafkaConsumer, next_offsets: dict[tuple[str, int], int]) -> None:

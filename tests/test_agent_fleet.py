@@ -64,7 +64,7 @@ def test_the_agent_fleet_runs_episodes_through_serving_and_the_store_agrees(cfg,
     assert calls > episodes, "no episode made a tool call and a follow-up"
 
     def stored():
-        run_ingest(cfg, engine, threading.Event(), idle_exit_s=2)
+        run_ingest(cfg, engine, threading.Event(), until_caught_up=True, idle_exit_s=60)
         with engine.connect() as conn:
             return (conn.scalar(select(func.count()).select_from(interactions)) >= calls
                     and conn.scalar(select(func.count()).select_from(feedback)) >= stats.feedback)

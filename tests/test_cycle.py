@@ -23,7 +23,7 @@ from pipeline.cycle import CycleDeps, run_cycle
 from reward.spec import load_spec
 from tests import reverse_task as task
 from tests.factories import BASE_TS
-from tests.test_ingest_kafka import ingest_until_idle, produce_events
+from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
 from train.inference import PolicySet
 from train.models import load_policy
 
@@ -76,7 +76,7 @@ def feed(cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: str, seed: 
     episodes = task.sample_episodes(policy.model, policy.tokenizer, prompts, per_prompt=2, seed=seed)
     events = task.as_events(episodes, prefix, utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
     produce_events(kafka_bootstrap, topics, events)
-    return ingest_until_idle(cfg, engine).events
+    return ingest_until_caught_up(cfg, engine).events
 
 
 def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap, reverse_base):

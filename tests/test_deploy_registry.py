@@ -216,13 +216,13 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
 
     from pipeline.cli import cli
     from pipeline.core.store.events import utcnow
-    from tests.test_ingest_kafka import ingest_until_idle, produce_events
+    from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
 
     base = load_policy(reverse_base, device="cpu")
     events = task.as_events(reverse_episodes(base, "k", seed=5), "k", utcnow().replace(tzinfo=BASE_TS.tzinfo)
                             - timedelta(hours=2))
     produce_events(kafka_bootstrap, topics, events)
-    assert ingest_until_idle(cfg, engine).events == len(events)
+    assert ingest_until_caught_up(cfg, engine).events == len(events)
     updates = f"t-{uuid.uuid4().hex[:8]}.model-updates"
     ensure_topics(kafka_bootstrap, [updates], partitions=1)
     env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__LEARNING_RATE": "5e-3",

@@ -65,8 +65,9 @@ def ids(engine, table) -> list[str]:
         return list(conn.scalars(select(table.c.event_id)))
 
 
-def ingest_until_idle(cfg, engine, idle: float = 3.0):
-    return run_ingest(cfg, engine, threading.Event(), idle_exit_s=idle)
+def ingest_until_caught_up(cfg, engine):
+    """Ingest what the topics hold now, then return (idle_exit_s: a stall is a failure, not a wait)."""
+    return run_ingest(cfg, engine, threading.Event(), until_caught_up=True, idle_exit_s=60)
 
 
 @pytest.mark.parametrize("lanes", [0, 1, 2])
@@ -78,7 +79,7 @@ def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap, lanes)
             keys=[e["request_id"].encode() for e in evs])
     produce(kafka_bootstrap, topics["feedback"], [encode(fb(i)) for i in range(300)],
             keys=[f"ev-r-{i}".encode() for i in range(300)])
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == n + 300 and stats.dead_letters == 0
     assert count(engine, interactions) == n and count(engine, feedback) == 300
     # stored offsets cover everything; the same offsets were committed to Kafka
@@ -89,7 +90,7 @@ def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap, lanes)
     check.close()
     assert committed == offsets
     # a second run finds nothing new
-    again = ingest_until_idle(cfg, engine, idle=1.5)
+    again = ingest_until_caught_up(cfg, engine)
     assert again.events == 0 and count(engine, interactions) == n
 
 
@@ -117,7 +118,7 @@ def test_sigkill_mid_stream_still_exactly_n(cfg_env, cfg, engine, topics, kafka_
             proc.stderr.close()
         assert count(engine, interactions) < n, "killed too late to test anything"
     assert kills == 4
-    final = subprocess.run(cmd + ["--idle-exit", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    final = subprocess.run(cmd + ["--until-caught-up"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-2000:]
     stored = ids(engine, interactions)
     assert len(stored) == n and set(stored) == {e["event_id"] for e in evs}
@@ -129,7 +130,7 @@ def test_every_bad_input_class_lands_in_dead_letters(cfg, engine, topics, kafka_
     values = [BAD[c] for c in sorted(BAD)]
     produce(kafka_bootstrap, topics["feedback"], values)
     produce(kafka_bootstrap, topics["feedback"], [encode(fb(1))])
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == 1 and stats.dead_letters == len(BAD)
     with engine.connect() as conn:
         rows = conn.execute(select(dead_letters)).all()
@@ -152,7 +153,7 @@ def test_nul_characters_never_halt_ingest(cfg, engine, topics, kafka_bootstrap):
     ]
     good = [interaction(i, prefix="ok") for i in range(50)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in poison + good])
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == 53 and stats.dead_letters == 1
     assert set(ids(engine, interactions)) >= {e["event_id"] for e in good}
     with engine.connect() as conn:
@@ -182,7 +183,7 @@ def test_an_event_the_store_refuses_is_a_dead_letter_not_a_halt(cfg, engine, top
                               "EXECUTE FUNCTION refuse()"))
     evs = [interaction(0, prefix="bad")] + [interaction(i, prefix="ok") for i in range(40)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs])
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == 40 and stats.dead_letters == 1
     assert set(ids(engine, interactions)) == {f"ok-i-{i}" for i in range(40)}
     with engine.connect() as conn:
@@ -203,7 +204,7 @@ def test_a_new_store_starts_at_the_beginning_not_at_kafkas_committed_offset(cfg,
     done.seek_to_end(*parts)
     done.commit({tp: OffsetAndMetadata(done.position(tp), "", -1) for tp in parts})
     done.close()
-    assert ingest_until_idle(cfg, engine).events == 30 and count(engine, interactions) == 30
+    assert ingest_until_caught_up(cfg, engine).events == 30 and count(engine, interactions) == 30
 
 
 def test_ingest_from_latest_takes_only_new_records(cfg, engine, topics, kafka_bootstrap):
@@ -235,7 +236,7 @@ def test_tombstone_record_is_a_dead_letter(cfg, engine, topics, kafka_bootstrap)
     producer.send(topics["feedback"], value=None, key=b"k")
     producer.flush()
     producer.close()
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.dead_letters == 1 and table_counts(engine)["dead_letters"] == 1
 
 
@@ -243,7 +244,7 @@ def test_tombstone_record_is_a_dead_letter(cfg, engine, topics, kafka_bootstrap)
 def test_compressed_batches_are_read(cfg, engine, topics, kafka_bootstrap, codec):
     evs = [interaction(i, prefix=codec, size=2000) for i in range(400)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs], compression=codec)
-    stats = ingest_until_idle(cfg, engine)
+    stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == 400 and count(engine, interactions) == 400
 
 
@@ -273,7 +274,7 @@ def test_status_shows_lag_per_partition_before_and_after_ingest(cfg_env, cfg, en
     before = CliRunner().invoke(cli, ["status"], env=cfg_env)
     assert before.exit_code == 0, before.output
     assert "total lag 90" in before.output and f"{topics['interactions']}[0]" in before.output
-    ingest_until_idle(cfg, engine)
+    ingest_until_caught_up(cfg, engine)
     after = CliRunner().invoke(cli, ["status"], env=cfg_env)
     assert "total lag 0" in after.output and "interactions" in after.output
 
@@ -288,7 +289,7 @@ def test_rewards_from_a_store_filled_by_ingest(cfg_env, cfg, engine, topics, kaf
     feed = [fb(i, prefix="w", kind="accepted" if i % 2 else "rejected") for i in range(20)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in inter], keys=[e["request_id"].encode() for e in inter])
     produce(kafka_bootstrap, topics["feedback"], [encode(e) for e in feed], keys=[e["request_id"].encode() for e in feed])
-    ingest_until_idle(cfg, engine)
+    ingest_until_caught_up(cfg, engine)
     run = CliRunner().invoke(cli, ["reward", "run"], env=cfg_env)
     assert run.exit_code == 0 and "20 rewards computed" in run.output and "mean +0.000" in run.output, run.output
     explain = CliRunner().invoke(cli, ["reward", "explain", "w-r-3"], env=cfg_env)

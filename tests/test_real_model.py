@@ -100,9 +100,9 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
         produce_events(kafka_bootstrap, topics, outcomes)
 
         def stored():  # serving's events and the outcomes, through the real broker: both, since
-            # ingest may stop idle before it has read every partition, and a cycle run on part of
+            # ingest may stop before it has read every partition, and a cycle run on part of
             # the outcomes trains on part of the prompts (the others then move only by chance)
-            run_ingest(cfg, engine, threading.Event(), idle_exit_s=2)
+            run_ingest(cfg, engine, threading.Event(), until_caught_up=True, idle_exit_s=60)
             with engine.connect() as conn:
                 return (conn.scalar(select(func.count()).select_from(interactions)) >= len(served)
                         and conn.scalar(select(func.count()).select_from(feedback_table)) >= len(outcomes))

@@ -22,7 +22,7 @@ from reward.spec import load_spec
 from tests.conftest import REPO, wait_for
 from tests.factories import served_now
 from tests.test_cycle import LEASE_TTL_S, cycle_deps, feed
-from tests.test_ingest_kafka import ingest_until_idle, produce_events
+from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
 
 # the cycle runs on SQLite and the local MLflow store here, as in test_cycle
 on_sqlite = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
@@ -66,7 +66,7 @@ def test_routing_sends_the_share_to_the_canary_and_a_request_always_the_same_way
 def online_traffic(cfg, engine, topics, kafka_bootstrap, prefix: str, version: str, n: int, good: float) -> None:
     """served_now(...) through the broker into the store."""
     produce_events(kafka_bootstrap, topics, served_now(prefix, version, n, good))
-    ingest_until_idle(cfg, engine)
+    ingest_until_caught_up(cfg, engine)
 
 
 @pytest.fixture

@@ -237,11 +237,11 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
                                                           kafka_bootstrap):
     from mlflow.tracking import MlflowClient
 
-    from tests.test_ingest_kafka import ingest_until_idle, produce_events
+    from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
 
     events = task.as_events(samples, "k", utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
     produce_events(kafka_bootstrap, topics, events)
-    assert ingest_until_idle(cfg, engine).events == len(events)
+    assert ingest_until_caught_up(cfg, engine).events == len(events)
     env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__BATCH_TOKENS": "512",
            "RTRL_TRAIN__MAX_SEQ_LEN": "64", "RTRL_TRAIN__LORA_R": "4"}
     runner = CliRunner()

@@ -37,15 +37,17 @@ def _stop_on_signals() -> threading.Event:
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--max-records", type=int, default=None, help="Stop after this many records (default: run until stopped).")
 @click.option("--idle-exit", type=float, default=None, metavar="SECONDS",
-              help="Stop after this many seconds without new records (useful for batch catch-up).")
+              help="Stop after this many seconds without new records.")
+@click.option("--until-caught-up", is_flag=True,
+              help="Stop once every record the partitions held is stored (a backfill or batch catch-up).")
 @click.option("--progress/--no-progress", default=None,
               help="Live display of events/s, lag and dead letters (default: when stdout is a terminal).")
 @click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default=None,
               help="Where partitions the store has no offset for start: the beginning of retention (default, "
                    "ingest.start) or only new records. Partitions the store has offsets for continue from them.")
 @pass_ctx
-def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progress: bool | None,
-           start: str | None) -> None:
+def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, until_caught_up: bool,
+           progress: bool | None, start: str | None) -> None:
     """Consume the event topics into the store, exactly once.
 
     Joins the consumer group `ingest.group_id`; several `rtrl ingest` processes share the
@@ -62,7 +64,7 @@ def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, progr
     with display:
         try:
             stats = run_ingest(cfg, engine, stop, on_batch=display.update,
-                               max_records=max_records, idle_exit_s=idle_exit)
+                               max_records=max_records, idle_exit_s=idle_exit, until_caught_up=until_caught_up)
         except KafkaError as exc:
             raise kafka_failure(cfg, exc, "consume") from None
     click.echo(f"ingested {stats.events} events ({stats.duplicates} duplicates skipped, "
