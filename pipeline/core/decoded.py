@@ -47,9 +47,11 @@ _EVENT_TIME = TypeAdapter(EventTime)  # the reference's parser: RFC 3339 with an
 
 
 def _check_ids(*values: str | None) -> None:
-    # the reference's Identifier: PostgreSQL text cannot hold NUL; a blank id names nothing
+    # the reference's Identifier: PostgreSQL text cannot hold NUL; a blank id names nothing (a
+    # string whose ends are not whitespace is not blank: strip() only for the rare one that is)
     for value in values:
-        if value is not None and ("\x00" in value or not value.strip()):
+        if value is not None and ("\x00" in value or ((value[0].isspace() or value[-1].isspace())
+                                                        and not value.strip())):
             raise ValueError("an identifier must not be blank or contain NUL characters")
 
 

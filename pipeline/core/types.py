@@ -290,10 +290,10 @@ class LoggedEpisode:
     tools: list[dict] | None = None  # the tools the prompt offered (rendered with it)
 
 
-class SourcePosition(BaseModel):
-    """Where a record was read from, so rows can be traced back to the log."""
-
-    model_config = ConfigDict(frozen=True)
+@dataclass(frozen=True, slots=True)
+class SourcePosition:
+    """Where a record was read from, so rows can be traced back to the log. A dataclass, not a
+    model: ingest makes one per record, from values the Kafka client typed."""
 
     source: str
     partition: int

@@ -96,7 +96,7 @@ def event_row(ev: DecodedEvent, pos: SourcePosition, body: str) -> dict[str, Any
         "request_id": ev.request_id,
         "episode_id": ev.episode_id,
         "schema_version": ev.schema_version,
-        "ts": _naive_utc(ev.ts),
+        "ts": ev.ts.replace(tzinfo=None),  # UTC already: the decoded structs normalise it
         "body": body,
         "source": pos.source,
         "partition": pos.partition,
