@@ -55,10 +55,6 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
-def _naive_utc(ts: datetime) -> datetime:
-    return ts.astimezone(timezone.utc).replace(tzinfo=None)
-
-
 @dataclass
 class Rows:
     """Insert-ready rows of one batch, by table. Built by `event_row` / `dead_letter_row`."""
