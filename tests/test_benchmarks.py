@@ -47,6 +47,11 @@ def test_ingest(kafka_bootstrap):
         assert "(e) 2 ingest processes" in out
 
 
+def test_cycle_queries():
+    out = bench("benchmarks/cycle_queries.py", "--sizes", "200", "400", "--repeat", "1")
+    assert "served and accepted" in out and "ratio" in out
+
+
 def test_store_costs():
     out = bench("benchmarks/store_costs.py", "--events", "200", "--repeat", "1", "--revision", "0011")
     assert "without ix_feedback_request_id" in out and "without ix_interactions_ts" in out

@@ -1,0 +1,112 @@
+"""What the daemon's per-cycle store queries cost as the history grows: each one timed on a store
+of N episodes (3 feedback events each, benchmarks/reward.py's fill) after a full reward run, at
+each size. A query whose time grows with N is one every cycle pays more for, forever.
+
+    reward run, nothing new       run_rewards (the cycle's first step; orphan count included)
+    orphan count                  orphaned_feedback over the whole history (inside the above)
+    selection, 1,000 new          train.run.select: rewarded episodes past the last run's watermark
+    held-out slice                select_eval_episodes: the gate's newest held-out episodes
+    online check, last hour       online_rewards of two versions (a staged rollout's comparison)
+    served and accepted           served_and_accepted of three versions (the daemon's metrics)
+
+    .venv/bin/python benchmarks/cycle_queries.py --sizes 100000 1000000
+    .venv/bin/python benchmarks/cycle_queries.py --postgres "$(bash scripts/postgres.sh)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sqlalchemy import func, select  # noqa: E402
+
+from benchmarks.reward import T0, fill, new_store  # noqa: E402
+from pipeline.core.config import Config  # noqa: E402
+from pipeline.core.store import db as store_db  # noqa: E402
+from pipeline.core.store.deploys import online_rewards, served_and_accepted  # noqa: E402
+from pipeline.core.store.rewards import orphaned_feedback  # noqa: E402
+from pipeline.core.store.tables import rewards  # noqa: E402
+from pipeline.core.store.training import select_eval_episodes, select_episodes  # noqa: E402
+from reward.spec import load_spec  # noqa: E402
+from reward.stage import run_rewards  # noqa: E402
+
+
+def best_ms(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+def measure(url: str, n: int, repeat: int) -> dict[str, float]:
+    engine = store_db.make_engine(url)
+    spec, cfg = load_spec(), Config()
+    now = T0 + timedelta(seconds=n + 3600)  # an hour after the last episode: every one ripe
+    report = run_rewards(engine, spec, now=now)
+    assert report.computed == n, report.summary()
+    with engine.connect() as conn:
+        newest = conn.scalar(select(func.max(rewards.c.id)))
+    last_hour = T0 + timedelta(seconds=n - 3600)
+    queries = {
+        "reward run, nothing new": lambda: run_rewards(engine, spec, now=now),
+        "orphan count": lambda: orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s)),
+        "selection, 1,000 new": lambda: select_episodes(engine, spec.version, since_reward_id=newest - 1000,
+                                                        holdout_percent=cfg.train.holdout_percent),
+        "held-out slice": lambda: select_eval_episodes(engine, spec.version, cfg.train.holdout_percent,
+                                                       cfg.gate.eval_episodes),
+        "online check, last hour": lambda: online_rewards(engine, spec.version, ["1", "2"], last_hour),
+        "served and accepted": lambda: served_and_accepted(engine, ["1", "2", "3"]),
+    }
+    out = {name: best_ms(fn, repeat) for name, fn in queries.items()}
+    engine.dispose()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per query; the fastest counts")
+    ap.add_argument("--postgres", metavar="ADMIN_URL", help="on PostgreSQL (a database per size, dropped after)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="rtrl-cycle-bench-"))
+    results: dict[int, dict[str, float]] = {}
+    try:
+        for n in args.sizes:
+            url, drop = new_store(tmp, n, args.postgres)
+            try:
+                store_db.upgrade(url)
+                start = time.perf_counter()
+                fill(url, n)
+                if args.postgres:  # planner statistics, as a live store's autovacuum keeps them
+                    engine = store_db.make_engine(url)
+                    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                        conn.exec_driver_sql("ANALYZE")
+                    engine.dispose()
+                print(f"filled {n:,} episodes in {time.perf_counter() - start:.0f}s", flush=True)
+                results[n] = measure(url, n, args.repeat)
+                for name, ms in results[n].items():
+                    print(f"{n:>9,} episodes  {name:26} {ms:9.1f} ms", flush=True)
+            finally:
+                drop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if len(results) >= 2:
+        small, large = min(results), max(results)
+        print(f"\n{'query':26} {small:>11,} {large:>11,}  ratio (flat: 1; linear: {large // small})")
+        for name in results[small]:
+            a, b = results[small][name], results[large][name]
+            print(f"{name:26} {a:9.1f}ms {b:9.1f}ms  {b / a:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
