@@ -133,6 +133,17 @@ def test_both_decoders_agree_on_each_bad_input_class_and_edge(case):
     check(BAD[case] if case in BAD else EDGES[case])
 
 
+def test_the_structs_have_the_contract_s_fields_exactly():
+    # a field added to the contract but not to its struct would be an unknown field to the fast
+    # path: accepted unchecked -- looser than the reference
+    from pipeline.core.decoded import DecodedFeedback, DecodedInteraction, DecodedSampling
+    from pipeline.core.types import FeedbackEvent, InteractionEvent, Sampling
+
+    for struct, model in ((DecodedInteraction, InteractionEvent), (DecodedFeedback, FeedbackEvent),
+                          (DecodedSampling, Sampling)):
+        assert set(struct.__struct_fields__) == set(model.model_fields) - {"type"}, struct
+
+
 def test_the_fast_path_decides_the_benchmark_s_events_on_its_own():
     # the events ingest sees almost all of: if these went to the reference, nothing was gained
     for raw in (encode(interaction(i, size=2048)) for i in range(20)):

@@ -2,9 +2,10 @@
 
 `InteractionEvent` / `FeedbackEvent` in types.py are the contract: producers build them, and
 their pydantic validation is the reference for what a valid event is. Ingest checks every
-record against the same contract, and at ~2 KB an event, orjson + pydantic cost ~25 us of
-the ~150 us an event costs end to end (docs/benchmarks.md, "Ingest"). msgspec decodes the JSON
-bytes straight into these structs and validates them in one pass in C (~7 us).
+record against the same contract: at ~2 KB an event, orjson + pydantic cost ~27 us on one of
+this machine's cores. msgspec decodes the JSON bytes straight into these structs and validates
+them in one pass in C; with orjson's parse before it and the checks in `__post_init__`, ~20 us
+(docs/benchmarks.md, "Ingest").
 
 The structs mirror the models field for field and are *stricter or equal* everywhere, never
 looser: ingest's decoder (ingest/decode.py) tries them first and, for a record they refuse,
