@@ -10,7 +10,9 @@ processes) and written here.
 
 Inserts are `INSERT .. ON CONFLICT DO NOTHING` on the natural keys (`event_id` for events,
 `(source, partition, offset)` for dead letters), so a batch re-delivered after a crash, or a
-replay of history, adds nothing that is already there. The consumer's next offsets are
+replay of history, adds nothing that is already there: by the driver's executemany of one
+compiled statement, and on PostgreSQL, for a batch's events, by one binary COPY into a staging
+table and one `INSERT .. SELECT` from it (copy_insert_ignore). The consumer's next offsets are
 upserted in the same transaction: after a crash, ingest seeks to exactly the position the
 stored rows cover.
 """
@@ -29,6 +31,7 @@ from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
+from pipeline.core.decoded import DecodedEvent, DecodedInteraction
 from pipeline.core.store.tables import (
     EVENT_TABLES,
     consumer_offsets,
@@ -37,7 +40,6 @@ from pipeline.core.store.tables import (
     interactions,
     metadata,
 )
-from pipeline.core.decoded import DecodedEvent, DecodedInteraction
 from pipeline.core.types import (
     DeadLetter,
     DeadLetterReason,
@@ -241,7 +243,7 @@ def copy_insert_ignore(
     try:
         with conn.connection.driver_connection.cursor() as cur:
             plan = _stage(cur, table)
-            cur.execute(f"DELETE FROM {plan.stage}")  # empty, unless a batch earlier in this transaction used it
+            cur.execute(f"DELETE FROM {plan.stage}")  # empty unless a batch earlier in this transaction used it
             with cur.copy(plan.copy) as copy:
                 copy.set_types(plan.types)
                 for order, row in enumerate(rows):
