@@ -1,6 +1,8 @@
 """What the daemon's per-cycle store queries cost as the history grows: each one timed on a store
 of N episodes (3 feedback events each, benchmarks/reward.py's fill) after a full reward run, at
-each size. A query whose time grows with N is one every cycle pays more for, forever.
+each size. A query whose time grows with N is one every cycle pays more for, forever. The
+episodes' prompts are 16 tasks (the held-out slice is drawn by task; it is read here at 50 %
+so that some task is held out: with none, the query reads every episode looking for one).
 
     reward run, nothing new       run_rewards (the cycle's first step; orphan count included)
     orphan count                  orphaned_feedback over the whole history (inside the above)
@@ -62,8 +64,7 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         "orphan count": lambda: orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s)),
         "selection, 1,000 new": lambda: select_episodes(engine, spec.version, since_reward_id=newest - 1000,
                                                         holdout_percent=cfg.train.holdout_percent),
-        "held-out slice": lambda: select_eval_episodes(engine, spec.version, cfg.train.holdout_percent,
-                                                       cfg.gate.eval_episodes),
+        "held-out slice": lambda: select_eval_episodes(engine, spec.version, 50.0, cfg.gate.eval_episodes),
         "online check, last hour": lambda: online_rewards(engine, spec.version, ["1", "2"], last_hour),
         "served and accepted": lambda: served_and_accepted(engine, ["1", "2", "3"]),
     }
@@ -86,7 +87,7 @@ def main() -> None:
             try:
                 store_db.upgrade(url)
                 start = time.perf_counter()
-                fill(url, n)
+                fill(url, n, prompt_chars=40)
                 if args.postgres:  # planner statistics, as a live store's autovacuum keeps them
                     engine = store_db.make_engine(url)
                     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
