@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
+from sqlalchemy.engine import make_url
 
 from ingest.batch import decode_records
 from ingest.decode import decode
@@ -84,6 +86,34 @@ def test_a_batch_gets_ids_in_log_order_and_a_repeat_within_it_is_stored_once(eng
     with engine.connect() as conn:
         stored = conn.execute(select(feedback.c.event_id).order_by(feedback.c.id)).scalars().all()
     assert stored == [fb(i)["event_id"] for i in range(310)]
+
+
+def test_a_role_that_may_not_create_temporary_tables_still_stores_batches(empty_db_url):
+    """PostgreSQL's COPY path stages a batch in a temporary table; on a server that revokes
+    TEMPORARY from the ingest role, batches are written by executemany instead of failing."""
+    if not empty_db_url.startswith("postgresql"):
+        pytest.skip("a PostgreSQL privilege")
+    store_db.upgrade(empty_db_url)
+    role = f"rtrl_ingest_{uuid.uuid4().hex[:8]}"
+    admin = store_db.make_engine(empty_db_url)
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        database = conn.exec_driver_sql("SELECT quote_ident(current_database())").scalar()
+        for sql in (f"CREATE ROLE {role} LOGIN PASSWORD 'x'", f"REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
+                    f"GRANT CONNECT ON DATABASE {database} TO {role}", f"GRANT USAGE ON SCHEMA public TO {role}",
+                    f"GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA public TO {role}",
+                    f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"):
+            conn.exec_driver_sql(sql)
+    engine = store_db.make_engine(make_url(empty_db_url).set(username=role, password="x")
+                                  .render_as_string(hide_password=False))
+    try:
+        assert write_rows(engine, _rows([fb(i) for i in range(5)])).inserted["feedback"] == 5
+        assert write_rows(engine, _rows([fb(i) for i in range(7)])).inserted["feedback"] == 2
+    finally:
+        engine.dispose()
+        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+        admin.dispose()
 
 
 def _event_rows(engine):

@@ -227,6 +227,20 @@ def _stage(cur: Any, table: Table) -> _CopyPlan:
     return _COPY_PLANS[table.name]
 
 
+_MAY_STAGE: dict[str, bool] = {}  # database URL -> whether this role may create temporary tables
+
+
+def _may_stage(conn: Connection) -> bool:
+    """Whether the COPY path's staging table may be created: a role without the TEMPORARY
+    privilege on its database (a hardened server) writes by executemany instead of failing
+    every batch. Asked once per process and database."""
+    key = conn.engine.url.render_as_string()
+    if key not in _MAY_STAGE:
+        _MAY_STAGE[key] = bool(conn.exec_driver_sql(
+            "SELECT has_database_privilege(current_database(), 'TEMPORARY')").scalar())
+    return _MAY_STAGE[key]
+
+
 def copy_insert_ignore(
     conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
     same: dict[str, Any] | None = None,
@@ -272,7 +286,7 @@ def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, in
 
 
 def _write_events(conn: Connection, rows: Rows, now: datetime, result: WriteResult) -> None:
-    insert = copy_insert_ignore if conn.dialect.name == "postgresql" else insert_ignore
+    insert = copy_insert_ignore if conn.dialect.name == "postgresql" and _may_stage(conn) else insert_ignore
     for kind, table in EVENT_TABLES.items():
         batch = getattr(rows, kind)
         added = insert(conn, table, batch, ["event_id"], same={"ingested_at": now})
