@@ -71,8 +71,8 @@ def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
     def row(i: int, kind: str, value) -> Rows:
         ev = fb(1, kind=kind, value=value, event_id=f"late-{i}")
         rows = Rows()
-        rows.add_event(event_row(from_reference(FeedbackEvent.model_validate(ev)), SourcePosition(source="t", partition=i, offset=i),
-                                 encode(ev).decode()))
+        rows.add_event(event_row(from_reference(FeedbackEvent.model_validate(ev)),
+                                 SourcePosition(source="t", partition=i, offset=i), encode(ev).decode()))
         return rows
 
     store(engine, interaction(1), fb(1, kind="accepted"))
