@@ -56,7 +56,9 @@ def _check_ids(*values: str | None) -> None:
             raise ValueError("an identifier must not be blank or contain NUL characters")
 
 
-def _event_time(value: str) -> datetime:
+def _event_time(value: Any) -> datetime:
+    if not isinstance(value, str):
+        raise ValueError("ts must be an RFC 3339 string")
     try:
         return _EVENT_TIME.validate_python(value)
     except Exception as exc:  # pydantic's ValidationError is no ValueError: msgspec would not catch it
@@ -100,8 +102,6 @@ class DecodedInteraction(msgspec.Struct, tag_field="type", tag="interaction"):
     type = "interaction"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ts, str):
-            raise ValueError("ts must be an RFC 3339 string")
         self.ts = _event_time(self.ts)
         _check_ids(self.event_id, self.request_id, self.session_id, self.user_id, self.tenant,
                    self.policy_version, self.group_id, self.episode_id)
@@ -122,8 +122,6 @@ class DecodedFeedback(msgspec.Struct, tag_field="type", tag="feedback"):
     type = "feedback"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ts, str):
-            raise ValueError("ts must be an RFC 3339 string")
         self.ts = _event_time(self.ts)
         _check_ids(self.event_id, self.kind, self.request_id, self.episode_id)
         if (self.request_id is None) == (self.episode_id is None):
