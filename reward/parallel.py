@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 
 from pipeline.core.store import db as store_db
 from pipeline.core.store.rewards import interaction_id_span
-from reward.scoring import RewardRunReport, score_part
+from reward.scoring import RewardRunReport, Settling, score_part
 from reward.spec import RewardSpec
 
 EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) is not worth it
@@ -33,21 +33,24 @@ _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its p
 
 
 def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[int, int], chunk: int,
-           served_since: datetime | None) -> RewardRunReport:
+           served_since: datetime | None, span: tuple[int, int] | None) -> tuple[RewardRunReport, Settling]:
     engine = _ENGINES.get(url)
     if engine is None:
         engine = _ENGINES[url] = store_db.make_engine(url)
-    return score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part, chunk_size=chunk,
-                      served_since=served_since)
+    settling = Settling()
+    report = score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part,
+                        chunk_size=chunk, served_since=served_since, span=span, settling=settling)
+    return report, settling
 
 
-def auto_workers(engine: Engine) -> int:
-    """One worker per EPISODES_PER_WORKER stored interactions, up to the CPUs (at most 4);
-    1 for an in-memory SQLite store, which other processes cannot open."""
+def auto_workers(engine: Engine, span: tuple[int, int] | None = None) -> int:
+    """One worker per EPISODES_PER_WORKER interactions to read (the ids of `span`, else all the
+    store holds), up to the CPUs (at most 4); 1 for an in-memory SQLite store, which other
+    processes cannot open."""
     if store_db.in_memory(engine.url):
         return 1
-    span = interaction_id_span(engine)
-    return max(1, min(os.cpu_count() or 1, 4, span // EPISODES_PER_WORKER))
+    size = interaction_id_span(engine) if span is None else span[1] - span[0] + 1
+    return max(1, min(os.cpu_count() or 1, 4, size // EPISODES_PER_WORKER))
 
 
 def score_in_parallel(
@@ -60,15 +63,22 @@ def score_in_parallel(
     on_progress: Callable[[RewardRunReport], None] | None = None,
     chunk: int = 5000,
     served_since: datetime | None = None,
+    span: tuple[int, int] | None = None,
+    settling: Settling | None = None,
 ) -> None:
-    """Score every part in a pool of `workers` processes, counting each into `report`."""
+    """Score every part (of the ids of `span`, else of the whole store) in a pool of `workers`
+    processes, counting each into `report` and `settling`."""
     url = engine.url.render_as_string(hide_password=False)
     if store_db.in_memory(engine.url):
         raise ValueError("an in-memory SQLite store cannot be shared with worker processes; use workers=1")
     parts = 4 * workers
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk, served_since) for k in range(parts)]
+        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk, served_since, span)
+                   for k in range(parts)]
         for future in as_completed(futures):
-            report.add(future.result())
+            counts, seen = future.result()
+            report.add(counts)
+            if settling is not None:
+                settling.add(seen)
             if on_progress:
                 on_progress(report)

@@ -163,6 +163,22 @@ class RewardRunReport:
                    if self.unfinished_episodes else ""))
 
 
+@dataclass
+class Settling:
+    """What an incremental run's parts saw, for reward/stage.py to advance the spec's progress
+    (see tables.reward_progress): the episodes read unripe, those whose feedback could not be
+    read, and each range chunk's counts."""
+
+    unripe: list[tuple[int, str]] = field(default_factory=list)  # (interaction id, request id)
+    unusable: list[tuple[int, bool]] = field(default_factory=list)  # (interaction id, had a stored reward)
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)  # (lo, hi, episodes, duplicates): ids (lo, hi]
+
+    def add(self, other: "Settling") -> None:
+        self.unripe += other.unripe
+        self.unusable += other.unusable
+        self.chunks += other.chunks
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No cyclic collection inside: reference counting still frees everything acyclic."""
@@ -185,8 +201,12 @@ def score_part(
     part: tuple[int, int] = (0, 1),
     chunk_size: int = 5000,
     served_since: datetime | None = None,
+    span: tuple[int, int] | None = None,
+    ids: list[int] | None = None,
+    settling: Settling | None = None,
 ) -> RewardRunReport:
-    """The chunks of `part` (k of n, see iter_episode_chunks), counted into `report`. The two
+    """The chunks of `part` (k of n, see iter_episode_chunks; `span` and `ids` choose what they
+    cover), counted into `report`, and what an incremental run needs into `settling`. The two
     loops over a chunk's episodes are the stage's hot path: they count in locals, and the
     report takes the counts once per chunk."""
     version = spec.version
@@ -213,7 +233,9 @@ def score_part(
         submit = _at_once if store_db.in_memory(engine.url) else writer.submit
         for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
                                          only_stale=not force, served_since=served_since,
-                                         with_body=judge is not None):
+                                         with_body=judge is not None, span=span, ids=ids):
+            if settling is not None and chunk.span is not None:
+                settling.chunks.append((*chunk.span, len(chunk.interactions) + chunk.current, chunk.duplicates))
             report.duplicate_interactions += chunk.duplicates
             report.episodes += len(chunk.interactions) + chunk.current
             report.unchanged += chunk.current  # up to date: counted, never read
@@ -224,9 +246,13 @@ def score_part(
                     newest, ep = read_episode(row)
                 except (ValueError, TypeError):  # orjson's decode error is a ValueError: one episode, not the run
                     unusable += 1
+                    if settling is not None:
+                        settling.unusable.append((row[0], row[8] is not None))
                     continue
                 if ripe(ep):  # row[8]: the last feedback id of the stored reward (None: none yet)
                     todo.append((ep, newest, row[8] is None))
+                elif settling is not None:
+                    settling.unripe.append((row[0], row[1]))
             report.unusable += unusable
             report.unripe += len(chunk.interactions) - unusable - len(todo)
             scores: dict[str, float] = {}

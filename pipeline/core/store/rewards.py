@@ -29,6 +29,7 @@ class EpisodeChunk:
     interactions: list[Any]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
     current: int = 0  # with only_stale: episodes left out because their reward is up to date
+    span: tuple[int, int] | None = None  # the ids (lo, hi] the chunk covers; None when read by ids
 
 
 def interaction_id_span(engine: Engine) -> int:
@@ -99,6 +100,8 @@ def iter_episode_chunks(
     only_stale: bool = False,
     served_since: datetime | None = None,
     with_body: bool = False,
+    span: tuple[int, int] | None = None,
+    ids: Sequence[int] | None = None,
 ) -> Iterator[EpisodeChunk]:
     """Episodes -- the first interaction of each request_id (or of those in `request_ids`) --
     with their feedback and stored reward, in id order.
@@ -113,14 +116,20 @@ def iter_episode_chunks(
     are left in the store (counted, not read): an incremental run reads only what changed. Interactions that arrive during the run are left to the next one. With
     `served_since`, the chunks start at the first interaction served from then on (found
     through the ts index; ids after it that were served earlier, arriving late, are read too).
+    With `span=(first, last)`, the chunks cover those ids instead. With `ids` (first
+    interactions of their requests, ascending), those episodes, `chunk` at a time.
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
-    with engine.connect() as conn:
-        first_id, last_id = conn.execute(
-            select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
-        if served_since is not None and first_id is not None:
-            first_id = conn.scalar(select(func.min(interactions.c.id)).where(where, interactions.c.ts >= served_since))
-    if first_id is None:
+    if span is not None:
+        first_id, last_id = span
+    else:
+        with engine.connect() as conn:
+            first_id, last_id = conn.execute(
+                select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
+            if served_since is not None and first_id is not None:
+                first_id = conn.scalar(select(func.min(interactions.c.id))
+                                       .where(where, interactions.c.ts >= served_since))
+    if first_id is None or (ids is not None and not ids):
         return
     k, n = part
     earlier = interactions.alias("earlier")
@@ -165,6 +174,16 @@ def iter_episode_chunks(
                stored.label("stored"),
                interactions.c.body if with_body else null().label("body"),
                interactions.c.episode_id, *_episode_json(engine.dialect.name, payload_kinds))
+    if ids is not None:
+        for i in range(k * chunk, len(ids), n * chunk):
+            batch = list(ids[i:i + chunk])
+            with engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL jit = off")  # see above
+                wanted = and_(interactions.c.id.in_(batch), stale if only_stale else true())
+                rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
+            yield EpisodeChunk(rows, current=len(batch) - len(rows) if only_stale else 0)
+        return
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         # capped at the last id: an interaction that arrives between the two queries is the next run's
         rng = and_(where, interactions.c.id > lo, interactions.c.id <= min(lo + chunk, last_id))
@@ -182,7 +201,7 @@ def iter_episode_chunks(
         # the first interactions not read are the up-to-date ones (a count for the report: a write
         # between the two queries can shift it by that write, never change a reward)
         up_to_date = total - duplicates - len(rows) if only_stale else 0
-        yield EpisodeChunk(rows, duplicates=duplicates, current=up_to_date)
+        yield EpisodeChunk(rows, duplicates=duplicates, current=up_to_date, span=(lo, min(lo + chunk, last_id)))
 
 
 class RewardRow(NamedTuple):

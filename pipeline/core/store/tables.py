@@ -141,6 +141,25 @@ rewards = Table(
     UniqueConstraint("request_id", "spec_version"),
 )
 
+# How far the reward runs of one rule-based spec have settled the history (reward/stage.py):
+# every first interaction of a request with an id below `settled_below` has a ripe reward that
+# counted all its inputs, or cannot have one (`unusable`), so a run reads only what came after
+# it and the episodes that new feedback or a new call in their agent episode names. The counts
+# describe the settled ids (a run reports them without reading them); `pending` lists the
+# settled episodes a run found unripe again, read again by the next run.
+reward_progress = Table(
+    "reward_progress",
+    metadata,
+    Column("spec_version", String(128), primary_key=True),
+    Column("settled_below", BigInteger, nullable=False),  # an interactions.id
+    Column("feedback_seen", BigInteger, nullable=False),  # a feedback.id: every row up to it was read
+    Column("episodes", BigInteger, nullable=False),
+    Column("duplicates", BigInteger, nullable=False),
+    Column("unusable", BigInteger, nullable=False),
+    Column("pending", JSON, nullable=False),  # request ids
+    Column("updated_at", DateTime, nullable=False),
+)
+
 # Lineage: the exact episodes (and the reward values) a training run used. Written by the
 # training stage; a reward that changes afterwards (late feedback) leaves these rows alone.
 training_episodes = Table(

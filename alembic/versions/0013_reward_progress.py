@@ -1,0 +1,36 @@
+"""reward_progress: how far each rule-based spec's reward runs have settled the history, so that a
+run reads only what is new (reward/stage.py).
+
+Revision ID: 0013
+Revises: 0012
+Create Date: 2026-12-03 15:00:00
+"""
+from typing import Sequence, Union
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = '0013'
+down_revision: Union[str, None] = '0012'
+branch_labels: Union[str, Sequence[str], None] = None
+depends_on: Union[str, Sequence[str], None] = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        'reward_progress',
+        sa.Column('spec_version', sa.String(length=128), nullable=False),
+        sa.Column('settled_below', sa.BigInteger(), nullable=False),
+        sa.Column('feedback_seen', sa.BigInteger(), nullable=False),
+        sa.Column('episodes', sa.BigInteger(), nullable=False),
+        sa.Column('duplicates', sa.BigInteger(), nullable=False),
+        sa.Column('unusable', sa.BigInteger(), nullable=False),
+        sa.Column('pending', sa.JSON(), nullable=False),
+        sa.Column('updated_at', sa.DateTime(), nullable=False),
+        sa.PrimaryKeyConstraint('spec_version', name=op.f('pk_reward_progress')),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table('reward_progress')

@@ -1,0 +1,137 @@
+"""Queries of an incremental reward run (reward/stage.py): its progress row, the ids it may read
+up to, and the settled episodes that changed since the last run.
+
+The ids a run may read up to must be safe: every id at or below them committed (or never will
+be). Ids are handed out at insert, not at commit, so on PostgreSQL a lane slow to commit can
+hold a smaller id than one already committed; a run that moved its watermark past that id would
+never read the row. `safe_tops` therefore reads the largest ids under a SHARE lock, which waits
+for the transactions writing the table to end and holds new ones back while the two maximums
+are read (milliseconds). SQLite's writers take turns: its committed maximum is safe as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import Connection, Engine, and_, case, func, select
+from sqlalchemy.exc import DBAPIError
+
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.tables import feedback, interactions, reward_progress
+
+log = logging.getLogger("rtrl.store")
+
+LOCK_TIMEOUT_S = 5.0  # how long safe_tops waits for a writer's transaction before giving up
+_CHUNK = 500  # values per IN (...)
+
+
+@dataclass
+class RewardProgress:
+    """A spec's reward_progress row (see tables.reward_progress); the default: nothing settled."""
+
+    settled_below: int = 0
+    feedback_seen: int = 0
+    episodes: int = 0
+    duplicates: int = 0
+    unusable: int = 0
+    pending: list[str] = field(default_factory=list)
+
+
+def load_progress(engine: Engine, spec_version: str) -> RewardProgress:
+    with engine.connect() as conn:
+        row = conn.execute(select(reward_progress).where(reward_progress.c.spec_version == spec_version)).first()
+    if row is None:
+        return RewardProgress()
+    return RewardProgress(row.settled_below, row.feedback_seen, row.episodes, row.duplicates, row.unusable,
+                          list(row.pending))
+
+
+def save_progress(engine: Engine, spec_version: str, progress: RewardProgress) -> None:
+    values = {"settled_below": progress.settled_below, "feedback_seen": progress.feedback_seen,
+              "episodes": progress.episodes, "duplicates": progress.duplicates, "unusable": progress.unusable,
+              "pending": progress.pending, "updated_at": utcnow()}
+    with engine.begin() as conn:
+        done = conn.execute(reward_progress.update().where(reward_progress.c.spec_version == spec_version)
+                            .values(**values)).rowcount
+        if not done:
+            conn.execute(reward_progress.insert().values(spec_version=spec_version, **values))
+
+
+def safe_tops(engine: Engine) -> tuple[int, int] | None:
+    """(the largest interaction id, the largest feedback id; 0 for an empty table), each with
+    every smaller id committed or never to be (see the module docstring). None on PostgreSQL when
+    the lock is not to be had: the role may not take it (it needs UPDATE, DELETE or TRUNCATE on
+    the tables), or a writer held its transaction open past LOCK_TIMEOUT_S."""
+    tops = []
+    for table in (interactions, feedback):
+        with engine.begin() as conn:
+            if conn.dialect.name == "postgresql" and not _locked(conn, table.name):
+                return None
+            tops.append(conn.scalar(select(func.max(table.c.id))) or 0)
+    return tops[0], tops[1]
+
+
+def _locked(conn: Connection, table: str) -> bool:
+    """A SHARE lock on `table` for the rest of the transaction (which the caller keeps short)."""
+    try:
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(LOCK_TIMEOUT_S * 1000)}ms'")
+        conn.exec_driver_sql(f"LOCK TABLE {table} IN SHARE MODE")
+    except DBAPIError as exc:  # InsufficientPrivilege, LockNotAvailable
+        log.warning("no incremental reward run: the lock on %s was refused or timed out (%s); this run reads "
+                    "the whole history", table, type(exc.orig).__name__, extra={"table": table})
+        return False
+    return True
+
+
+def first_interaction_id(engine: Engine) -> int:
+    """The smallest interaction id (1 for an empty store)."""
+    with engine.connect() as conn:
+        return conn.scalar(select(func.min(interactions.c.id))) or 1
+
+
+def revisit_ids(engine: Engine, progress: RewardProgress, top_interaction: int, top_feedback: int) -> list[int]:
+    """The settled episodes (first interactions below `settled_below`) a run must read again, by
+    interaction id, ascending: those named by feedback stored since `feedback_seen` (on the call,
+    or on its agent episode), the earlier calls of an agent episode that gained a call in the
+    unsettled range, and the pending ones. Costs what is new, not the history."""
+    lo = progress.settled_below
+    if lo <= 0:
+        return []
+    new_feedback = and_(feedback.c.id > progress.feedback_seen, feedback.c.id <= top_feedback)
+    with engine.connect() as conn:
+        requests = set(conn.scalars(select(feedback.c.request_id).distinct()
+                                    .where(new_feedback, feedback.c.request_id.is_not(None))))
+        episodes = set(conn.scalars(select(feedback.c.episode_id).distinct()
+                                    .where(new_feedback, feedback.c.episode_id.is_not(None))))
+        episodes.update(conn.scalars(select(interactions.c.episode_id).distinct().where(
+            interactions.c.id >= lo, interactions.c.id <= top_interaction, interactions.c.episode_id.is_not(None))))
+        for batch in _batches(sorted(episodes)):
+            requests.update(conn.scalars(select(interactions.c.request_id).where(
+                interactions.c.episode_id.in_(batch), interactions.c.id < lo)))
+        requests.update(progress.pending)
+        ids: list[int] = []
+        first = func.min(interactions.c.id)
+        for batch in _batches(sorted(requests)):
+            ids.extend(conn.scalars(select(first).where(interactions.c.request_id.in_(batch))
+                                    .group_by(interactions.c.request_id).having(first < lo)))
+    return sorted(ids)
+
+
+def episode_counts(engine: Engine, lo: int, hi: int) -> tuple[int, int]:
+    """(first interactions of a request, further ones) with ids in [lo, hi)."""
+    if hi <= lo:
+        return 0, 0
+    earlier = interactions.alias("earlier")
+    first = interactions.c.id == (select(func.min(earlier.c.id))
+                                  .where(earlier.c.request_id == interactions.c.request_id).scalar_subquery())
+    with engine.connect() as conn:
+        total, duplicates = conn.execute(select(func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0))
+                                         .where(interactions.c.id >= lo, interactions.c.id < hi)).one()
+    return total - duplicates, duplicates
+
+
+def _batches(values: Sequence[str]) -> Iterable[Sequence[str]]:
+    for i in range(0, len(values), _CHUNK):
+        yield values[i:i + _CHUNK]
