@@ -62,17 +62,19 @@ def run_rewards(
     now = now or utcnow()
     report = RewardRunReport(spec_version=spec.version, recomputed=force)
     tops = safe_tops(engine) if served_since is None and spec.judge is None else None
+    orphan_before = now - timedelta(seconds=spec.join.orphan_ttl_s)
     if tops is None:
         _score(engine, spec, now, force, workers, report, on_progress, chunk, served_since=served_since)
+        report.orphaned = orphaned_feedback(engine, orphan_before, since=served_since)
     else:
-        _incremental(engine, spec, now, force, workers, report, on_progress, chunk, tops)
-    report.orphaned = orphaned_feedback(engine, now - timedelta(seconds=spec.join.orphan_ttl_s), since=served_since)
+        report.orphaned = _incremental(engine, spec, now, force, workers, report, on_progress, chunk, tops,
+                                       orphan_before)
     return report
 
 
 def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, workers: int,
                  report: RewardRunReport, on_progress: Callable[[RewardRunReport], None] | None, chunk: int,
-                 tops: tuple[int, int]) -> None:
+                 tops: tuple[int, int], orphan_before: datetime) -> int:
     """A run that reads what changed since the spec's last run (tables.reward_progress), and
     reports the rest from the counts kept there: what a full run would report, at a cost that
     follows what is new, not the history. Its steps, in order:
@@ -82,9 +84,10 @@ def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, w
         2. read the unsettled ids, [settled_below, the safe top]: new interactions and those
            that were not ripe yet (only the stale ones in full, as ever)
         3. count the settled episodes not read, from the progress row
-        4. settle up to the first episode read unripe, and save the progress -- last: a run that
-           fails before it leaves the progress as it was, and the next run does the same again
-           (the rewards it stored are up to date by then, and cost only their staleness check)
+        4. settle up to the first episode read unripe, and save the progress with the waiting
+           feedback, which gives the orphan count returned -- last: a run that fails before it
+           leaves the progress as it was, and the next run does the same again (the rewards it
+           stored are up to date by then, and cost only their staleness check)
     """
     top_interaction, top_feedback = tops
     done = RewardProgress() if force else load_progress(engine, spec.version)
@@ -115,7 +118,8 @@ def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, w
     # a settled episode read unripe (an agent episode's new call, a run with an earlier `now`)
     # is read again next run, since nothing else would name it
     pending = sorted({request_id for _, request_id in again.unripe})
-    save_progress(engine, spec.version, RewardProgress(settled, top_feedback, episodes, duplicates, unusable, pending))
+    after = RewardProgress(settled, top_feedback, episodes, duplicates, unusable, pending)
+    return save_progress(engine, spec.version, done, after, orphan_before)
 
 
 def _score(engine: Engine, spec: RewardSpec, now: datetime, force: bool, workers: int, report: RewardRunReport,

@@ -17,6 +17,7 @@ from ingest.batch import decode_records
 from pipeline.core.store import tables
 from pipeline.core.store.events import write_rows
 from pipeline.core.store.reward_progress import load_progress
+from pipeline.core.store.rewards import orphaned_feedback
 from reward.spec import parse_spec
 from reward.stage import run_rewards
 from tests.factories import BASE_TS, encode, interaction
@@ -243,7 +244,8 @@ def test_incremental_runs_store_and_report_what_whole_history_runs_do(engine, st
     """Calls, repeats, feedback, episode outcomes and orphans stored in any order, reward runs in
     between at times that go back and forth (a call unripe again, a window not yet passed): after
     every run, the incremental spec's report and rewards are those of the same rules run over
-    the whole history (its progress removed before each run)."""
+    the whole history (its progress removed before each run), and its orphan count is that of
+    the query over the whole history."""
     _clear(engine)
     for what, arg in steps + [("run", 86400 * 3)]:
         if what == "store":
@@ -255,6 +257,7 @@ def test_incremental_runs_store_and_report_what_whole_history_runs_do(engine, st
             conn.execute(delete(tables.reward_progress).where(tables.reward_progress.c.spec_version == WHOLE.version))
         whole = run_rewards(engine, WHOLE, now=now, chunk=4)
         assert {c: getattr(incremental, c) for c in _COUNTS} == {c: getattr(whole, c) for c in _COUNTS}
+        assert incremental.orphaned == orphaned_feedback(engine, now - timedelta(seconds=SPEC.join.orphan_ttl_s))
         assert _rewards(engine, SPEC) == _rewards(engine, WHOLE)
 
 

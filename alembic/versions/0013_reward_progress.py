@@ -1,5 +1,6 @@
 """reward_progress: how far each rule-based spec's reward runs have settled the history, so that a
-run reads only what is new (reward/stage.py).
+run reads only what is new (reward/stage.py); reward_waiting: the feedback those runs read whose
+interaction had not arrived, so that orphans are counted from it.
 
 Revision ID: 0013
 Revises: 0012
@@ -30,7 +31,15 @@ def upgrade() -> None:
         sa.Column('updated_at', sa.DateTime(), nullable=False),
         sa.PrimaryKeyConstraint('spec_version', name=op.f('pk_reward_progress')),
     )
+    op.create_table(
+        'reward_waiting',
+        sa.Column('spec_version', sa.String(length=128), nullable=False),
+        sa.Column('feedback_id', sa.BigInteger(), nullable=False),
+        sa.Column('ts', sa.DateTime(), nullable=False),
+        sa.PrimaryKeyConstraint('spec_version', 'feedback_id', name=op.f('pk_reward_waiting')),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table('reward_waiting')
     op.drop_table('reward_progress')

@@ -1,5 +1,5 @@
-"""Queries of an incremental reward run (reward/stage.py): its progress row, the ids it may read
-up to, and the settled episodes that changed since the last run.
+"""Queries of an incremental reward run (reward/stage.py): its progress row and waiting feedback,
+the ids it may read up to, and the settled episodes that changed since the last run.
 
 The ids a run may read up to must be safe: every id at or below them committed (or never will
 be). Ids are handed out at insert, not at commit, so on PostgreSQL a lane slow to commit can
@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from sqlalchemy import Connection, Engine, and_, case, func, select
+from sqlalchemy import Connection, Engine, String, and_, case, delete, exists, func, literal, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.tables import feedback, interactions, reward_progress
+from pipeline.core.store.tables import feedback, interactions, reward_progress, reward_waiting
 
 log = logging.getLogger("rtrl.store")
 
@@ -48,15 +50,41 @@ def load_progress(engine: Engine, spec_version: str) -> RewardProgress:
                           list(row.pending))
 
 
-def save_progress(engine: Engine, spec_version: str, progress: RewardProgress) -> None:
-    values = {"settled_below": progress.settled_below, "feedback_seen": progress.feedback_seen,
-              "episodes": progress.episodes, "duplicates": progress.duplicates, "unusable": progress.unusable,
-              "pending": progress.pending, "updated_at": utcnow()}
+def save_progress(engine: Engine, spec_version: str, before: RewardProgress, after: RewardProgress,
+                  orphan_before: datetime) -> int:
+    """Save the progress a run made from `before` to `after`, and bring the spec's waiting
+    feedback up to date in the same transaction (a run that fails before leaves both as they
+    were); returns how many feedback rows are orphaned: waiting, and older than `orphan_before`.
+
+    Waiting are the feedback rows read (ids up to feedback_seen) whose call, or agent episode,
+    had not arrived: each run adds those of the feedback it read, and drops those whose call or
+    episode has arrived since. Interactions are never deleted, so a row that had its interaction
+    when read never becomes an orphan. The cost follows the new feedback and the waiting rows,
+    not the history."""
+    waiting = reward_waiting.c
+    missing = or_(and_(feedback.c.request_id.is_not(None),
+                       ~exists().where(interactions.c.request_id == feedback.c.request_id)),
+                  and_(feedback.c.episode_id.is_not(None),
+                       ~exists().where(interactions.c.episode_id == feedback.c.episode_id)))
+    values = {"settled_below": after.settled_below, "feedback_seen": after.feedback_seen,
+              "episodes": after.episodes, "duplicates": after.duplicates, "unusable": after.unusable,
+              "pending": after.pending, "updated_at": utcnow()}
     with engine.begin() as conn:
+        ours = waiting.spec_version == spec_version
+        if before.feedback_seen == 0:  # a first or forced run reads all the feedback again
+            conn.execute(delete(reward_waiting).where(ours))
+        insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(reward_waiting)
+        conn.execute(insert.from_select(["spec_version", "feedback_id", "ts"], select(
+            literal(spec_version, String), feedback.c.id, feedback.c.ts).where(
+            feedback.c.id > before.feedback_seen, feedback.c.id <= after.feedback_seen, missing))
+            .on_conflict_do_nothing())  # a concurrent run of the same spec added it too
+        found = select(feedback.c.id).where(feedback.c.id == waiting.feedback_id, ~missing)
+        conn.execute(delete(reward_waiting).where(ours, exists(found)))
         done = conn.execute(reward_progress.update().where(reward_progress.c.spec_version == spec_version)
                             .values(**values)).rowcount
         if not done:
             conn.execute(reward_progress.insert().values(spec_version=spec_version, **values))
+        return conn.scalar(select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before))
 
 
 def safe_tops(engine: Engine) -> tuple[int, int] | None:

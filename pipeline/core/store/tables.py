@@ -160,6 +160,17 @@ reward_progress = Table(
     Column("updated_at", DateTime, nullable=False),
 )
 
+# The feedback rows a spec's reward runs read whose interaction (or agent episode) had not arrived:
+# the orphans-to-be, counted once past the spec's orphan TTL, dropped once what they name arrived.
+# A run counts orphans from these, not from the whole history (reward/stage.py).
+reward_waiting = Table(
+    "reward_waiting",
+    metadata,
+    Column("spec_version", String(128), primary_key=True),
+    Column("feedback_id", BigInteger, primary_key=True),
+    Column("ts", DateTime, nullable=False),  # the feedback's
+)
+
 # Lineage: the exact episodes (and the reward values) a training run used. Written by the
 # training stage; a reward that changes afterwards (late feedback) leaves these rows alone.
 training_episodes = Table(
