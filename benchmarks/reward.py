@@ -105,7 +105,8 @@ def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
 def phase(url: str, workers: int, q) -> None:
     engine = store_db.make_engine(url)
     with engine.begin() as conn:
-        conn.execute(tables.rewards.delete())
+        for table in (tables.rewards, tables.reward_progress, tables.reward_waiting):  # a first run again
+            conn.execute(table.delete())
     if engine.dialect.name == "postgresql":  # a live store's autovacuum would have caught up
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM ANALYZE rewards")

@@ -120,7 +120,9 @@ def iter_episode_chunks(
     interactions of their requests, ascending), those episodes, `chunk` at a time.
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
-    if span is not None:
+    if ids is not None:
+        first_id, last_id = 0, 0  # not used: the chunks are cut from `ids`
+    elif span is not None:
         first_id, last_id = span
     else:
         with engine.connect() as conn:
@@ -129,7 +131,7 @@ def iter_episode_chunks(
             if served_since is not None and first_id is not None:
                 first_id = conn.scalar(select(func.min(interactions.c.id))
                                        .where(where, interactions.c.ts >= served_since))
-    if first_id is None or (ids is not None and not ids):
+    if first_id is None:
         return
     k, n = part
     earlier = interactions.alias("earlier")
