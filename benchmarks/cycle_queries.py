@@ -12,7 +12,9 @@ so that some task is held out: with none, the query reads every episode looking 
     selection, 1,000 new          train.run.select: rewarded episodes past the last run's watermark
     held-out slice                select_eval_episodes: the gate's newest held-out episodes
     online check, last hour       online_rewards of two versions (a staged rollout's comparison)
-    served and accepted           served_and_accepted of three versions (the daemon's metrics)
+    served and accepted           served_and_accepted of three versions (the demo's report, the audit)
+    accept tally, 1k new          the daemon's metrics: AcceptTally.read after 1,000 new interactions
+                                  and accepts (each repeat adds its own)
 
     .venv/bin/python benchmarks/cycle_queries.py --sizes 100000 1000000
     .venv/bin/python benchmarks/cycle_queries.py --postgres "$(bash scripts/postgres.sh)"
@@ -39,7 +41,8 @@ from benchmarks.reward import T0, fill, new_store  # noqa: E402
 from pipeline.core.config import Config  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
 from pipeline.core.store.deploys import online_rewards, served_and_accepted  # noqa: E402
-from pipeline.core.store.events import Rows, write_rows  # noqa: E402
+from pipeline.core.store.accept_tally import AcceptTally  # noqa: E402
+from pipeline.core.store.events import Rows, output_columns, write_rows  # noqa: E402
 from pipeline.core.store.rewards import orphaned_feedback  # noqa: E402
 from pipeline.core.store.tables import rewards  # noqa: E402
 from pipeline.core.store.training import select_eval_episodes, select_episodes  # noqa: E402
@@ -83,6 +86,29 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         write_rows(engine, rows)
         return lambda: run_rewards(engine, spec, now=now)
 
+    tally = AcceptTally()
+    tally.read(engine)  # the daemon's first read: the whole history, once per process
+    newer = iter(range(repeat))
+
+    def new_traffic() -> Callable[[], object]:
+        """1,000 new interactions of version 2, half of them accepted, stored untimed."""
+        k, rows = next(newer), Rows()
+        for j in range(1000):
+            i, ts = f"new{k}-{j}", T0 + timedelta(seconds=n + j)
+            body = {"schema_version": 1, "event_id": f"i{i}", "type": "interaction", "ts": ts.isoformat() + "Z",
+                    "request_id": f"r{i}", "session_id": "s", "user_id": "u", "tenant": "t",
+                    "policy_version": "2", "prompt": "p", "completion": "x"}
+            rows.interaction.append({
+                "event_id": f"i{i}", "request_id": f"r{i}", "schema_version": 1, "ts": ts, "session_id": "s",
+                "user_id": "u", "tenant": "t", "policy_version": "2", "body": json.dumps(body),
+                **output_columns("x", None), "source": "new", "partition": k, "offset": j})
+            if j % 2:
+                rows.feedback.append({"event_id": f"f{i}", "request_id": f"r{i}", "schema_version": 1, "ts": ts,
+                                      "kind": "accepted", "value": 1.0, "body": "{}", "source": "new",
+                                      "partition": k, "offset": j})
+        write_rows(engine, rows)
+        return lambda: tally.read(engine, ["1", "2", "3"])
+
     queries = {
         "reward run, nothing new": lambda: run_rewards(engine, spec, now=now),
         "reward run, 10k new": late_feedback,
@@ -93,8 +119,10 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         "held-out slice": lambda: select_eval_episodes(engine, spec.version, 50.0, cfg.gate.eval_episodes),
         "online check, last hour": lambda: online_rewards(engine, spec.version, ["1", "2"], last_hour),
         "served and accepted": lambda: served_and_accepted(engine, ["1", "2", "3"]),
+        "accept tally, 1k new": new_traffic,
     }
-    out = {name: best_ms(fn, repeat, prepared=name == "reward run, 10k new") for name, fn in queries.items()}
+    prepared = ("reward run, 10k new", "accept tally, 1k new")
+    out = {name: best_ms(fn, repeat, prepared=name in prepared) for name, fn in queries.items()}
     engine.dispose()
     return out
 

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.core.config import DURATION, Config, duration_s
 from pipeline.core.store.cycles import CycleState, cycle_split, unfinished_cycle
-from pipeline.core.store.deploys import served_and_accepted
+from pipeline.core.store.accept_tally import AcceptTally
 from pipeline.core.store.leases import Fence, acquire, release
 from pipeline.core.store.training import get_run
 from pipeline.cycle import CycleDeps, run_cycle
@@ -107,6 +107,7 @@ class Daemon:
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.last_cycle: dict[str, Any] = {}
         self._ingest_thread: threading.Thread | None = None
+        self.accepts = AcceptTally()  # the policy metrics' counts, read incrementally each cycle
 
     # --- jobs ----------------------------------------------------------------------------
     def heartbeat(self) -> None:
@@ -193,7 +194,7 @@ class Daemon:
             aliases = {"champion": champion, "previous": registry.alias("previous") if champion else None,
                        "canary": registry.alias("canary")}
             versions = {alias: v.version for alias, v in aliases.items() if v is not None}
-            online = served_and_accepted(self.deps.engine, list(versions.values()))
+            online = self.accepts.read(self.deps.engine, list(versions.values()))
         except Exception as exc:  # noqa: BLE001 - the registry or the store may be away: metrics wait
             log.warning("policy metrics not updated", extra={"error": f"{type(exc).__name__}: {exc}"})
             return

@@ -24,10 +24,10 @@ from pipeline.core.store.reward_progress import (
     first_interaction_id,
     load_progress,
     revisit_ids,
-    safe_tops,
     save_progress,
 )
 from pipeline.core.store.rewards import episode_request_ids, iter_episode_chunks, orphaned_feedback
+from pipeline.core.store.watermarks import safe_tops
 from reward.compute import compute_reward, is_ripe
 from reward.judge import Judge
 from reward.parallel import auto_workers, score_in_parallel

@@ -148,9 +148,9 @@ def test_an_interaction_committed_late_with_a_smaller_id_is_not_settled_past(eng
     another lane committed before the run. The run waits for it under the SHARE lock, here past
     the lock's timeout: that run reads the whole history and settles nothing, and the next one
     finds the late interaction. (SQLite's writers take turns: the same steps, in commit order.)"""
-    import pipeline.core.store.reward_progress as progress
+    import pipeline.core.store.watermarks as watermarks
 
-    monkeypatch.setattr(progress, "LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(watermarks, "LOCK_TIMEOUT_S", 0.2)
     slow = engine.connect()
     slow_txn = slow.begin()
     late = decode_records([("t", 0, next(_offsets), encode(interaction(70)))], 1 << 20).rows.interaction[0]

@@ -1,31 +1,20 @@
 """Queries of an incremental reward run (reward/stage.py): its progress row and waiting feedback,
-the ids it may read up to, and the settled episodes that changed since the last run.
-
-The ids a run may read up to must be safe: every id at or below them committed (or never will
-be). Ids are handed out at insert, not at commit, so on PostgreSQL a lane slow to commit can
-hold a smaller id than one already committed; a run that moved its watermark past that id would
-never read the row. `safe_tops` therefore reads the largest ids under a SHARE lock, which waits
-for the transactions writing the table to end and holds new ones back while the two maximums
-are read (milliseconds). SQLite's writers take turns: its committed maximum is safe as it is.
+and the settled episodes that changed since the last run.
+The ids a run reads up to come from pipeline.core.store.watermarks.safe_tops.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import Connection, Engine, String, and_, case, delete, exists, func, literal, or_, select
+from sqlalchemy import Engine, String, and_, case, delete, exists, func, literal, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
 
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.tables import feedback, interactions, reward_progress, reward_waiting
 
-log = logging.getLogger("rtrl.store")
-
-LOCK_TIMEOUT_S = 5.0  # how long safe_tops waits for a writer's transaction before giving up
 _CHUNK = 500  # values per IN (...)
 
 
@@ -85,32 +74,6 @@ def save_progress(engine: Engine, spec_version: str, before: RewardProgress, aft
         if not done:
             conn.execute(reward_progress.insert().values(spec_version=spec_version, **values))
         return conn.scalar(select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before))
-
-
-def safe_tops(engine: Engine) -> tuple[int, int] | None:
-    """(the largest interaction id, the largest feedback id; 0 for an empty table), each with
-    every smaller id committed or never to be (see the module docstring). None on PostgreSQL when
-    the lock is not to be had: the role may not take it (it needs UPDATE, DELETE or TRUNCATE on
-    the tables), or a writer held its transaction open past LOCK_TIMEOUT_S."""
-    tops = []
-    for table in (interactions, feedback):
-        with engine.begin() as conn:
-            if conn.dialect.name == "postgresql" and not _locked(conn, table.name):
-                return None
-            tops.append(conn.scalar(select(func.max(table.c.id))) or 0)
-    return tops[0], tops[1]
-
-
-def _locked(conn: Connection, table: str) -> bool:
-    """A SHARE lock on `table` for the rest of the transaction (which the caller keeps short)."""
-    try:
-        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(LOCK_TIMEOUT_S * 1000)}ms'")
-        conn.exec_driver_sql(f"LOCK TABLE {table} IN SHARE MODE")
-    except DBAPIError as exc:  # InsufficientPrivilege, LockNotAvailable
-        log.warning("no incremental reward run: the lock on %s was refused or timed out (%s); this run reads "
-                    "the whole history", table, type(exc.orig).__name__, extra={"table": table})
-        return False
-    return True
 
 
 def first_interaction_id(engine: Engine) -> int:
