@@ -27,11 +27,11 @@ from pipeline.core.store.tables import feedback, interactions
 from pipeline.core.store.watermarks import safe_tops
 
 
-def _accepted(up_to: int, after: int = 0):
-    """Whether an accept (an `accepted` event with a positive value) with a feedback id in
-    (after, up_to] names the interaction."""
+def _accepted(up_to: int):
+    """Whether an accept (an `accepted` event with a positive value) with a feedback id up to
+    `up_to` names the interaction."""
     return exists().where(and_(feedback.c.request_id == interactions.c.request_id, feedback.c.kind == "accepted",
-                               feedback.c.value > 0, feedback.c.id > after, feedback.c.id <= up_to))
+                               feedback.c.value > 0, feedback.c.id <= up_to))
 
 
 class AcceptTally:

@@ -1,6 +1,6 @@
 """Queries of an incremental reward run (reward/stage.py): its progress row and waiting feedback,
-and the settled episodes that changed since the last run.
-The ids a run reads up to come from pipeline.core.store.watermarks.safe_tops.
+and the settled episodes that changed since the last run. The ids a run reads up to come from
+store/watermarks.py.
 """
 
 from __future__ import annotations
