@@ -3,9 +3,13 @@
 Decodes N interactions (~2 KB, the ingest benchmark's) and N feedback events once, then writes
 them with `write_rows` in batches of 2,000 -- as ingest does, one transaction each -- into a
 fresh store with every index, and into fresh stores each missing one secondary index of the
-table written. Prints microseconds per event and each index's share.
+table written. Prints microseconds per event and each index's share, and what the column
+`output_text` (the completion's text, stored beside the body so that a reward run never parses
+bodies) costs: the same interactions written with it empty. `--completion-chars` sizes the
+completions (the default: a 12-word one).
 
     .venv/bin/python benchmarks/store_costs.py --events 40000
+    .venv/bin/python benchmarks/store_costs.py --events 20000 --completion-chars 2000
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ from tests.factories import encode, feedback, interaction  # noqa: E402
 BATCH = 2000
 
 
-def batches(kind: str, n: int) -> list[Rows]:
-    make = (lambda i: interaction(i, prefix="s", size=2048)) if kind == "interaction" else \
-        (lambda i: feedback(i, prefix="s"))
+def batches(kind: str, n: int, completion_chars: int = 0) -> list[Rows]:
+    def make_interaction(i: int) -> dict:
+        if not completion_chars:
+            return interaction(i, prefix="s", size=2048)
+        text = ("x = 1\n" * (completion_chars // 6 + 1))[:completion_chars]
+        return interaction(i, prefix="s", size=2048 + completion_chars, completion=text)
+
+    make = make_interaction if kind == "interaction" else (lambda i: feedback(i, prefix="s"))
     out = []
     for lo in range(0, n, BATCH):
         records = [("t", 0, i, encode(make(i))) for i in range(lo, min(lo + BATCH, n))]
@@ -60,15 +69,25 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=40_000, help="events of each kind")
     ap.add_argument("--repeat", type=int, default=2, help="runs per variant; the fastest counts")
     ap.add_argument("--revision", default="head", help="the schema to measure (e.g. 0011: before 0012 dropped two)")
+    ap.add_argument("--completion-chars", type=int, default=0, help="each interaction's completion, in characters")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-store-") as tmp:
         workdir = Path(tmp)
         store_db.upgrade(f"sqlite:///{workdir / 'schema.db'}", args.revision)
         schema = inspect(store_db.make_engine(f"sqlite:///{workdir / 'schema.db'}"))
         for kind, table in (("interaction", "interactions"), ("feedback", "feedback")):
-            rows = batches(kind, args.events)
+            rows = batches(kind, args.events, args.completion_chars)
             full = write_us(workdir, f"{table}-all", rows, None, args.repeat, args.revision)
             print(f"{table}: {full:.1f} us/event with every index of schema {args.revision}", flush=True)
+            if kind == "interaction":
+                texts = [row for batch in rows for row in batch.interaction]
+                chars = sum(len(row["output_text"]) for row in texts) // len(texts)
+                for row in texts:
+                    row["output_text"] = ""
+                empty = write_us(workdir, f"{table}-no-text", rows, None, args.repeat, args.revision)
+                rows = batches(kind, args.events, args.completion_chars)
+                print(f"  without output_text ({chars} chars) {empty:6.1f} us/event  "
+                      f"(the column: {full - empty:+.1f} us)", flush=True)
             for index in sorted(ix["name"] for ix in schema.get_indexes(table)):
                 without = write_us(workdir, f"{table}-{index}", rows, index, args.repeat, args.revision)
                 print(f"  without {index:32} {without:6.1f} us/event  (the index: {full - without:+.1f} us)",

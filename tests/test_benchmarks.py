@@ -53,8 +53,10 @@ def test_cycle_queries():
 
 
 def test_store_costs():
-    out = bench("benchmarks/store_costs.py", "--events", "200", "--repeat", "1", "--revision", "0011")
+    out = bench("benchmarks/store_costs.py", "--events", "200", "--repeat", "1", "--revision", "0011",
+                "--completion-chars", "300")
     assert "without ix_feedback_request_id" in out and "without ix_interactions_ts" in out
+    assert "without output_text (300 chars)" in out
 
 
 def test_the_gpu_check_script_parses():
