@@ -68,6 +68,9 @@ def good(token_ids: list[int], text: str) -> bool:
     return bool(text.strip()) and token_ids[0] % 2 == 0
 
 
+# On SQLite only: what this test is about is the model (tokenizer, template, log-probs); the
+# same cycle on PostgreSQL is test_cycle.py's, and a second run here cost 90 s of the suite
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, engine, bpe_base, topics,
                                                                   kafka_bootstrap, tmp_path):
     updates = f"t-{uuid.uuid4().hex[:8]}.model-updates"
