@@ -41,10 +41,15 @@ def demo(ctx: Context, cycles: int, task: str, naive_reward: bool, seed: int, ra
     from pipeline.core.logs import quiet_progress_bars
     from pipeline.demo.report import canary_line, headline, routing
     from pipeline.demo.run import run_demo
+    from pipeline.kafka_local import KafkaLocalError
 
     quiet_progress_bars()
-    report = run_demo(ctx.config.state_dir, ctx.config_path, cycles=cycles, naive=naive_reward, seed=seed, rate=rate,
-                      every=every, timeout_s=timeout_s, measure=measure, verbose=verbose, gateway=gateway, task=task)
+    try:
+        report = run_demo(ctx.config.state_dir, ctx.config_path, cycles=cycles, naive=naive_reward, seed=seed,
+                          rate=rate, every=every, timeout_s=timeout_s, measure=measure, verbose=verbose,
+                          gateway=gateway, task=task)
+    except KafkaLocalError as exc:  # a port taken, no Java: the message says what to do
+        raise click.ClickException(str(exc)) from None
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f", mean reward {v['reward_mean']:+.3f}"
         if task == "agent":
