@@ -171,37 +171,23 @@ def test_an_interaction_committed_late_with_a_smaller_id_is_not_settled_past(eng
 def test_a_role_that_may_not_lock_the_event_tables_gets_whole_history_runs(empty_db_url):
     """SHARE locks need more than SELECT on a table: a reward role that may only read the events
     runs as before incremental runs, over the whole history, and settles nothing."""
-    import uuid
-
-    from sqlalchemy.engine import make_url
-
     from pipeline.core.store import db as store_db
+    from tests.scratch_db import restricted_role
 
     if not empty_db_url.startswith("postgresql"):
         pytest.skip("a PostgreSQL privilege")
     store_db.upgrade(empty_db_url)
-    role = f"rtrl_reward_{uuid.uuid4().hex[:8]}"
     admin = store_db.make_engine(empty_db_url)
     store(admin, interaction(1), fb(1, kind="accepted"))
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        database = conn.exec_driver_sql("SELECT quote_ident(current_database())").scalar()
-        for sql in (f"CREATE ROLE {role} LOGIN PASSWORD 'x'", f"GRANT CONNECT ON DATABASE {database} TO {role}",
-                    f"GRANT USAGE ON SCHEMA public TO {role}", f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}",
-                    f"GRANT INSERT, UPDATE ON rewards, reward_progress TO {role}",
-                    f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"):
-            conn.exec_driver_sql(sql)
-    engine = store_db.make_engine(make_url(empty_db_url).set(username=role, password="x")
-                                  .render_as_string(hide_password=False))
-    try:
+    admin.dispose()
+    with restricted_role(empty_db_url, ["GRANT CONNECT ON DATABASE {database} TO {role}",
+                                        "GRANT USAGE ON SCHEMA public TO {role}",
+                                        "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}",
+                                        "GRANT INSERT, UPDATE ON rewards, reward_progress TO {role}",
+                                        "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"]) as engine:
         assert run_rewards(engine, SPEC, now=LATER).computed == 1
         assert run_rewards(engine, SPEC, now=LATER).unchanged == 1
         assert load_progress(engine, SPEC.version).settled_below == 0
-    finally:
-        engine.dispose()
-        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql(f"DROP OWNED BY {role}")
-            conn.exec_driver_sql(f"DROP ROLE {role}")
-        admin.dispose()
 
 
 # --- the differential test: incremental runs against runs over the whole history ----------------

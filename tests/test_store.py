@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
-from sqlalchemy.engine import make_url
 
 from ingest.batch import decode_records
 from ingest.decode import decode
@@ -23,6 +21,7 @@ from pipeline.core.store.tables import dead_letters, feedback, interactions, met
 from pipeline.core.types import SourcePosition
 from tests.factories import encode, interaction
 from tests.factories import feedback as fb
+from tests.scratch_db import restricted_role
 
 
 def _rows(evs: list[dict], letters: list[bytes] = (), source="t") -> Rows:
@@ -94,26 +93,13 @@ def test_a_role_that_may_not_create_temporary_tables_still_stores_batches(empty_
     if not empty_db_url.startswith("postgresql"):
         pytest.skip("a PostgreSQL privilege")
     store_db.upgrade(empty_db_url)
-    role = f"rtrl_ingest_{uuid.uuid4().hex[:8]}"
-    admin = store_db.make_engine(empty_db_url)
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        database = conn.exec_driver_sql("SELECT quote_ident(current_database())").scalar()
-        for sql in (f"CREATE ROLE {role} LOGIN PASSWORD 'x'", f"REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
-                    f"GRANT CONNECT ON DATABASE {database} TO {role}", f"GRANT USAGE ON SCHEMA public TO {role}",
-                    f"GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA public TO {role}",
-                    f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"):
-            conn.exec_driver_sql(sql)
-    engine = store_db.make_engine(make_url(empty_db_url).set(username=role, password="x")
-                                  .render_as_string(hide_password=False))
-    try:
+    with restricted_role(empty_db_url, ["REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
+                                        "GRANT CONNECT ON DATABASE {database} TO {role}",
+                                        "GRANT USAGE ON SCHEMA public TO {role}",
+                                        "GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA public TO {role}",
+                                        "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"]) as engine:
         assert write_rows(engine, _rows([fb(i) for i in range(5)])).inserted["feedback"] == 5
         assert write_rows(engine, _rows([fb(i) for i in range(7)])).inserted["feedback"] == 2
-    finally:
-        engine.dispose()
-        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql(f"DROP OWNED BY {role}")
-            conn.exec_driver_sql(f"DROP ROLE {role}")
-        admin.dispose()
 
 
 def _event_rows(engine):

@@ -120,19 +120,6 @@ def iter_episode_chunks(
     interactions of their requests, ascending), those episodes, `chunk` at a time.
     """
     where = interactions.c.request_id.in_(list(request_ids)) if request_ids is not None else true()
-    if ids is not None:
-        first_id, last_id = 0, 0  # not used: the chunks are cut from `ids`
-    elif span is not None:
-        first_id, last_id = span
-    else:
-        with engine.connect() as conn:
-            first_id, last_id = conn.execute(
-                select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
-            if served_since is not None and first_id is not None:
-                first_id = conn.scalar(select(func.min(interactions.c.id))
-                                       .where(where, interactions.c.ts >= served_since))
-    if first_id is None:
-        return
     k, n = part
     earlier = interactions.alias("earlier")
     siblings = interactions.alias("siblings")
@@ -185,6 +172,17 @@ def iter_episode_chunks(
                 wanted = and_(interactions.c.id.in_(batch), stale if only_stale else true())
                 rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
             yield EpisodeChunk(rows, current=len(batch) - len(rows) if only_stale else 0)
+        return
+    if span is not None:
+        first_id, last_id = span
+    else:
+        with engine.connect() as conn:
+            first_id, last_id = conn.execute(
+                select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
+            if served_since is not None and first_id is not None:
+                first_id = conn.scalar(select(func.min(interactions.c.id))
+                                       .where(where, interactions.c.ts >= served_since))
+    if first_id is None:
         return
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
         # capped at the last id: an interaction that arrives between the two queries is the next run's
