@@ -3,6 +3,8 @@ without behaviour log-probs; checkpoints resume bit-for-bit; masks line up with 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -117,6 +119,24 @@ def test_pack_respects_the_token_budget_and_is_a_function_of_seed_and_epoch():
     assert sorted(i for b in batches for i in b) == list(range(8))
     assert all(max(lengths[i] for i in b) * len(b) <= 20 for b in batches)
     assert batches == pack(lengths, 20, 3, 0) and batches != pack(lengths, 20, 3, 1)
+
+
+def test_grouped_pack_pads_less_and_keeps_every_episode_once_per_epoch():
+    # an agent's calls: long tool calls and short answers, mixed
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(50, 60), rng.randint(8, 12)]) for _ in range(400)]
+    plain = pack(lengths, batch_tokens=256, seed=1, epoch=0)
+    grouped = pack(lengths, batch_tokens=256, seed=1, epoch=0, grouped=True)
+    assert sorted(i for b in grouped for i in b) == list(range(400))
+    assert all(max(lengths[i] for i in b) * len(b) <= 256 for b in grouped)
+
+    def padded(batches):
+        return sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    assert padded(grouped) < 0.75 * padded(plain)
+    assert grouped == pack(lengths, 256, 1, 0, grouped=True) != pack(lengths, 256, 1, 1, grouped=True)
+    # the micro-batches are shuffled again: not in length order, so steps alternate lengths
+    longest = [max(lengths[i] for i in b) for b in grouped]
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
 
 
 def test_missing_or_corrupt_adapter_is_a_model_error(base_model, tmp_path):

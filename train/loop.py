@@ -83,7 +83,7 @@ def plan_microbatches(lengths: list[int], cfg: TrainConfig, world: int = 1) -> l
     epoch = 0
     needed = cfg.max_steps * cfg.grad_accum * world if cfg.max_steps else None
     while epoch < cfg.epochs or (needed and len(plan) < needed):
-        plan += pack(lengths, cfg.batch_tokens, cfg.seed, epoch)
+        plan += pack(lengths, cfg.batch_tokens, cfg.seed, epoch, grouped=cfg.group_by_length)
         epoch += 1
     return plan[:needed] if needed else plan
 

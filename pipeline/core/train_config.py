@@ -28,6 +28,9 @@ class TrainConfig(_Section):
     epochs: int = Field(default=1, ge=1, le=1000, description="passes over the selected episodes")
     max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; default: all epochs")
     batch_tokens: int = Field(default=8192, ge=16, description="token budget of one micro-batch (padded)")
+    group_by_length: bool = Field(
+        default=True, description="fill each micro-batch with episodes of similar lengths (shuffled within windows "
+                                  "of 8 micro-batches): less padding where short and long episodes mix")
     grad_accum: int = Field(default=1, ge=1, le=1024, description="micro-batches per optimizer step (per process)")
     nproc: int = Field(
         default=1, ge=1, le=64,
