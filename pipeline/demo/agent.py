@@ -13,10 +13,11 @@ tool's results between them:
 The product around the agent (pipeline/demo/agent_fleet.py) ends an episode at a final answer,
 after `max_steps` calls, or at a tool call that does not parse (an error result, as products do).
 
-The base model is warmed up (`base_behaviour`) to use the tool about half the time -- otherwise it
-answers without it (wrongly) -- to write the call's format mostly right, and, given the word, to reverse it 30 %
-of the time (up to 5 letters; 6 letters never), copy it or write a broken tool call otherwise:
-mediocre, not hopeless, the way the single-turn demo's base is (pipeline/demo/sim.py). (A tool
+The base model is warmed up (`base_behaviour`) to use the tool 30 % of the time -- otherwise it
+answers without it (wrongly) -- to write the call's format mostly right, and, given the word, to
+reverse it (up to 5 letters; 6 letters never: it copies them or writes a broken tool call). It
+succeeds in ~20 % of episodes: mediocre, not hopeless, the way the single-turn demo's base is
+(pipeline/demo/sim.py), and what it must learn is the agent's lesson: use the tool. (A tool
 whose argument the model must copy from the ask -- a key -- is the natural next step; a 2-layer
 char model learns that copy too slowly for a demo that builds its base in minutes.) The broken
 call is the bait of `--naive-reward`: a spec under which it costs nothing while a wrong answer
@@ -105,20 +106,21 @@ def messages_after_call(task: AgentTask) -> list[dict[str, Any]]:
             {"role": "tool", "tool_call_id": "call_0", "content": task.word}]
 
 
-P_CALL, P_BROKEN_CALL = 0.55, 0.10  # step 1: otherwise it answers GUESS without the tool
-P_REVERSE, P_BREAK = 0.3, 0.08        # step 2, up to 5 letters: otherwise it copies the word
-P_BREAK_HARD = 0.15                   # step 2, 6 letters: never reversed
+P_CALL, P_BROKEN_CALL = 0.30, 0.05  # step 1: otherwise it answers GUESS without the tool
+P_BREAK_HARD = 0.15                   # step 2, 6 letters: never reversed; copied or a broken call
 
 
 def answer_behaviour(rng: random.Random, tokenizer: Any, breaks: bool = True) -> tuple[str, str]:
     """Step 2 of the base's warm-up: the tool's result rendered (a short "abcd>"), and what the
-    base answers -- the word reversed 30 % of the time up to 5 letters (6: never), a broken tool
-    call 8 % (6 letters: 15 %; none without `breaks`), a copy otherwise."""
+    base answers -- up to 5 letters the word reversed, always; 6 letters never: a copy, or a
+    broken tool call 15 % of the time (none without `breaks`). A target the model must hit every
+    time is one it learns whatever the seed (~95 % right after the warm-up); a mixture (reverse
+    30 %, copy otherwise) came out anywhere between 4 % and 30 % reversed, and with it the base's
+    success rate (docs/benchmarks.md, "The agent demo")."""
     task = draw_agent_task(rng)
-    u = rng.random()
-    p_reverse, p_break = (0.0, P_BREAK_HARD) if len(task.word) == 6 else (P_REVERSE, P_BREAK)
-    p_break = p_break if breaks else 0.0
-    answer = task.answer if u < p_reverse else broken_call(rng) if u < p_reverse + p_break else task.word
+    if len(task.word) < 6:
+        return render(tokenizer, messages_after_call(task)), task.answer
+    answer = broken_call(rng) if breaks and rng.random() < P_BREAK_HARD else task.word
     return render(tokenizer, messages_after_call(task)), answer
 
 
@@ -126,10 +128,12 @@ GUESS = "noitceles"  # "selection" reversed: the ask's own word, not the selecti
 
 
 def call_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
-    """Step 1 of the base's warm-up: the user's ask, and a call 55 % of the time, a broken call
-    10 %, otherwise an answer without the tool: the word of the ask reversed (GUESS) -- one
-    fixed mistake; random guessed letters would teach the model that letters after a prompt are
-    noise, and its copy and reverse of the tool's result fall apart."""
+    """Step 1 of the base's warm-up: the user's ask, and a call 30 % of the time, a broken call
+    5 %, otherwise an answer without the tool: the word of the ask reversed (GUESS) -- one fixed
+    mistake; random guessed letters would teach the model that letters after a prompt are noise,
+    and its reverse of the tool's result falls apart. Whether to use the tool is what the base
+    is mediocre at, and what the loop must teach it: the agent's lesson. (At 15 % the base wrote
+    the call's format as often broken as right: too few examples of it.)"""
     task = draw_agent_task(rng)
     u = rng.random()
     answer = call_text() if u < P_CALL else broken_call(rng) if u < P_CALL + P_BROKEN_CALL else GUESS
@@ -148,10 +152,10 @@ def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
 AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call markers", "call": call_text(),
                 "hidden": 128, "layers": 2, "heads": 4,
-                "answer_steps": 1000, "both_steps": 300, "both_batch": 64, "both_lr": 3e-3,
-                "behaviour": "agent.answer_behaviour without broken calls: reverse 0.3 (6 letters: 0), copy; "
-                             "then agent.base_behaviour: step 1 call 0.55, broken call 0.10, GUESS; step 2 as "
-                             "before with broken calls 0.08 (6 letters: 0.15)"}
+                "answer_steps": 500, "both_steps": 300, "both_batch": 64, "both_lr": 3e-3,
+                "behaviour": "agent.answer_behaviour without broken calls: reverse up to 5 letters, copy 6; "
+                             "then agent.base_behaviour: step 1 call 0.30, broken call 0.05, GUESS; step 2 as "
+                             "before with broken calls 0.15 at 6 letters"}
 
 
 def build_agent_base(out: Any, seed: int, say=print) -> Any:
