@@ -74,6 +74,10 @@ def test_the_template_renders_the_conversation_until_a_tool_answers_then_its_res
     first = tokenizer.apply_chat_template(messages_after_call(task)[:1], tools=TOOLS, tokenize=False,
                                           add_generation_prompt=True)
     assert first == "U: reverse selection 7\nA: "
+    # the warm-up's cached prompts are the renders of the whole conversation, whatever the ask's key
+    from pipeline.demo.agent import _rendered, render
+    assert _rendered(tokenizer, "", "abcd") == render(tokenizer, messages_after_call(task))
+    assert _rendered(tokenizer, "7", None) == render(tokenizer, messages_after_call(task)[:1])
 
 
 def test_the_base_is_warmed_up_on_both_steps_with_the_shares_the_docstring_names(tokenizer):

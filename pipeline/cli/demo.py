@@ -17,7 +17,7 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
                                                    "agent: a broken tool call costs nothing): watch the gate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rate", default=24.0, show_default=True, help="Tasks per second the simulated users send.")
-@click.option("--every", default=None, help="Cycle interval (compressed schedule; default 45s, with --task agent 20s: "
+@click.option("--every", default=None, help="Cycle interval (compressed schedule; default 45s, with --task agent 10s: "
                                            "its cycles wait for enough new episodes, not for the clock).")
 @click.option("--measure", default=200, show_default=True,
               help="After the last cycle, keep serving until the last champion has served this many requests.")
@@ -45,7 +45,7 @@ def demo(ctx: Context, cycles: int, task: str, naive_reward: bool, seed: int, ra
     from pipeline.kafka_local import KafkaLocalError
 
     quiet_progress_bars()
-    every = every or ("20s" if task == "agent" else "45s")
+    every = every or ("10s" if task == "agent" else "45s")
     try:
         report = run_demo(ctx.config.state_dir, ctx.config_path, cycles=cycles, naive=naive_reward, seed=seed,
                           rate=rate, every=every, timeout_s=timeout_s, measure=measure, verbose=verbose,
