@@ -51,7 +51,7 @@ TOOLS = [{"type": "function", "function": {
 # The toy's context window: a user turn as "U: ...", an assistant turn as "A: ..." (an earlier
 # tool call as name(arguments)) -- and once a tool has answered, only the latest result, as
 # "<result>>": what the agent needs to answer, and the single-turn demo's own prompt ("abcd>"),
-# so the copy and reverse the base learns there carry over (see build_agent_base). A char model
+# so the copy and reverse the base learns there carry over (see pipeline/demo/agent_base.py). A char model
 # pays for every character in warm-up, serving and training; agents that manage their context
 # keep less than the whole conversation too. The event keeps every message.
 AGENT_TEMPLATE = (
@@ -128,7 +128,7 @@ def answer_behaviour(rng: random.Random, tokenizer: Any, breaks: bool = True) ->
 GUESS = "noitceles"  # "selection" reversed: the ask's own word, not the selection's
 
 
-def call_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
+def call_behaviour(rng: random.Random, tokenizer: Any, p_call: float = P_CALL) -> tuple[str, str]:
     """Step 1 of the base's warm-up: the user's ask, and a call 30 % of the time, a broken call
     5 %, otherwise an answer without the tool: the word of the ask reversed (GUESS) -- one fixed
     mistake; random guessed letters would teach the model that letters after a prompt are noise,
@@ -137,13 +137,15 @@ def call_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
     the call's format as often broken as right: too few examples of it.)"""
     task = draw_agent_task(rng)
     u = rng.random()
-    answer = call_text() if u < P_CALL else broken_call(rng) if u < P_CALL + P_BROKEN_CALL else GUESS
+    answer = call_text() if u < p_call else broken_call(rng) if u < p_call + P_BROKEN_CALL else GUESS
     return _rendered(tokenizer, task.key, None), answer
 
 
-def base_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
+def base_behaviour(rng: random.Random, tokenizer: Any, p_call: float = P_CALL) -> tuple[str, str]:
     """A (rendered prompt, answer) pair of either step, half and half."""
-    return (call_behaviour if rng.random() < 0.5 else answer_behaviour)(rng, tokenizer)
+    if rng.random() < 0.5:
+        return call_behaviour(rng, tokenizer, p_call)
+    return answer_behaviour(rng, tokenizer)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -159,45 +161,3 @@ def _rendered(tokenizer: Any, key: str, word: str | None) -> str:
 def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     """The conversation as serving renders it, with the demo's tool offered."""
     return render_prompt(tokenizer, messages, TOOLS)
-
-
-AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call markers", "call": call_text(),
-                "hidden": 128, "layers": 2, "heads": 4,
-                "answer_steps": 500, "both_steps": 250, "both_batch": 64, "both_lr": 3e-3,
-                "behaviour": "agent.answer_behaviour without broken calls: reverse up to 5 letters, copy 6; "
-                             "then agent.base_behaviour: step 1 call 0.30, broken call 0.05, GUESS; step 2 as "
-                             "before with broken calls 0.15 at 6 letters"}
-
-
-def build_agent_base(out: Any, seed: int, say=print) -> Any:
-    """The agent demo's base model, built once per state folder (rebuilt when the recipe
-    changes), in two supervised phases: the answers to a tool's result first, without broken
-    calls (short sequences only: where a 2-layer model learns to copy and reverse cheaply), then
-    both steps (the calls are long, a fixed format; the answers stay in the mix, or the second
-    phase unlearns them)."""
-    import shutil
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from train.models import init_tiny
-    from train.warmup import warm_up
-
-    out = Path(out)
-    recipe = {**AGENT_RECIPE, "seed": seed}
-    marker = out / "rtrl_base_recipe.json"
-    if marker.is_file() and json.loads(marker.read_text()) == recipe:
-        return out
-    say(f"building the agent's base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width "
-        f"{recipe['hidden']}), {recipe['answer_steps']} + {recipe['both_steps']} supervised warm-up steps "
-        "(about two minutes, once per state folder)")
-    shutil.rmtree(out, ignore_errors=True)
-    init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
-              seed=seed, tool_markers=True)
-    (out / "chat_template.jinja").write_text(AGENT_TEMPLATE)  # where transformers reads a template from
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    warm_up(out, lambda rng: answer_behaviour(rng, tokenizer, breaks=False), steps=recipe["answer_steps"], seed=seed)
-    warm_up(out, lambda rng: base_behaviour(rng, tokenizer), steps=recipe["both_steps"], batch=recipe["both_batch"],
-            lr=recipe["both_lr"], seed=seed + 1)
-    marker.write_text(json.dumps(recipe, indent=2))
-    return out

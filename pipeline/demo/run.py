@@ -95,7 +95,7 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
     base = config.train.base_model
     if base == base_dir(state_dir, task):  # the demo's own; a base model the user set is used as it is
         if task == "agent":
-            from pipeline.demo.agent import build_agent_base
+            from pipeline.demo.agent_base import build_agent_base
 
             build_agent_base(base, seed, terminal.say)
         else:
