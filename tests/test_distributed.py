@@ -89,7 +89,10 @@ def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per
     a, b, s = _lora(one_dir), _lora(two_dir), _lora(start)
     assert a.keys() == b.keys() and any(not torch.equal(a[k], s[k]) for k in a)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+        # equal up to the order of float sums: one process adds four micro-batches' gradients, two
+        # add two each and average; AdamW divides by sqrt(v), so a coordinate with tiny gradients
+        # carries that noise into its update (3e-5 in one of 512 with micro-batches grouped by length)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
     held = json.loads((tmp_path / "job" / "memory.json").read_text())
     share = held["frozen_held"] / held["frozen_total"]  # of the base model's weights, in rank 0
     assert share == 1.0 if strategy == "ddp" else 0.45 < share < 0.55, held

@@ -15,8 +15,8 @@ after `max_steps` calls, or at a tool call that does not parse (an error result,
 
 The base model is warmed up (`base_behaviour`) to use the tool 30 % of the time -- otherwise it
 answers without it (wrongly) -- to write the call's format mostly right, and, given the word, to
-reverse it (up to 5 letters; 6 letters never: it copies them or writes a broken tool call). It
-succeeds in ~20 % of episodes: mediocre, not hopeless, the way the single-turn demo's base is
+reverse it (up to 5 letters; 6 letters never: it copies them or writes a broken tool call), then
+calibrated to succeed in 8-16 % of episodes (pipeline/demo/agent_base.py): mediocre, not hopeless, the way the single-turn demo's base is
 (pipeline/demo/sim.py), and what it must learn is the agent's lesson: use the tool. (A tool
 whose argument the model must copy from the ask -- a key -- is the natural next step; a 2-layer
 char model learns that copy too slowly for a demo that builds its base in minutes.) The broken
