@@ -40,7 +40,9 @@ class MicroBatch:
         return int(self.attention.sum())
 
 
-GROUP_WINDOW = 8  # micro-batches: mixing within a window keeps the steps' lengths apart, not their data
+# micro-batches' worth of episodes sorted together: most micro-batches then hold one kind of
+# episode, and which episodes meet in a step is still drawn anew each epoch
+GROUP_WINDOW = 8
 
 
 def pack(lengths: list[int], batch_tokens: int, seed: int, epoch: int, grouped: bool = False) -> list[list[int]]:

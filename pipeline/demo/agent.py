@@ -16,8 +16,9 @@ after `max_steps` calls, or at a tool call that does not parse (an error result,
 The base model is warmed up (`base_behaviour`) to use the tool 30 % of the time -- otherwise it
 answers without it (wrongly) -- to write the call's format mostly right, and, given the word, to
 reverse it (up to 5 letters; 6 letters never: it copies them or writes a broken tool call), then
-calibrated to succeed in 8-16 % of episodes (pipeline/demo/agent_base.py): mediocre, not hopeless, the way the single-turn demo's base is
-(pipeline/demo/sim.py), and what it must learn is the agent's lesson: use the tool. (A tool
+calibrated to succeed in 8-16 % of episodes (pipeline/demo/agent_base.py): mediocre, not
+hopeless, the way the single-turn demo's base is (pipeline/demo/sim.py), and what it must learn
+is the agent's lesson: use the tool. (A tool
 whose argument the model must copy from the ask -- a key -- is the natural next step; a 2-layer
 char model learns that copy too slowly for a demo that builds its base in minutes.) The broken
 call is the bait of `--naive-reward`: a spec under which it costs nothing while a wrong answer
@@ -51,9 +52,9 @@ TOOLS = [{"type": "function", "function": {
 # The toy's context window: a user turn as "U: ...", an assistant turn as "A: ..." (an earlier
 # tool call as name(arguments)) -- and once a tool has answered, only the latest result, as
 # "<result>>": what the agent needs to answer, and the single-turn demo's own prompt ("abcd>"),
-# so the copy and reverse the base learns there carry over (see pipeline/demo/agent_base.py). A char model
-# pays for every character in warm-up, serving and training; agents that manage their context
-# keep less than the whole conversation too. The event keeps every message.
+# so the reverse the base learns there carries over (pipeline/demo/agent_base.py). A char
+# model pays for every character in warm-up, serving and training; agents that manage their
+# context keep less than the whole conversation too. The event keeps every message.
 AGENT_TEMPLATE = (
     "{% set ns = namespace(start=0) %}"
     "{% for m in messages %}{% if m['role'] == 'tool' %}{% set ns.start = loop.index0 %}{% endif %}{% endfor %}"
