@@ -45,7 +45,10 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         "reward": {"spec": str(NAIVE_SPEC if naive else DEMO_SPEC)},
         "train": {"base_model": str(base_dir(state_dir, "reverse")), "learning_rate": 3e-3, "epochs": 6,
                   "batch_tokens": 2048, "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "seed": seed,
-                  "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000},
+                  "holdout_percent": 30.0, "staleness_s": 3600, "max_episodes": 4000,
+                  # single answers are within a few tokens of each other: grouping saves no padding
+                  # here, and the demo keeps the packing its recorded runs used (the agent's groups)
+                  "group_by_length": False},
         "gate": {"max_new_tokens": 8, "min_ess": 3, "max_kl": 3.0, "generate_prompts": 60, "eval_episodes": 400,
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
@@ -66,7 +69,7 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         # candidate broke; docs/benchmarks.md "The agent demo")
         # batch_tokens 2560: micro-batches grouped by length (train.group_by_length) take as many steps
         # as 4096 did mixed, in half the time
-        settings["train"].update(base_model=str(base_dir(state_dir, task)), max_seq_len=96, epochs=3,
+        settings["train"].update(base_model=str(base_dir(state_dir, task)), max_seq_len=96, epochs=3, group_by_length=True,
                                  max_episodes=800, batch_tokens=2560, learning_rate=1e-3, kl_coef=0.2)
         # mean_length: a policy that learns to answer after a call instead of calling again, or
         # the reverse, changes its mean answer length by design (a call is 28 tokens, an answer ~5)
