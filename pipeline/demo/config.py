@@ -70,7 +70,8 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         # batch_tokens 2560: micro-batches grouped by length (train.group_by_length) take as many steps
         # as 4096 did mixed, in half the time
         settings["train"].update(base_model=str(base_dir(state_dir, task)), max_seq_len=96, epochs=3,
-                                 group_by_length=True, max_episodes=800, batch_tokens=2560, learning_rate=1e-3, kl_coef=0.2)
+                                 group_by_length=True, max_episodes=800, batch_tokens=2560, learning_rate=1e-3,
+                                 kl_coef=0.2)
         # mean_length: a policy that learns to answer after a call instead of calling again, or
         # the reverse, changes its mean answer length by design (a call is 28 tokens, an answer ~5)
         settings["gate"].update(max_new_tokens=40, generate_prompts=40, eval_episodes=300, bounds={
