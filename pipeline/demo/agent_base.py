@@ -22,10 +22,9 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
 
 from pipeline.demo.agent import (AGENT_TEMPLATE, P_CALL, TOOLS, answer_behaviour, base_behaviour, call_text,
-                                 draw_agent_task, messages_after_call, render)
+                                 draw_agent_task, messages_after_call)
 
 TARGET = (0.08, 0.16)  # episode success of the base, as the fleet would measure it
 CALIBRATION_EPISODES, CALIBRATION_STEPS, CALIBRATION_ROUNDS, CALIBRATION_LR = 200, 15, 4, 1e-3
@@ -41,7 +40,7 @@ AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call
                                 "rounds": CALIBRATION_ROUNDS}}
 
 
-def build_agent_base(out: Any, seed: int, say=print) -> Path:
+def build_agent_base(out: str | Path, seed: int, say=print) -> Path:
     """Build (or keep, when its recipe is the same) the agent base in `out`; see the module
     docstring."""
     from transformers import AutoTokenizer
@@ -103,38 +102,18 @@ def calibrate(out: Path, seed: int, batch: int, lr: float, say=print) -> list[di
 
 def estimate_success(model_dir: Path, rng: random.Random, episodes: int) -> float:
     """The share of `episodes` sampled episodes whose answer is right: the first call sampled at
-    temperature 1; where it is a valid call, the tool's result sent back and the answer sampled.
-    (A second call in place of an answer counts as a failure: the fleet's third step is rare.)"""
-    import torch
-
+    temperature 1 (by train.inference, as serving samples); where it is a valid call, the tool's
+    result sent back and the answer sampled. (A second call in place of an answer counts as a
+    failure: the fleet's third step is rare.)"""
     from pipeline.core.chat import parse_tool_calls
-    from train.models import load_policy
+    from train.inference import PolicySet
 
-    policy = load_policy(model_dir, device="cpu")
-    model, tokenizer = policy.model.eval(), policy.tokenizer
-    torch.manual_seed(rng.randrange(1 << 30))
+    policies = PolicySet.load(model_dir, device="cpu")
+    seed = rng.randrange(1 << 30)
     tasks = [draw_agent_task(rng) for _ in range(episodes)]
-    firsts = _sample(model, tokenizer, [render(tokenizer, messages_after_call(t)[:1]) for t in tasks], 40)
-    called = [t for t, text in zip(tasks, firsts) if parse_tool_calls(text, TOOLS).valid]
-    answers = _sample(model, tokenizer, [render(tokenizer, messages_after_call(t)) for t in called], 12)
-    return sum(a.strip() == t.answer for t, a in zip(called, answers)) / episodes
-
-
-def _sample(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """Completions of `prompts`, sampled at temperature 1, batched by prompt length (no padding)."""
-    import torch
-
-    encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    out: list[str] = [""] * len(prompts)
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    for rows in by_length.values():
-        ids = torch.tensor([encoded[i] for i in rows])  # [b, L]
-        with torch.no_grad():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                       top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for i, row in zip(rows, generated):
-            out[i] = tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True)
-    return out
+    firsts = policies.generate(None, [messages_after_call(t)[:1] for t in tasks], max_new_tokens=40,
+                               temperature=1.0, seed=seed, batch_size=episodes, tools=TOOLS)
+    called = [t for t, g in zip(tasks, firsts) if parse_tool_calls(g.text, TOOLS).valid]
+    answers = policies.generate(None, [messages_after_call(t) for t in called], max_new_tokens=12,
+                                temperature=1.0, seed=seed + 1, batch_size=episodes, tools=TOOLS)
+    return sum(g.text.strip() == t.answer for t, g in zip(called, answers)) / episodes
