@@ -40,9 +40,9 @@ class EventSender:
         background thread once the broker is back, trying every `retry_s`; without, the send's
         error is the caller's. `write_ahead` (with a spool): every event goes to the spool first
         and the background thread sends it, in batches of in-flight records -- a call costs an
-        append instead of a broker round trip, and a process killed at any moment loses at most
-        the spool's last group-commit interval (the gateway: its events are off the answer's
-        path anyway)."""
+        append instead of a broker round trip, and a process killed at any moment loses nothing
+        it was given (only a machine that goes down loses the spool's last group-commit
+        interval): the gateway's way, which appends each answer's event before giving it."""
         self.access, self.topic, self.timeout_s = KafkaAccess.of(access), topic, timeout_s
         self.keys = (key,) if isinstance(key, str) else key
         self.producer: KafkaProducer | None = None  # connected on first use: a registry command

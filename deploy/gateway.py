@@ -18,9 +18,12 @@ For each request the gateway:
     3. asks the upstream for what training needs -- the sampled tokens' log-probs and ids
        (`logprobs`, vLLM's `return_tokens_as_token_ids`) -- and gives the client the answer in
        the shape it asked for (log-probs only if it asked, tokens as text unless it asked for ids)
-    4. after the answer (never in its path), sends the interaction event; a streamed answer's
-       when the stream ends (marked truncated if the client left first). Events wait in the
-       spool while Kafka is away (pipeline/core/spool.py).
+    4. appends the interaction event to the write-ahead spool (pipeline/core/spool.py) before
+       the client gets the answer's end -- a streamed answer's before its [DONE], marked
+       truncated if the client left first -- so that a gateway killed at any moment has kept the
+       event of every answer it gave. The append is a write to a file (the spool's fsyncs and
+       its sends to Kafka happen in its own threads), so the event loop never waits on the
+       broker; Kafka being away only makes the spool hold more.
 An upstream error reaches the client as the upstream gave it (a 502 or 504 with the reason when
 there was no answer at all), and no event is sent for a request that got no answer.
 
@@ -36,8 +39,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -83,9 +84,7 @@ class Gateway:
                               "nor the spool took it)", ["type", "outcome"], registry=self.metrics)
         self.unknown = Counter("rtrl_gateway_feedback_unknown_request", "Feedback for a request or episode id this "
                                "gateway did not answer (accepted: the join handles any order)", registry=self.metrics)
-        self.outbox: queue.Queue = queue.Queue()
         self.emit_interaction = emit_interaction
-        threading.Thread(target=self._send_loop, name="gateway-events", daemon=True).start()
 
     async def session(self) -> aiohttp.ClientSession:
         """The event loop's pooled connections to the upstream (one loop under uvicorn; a test
@@ -126,20 +125,16 @@ class Gateway:
         while len(self.recent) > 100_000:
             self.recent.popitem(last=False)
 
-    def send_later(self, build: Callable[[], InteractionEvent]) -> None:
-        """The event is built and sent off the answer's path, by the gateway's sender thread."""
-        self.outbox.put(build)
-
-    def _send_loop(self) -> None:
-        while True:
-            build = self.outbox.get()
-            try:
-                event = build().to_wire()
-            except Exception as exc:  # noqa: BLE001 - what the upstream answered breaks the contract
-                self.events.labels("interaction", "invalid").inc()
-                log.error("interaction event not built", extra={"error": f"{type(exc).__name__}: {exc}"})
-                continue
-            self._emit("interaction", self.emit_interaction, event)
+    def keep(self, build: Callable[[], InteractionEvent]) -> None:
+        """Build the event and hand it to the events' way out (the write-ahead spool: an append,
+        never a wait on the broker or an fsync) before the answer is given."""
+        try:
+            event = build().to_wire()
+        except Exception as exc:  # noqa: BLE001 - what the upstream answered breaks the contract
+            self.events.labels("interaction", "invalid").inc()
+            log.error("interaction event not built", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._emit("interaction", self.emit_interaction, event)
 
     def _emit(self, kind: str, emit: Emit | None, event: dict[str, Any]) -> None:
         if emit is None:

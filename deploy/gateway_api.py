@@ -6,6 +6,7 @@ interaction routes; /health and /metrics. See deploy/gateway.py for the whole de
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
@@ -113,7 +114,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 entries = [{"token": t, "logprob": v} for t, v in zip(lp.get("tokens") or [],
                                                                        lp.get("token_logprobs") or [])]
                 completion, calls = choice.get("text") or "", None
-            gw.send_later(lambda: event(request_id, served, request_body, headers, completion, calls, entries))
+            gw.keep(functools.partial(event, request_id, served, request_body, headers, completion, calls, entries))
             if not asked_logprobs:
                 choice.pop("logprobs", None)
             elif chat:
@@ -126,7 +127,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         """The upstream's chunks to the client, as asked; the event once the stream ends (a client
         that leaves cancels this generator: the upstream's connection is closed, which stops its
         generation, and the event is marked truncated)."""
-        text, calls, entries, done = [], {}, [], False
+        text, calls, entries, done, kept = [], {}, [], False, False
+
+        def keep(truncated: bool) -> None:
+            gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
+            gw.keep(lambda: event(request_id, version, body, headers, "".join(text),
+                                  [calls[k] for k in sorted(calls)], entries, truncated=truncated))
+
         try:
             async for line in answer.content:
                 if not line.startswith(b"data: "):
@@ -134,6 +141,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 payload = line[len(b"data: "):].strip()
                 if payload == b"[DONE]":
                     done = True
+                    keep(truncated=False)  # the event kept before the client hears the end
+                    kept = True
                     yield b"data: [DONE]\n\n"
                     break
                 chunk = orjson.loads(payload)
@@ -158,10 +167,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         finally:
             answer.close()
             gw.requests.labels("chat" if chat else "completions", "ok" if done else "disconnected").inc()
-            if entries or text:
-                gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
-                gw.send_later(lambda: event(request_id, version, body, headers, "".join(text),
-                                            [calls[k] for k in sorted(calls)], entries, truncated=not done))
+            if not kept and (entries or text):  # the client left (or the upstream stopped) first
+                keep(truncated=True)
 
     async def json_object(request: Request) -> dict[str, Any] | None:
         try:

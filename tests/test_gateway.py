@@ -42,7 +42,7 @@ def test_the_client_gets_what_it_asked_for_and_the_event_what_training_needs(thr
     client, gw, events, _, _, _ = through
     plain = client.chat.completions.create(model="policy", messages=ASK, max_tokens=6, seed=2, temperature=0.8)
     assert plain.choices[0].logprobs is None  # not asked for: removed
-    wait_for(lambda: events, 10, "the interaction event")
+    assert len(events) == 1  # kept before the answer was given, not after
     ev = events[0]
     assert ev["request_id"] == plain.id and ev["completion"] == plain.choices[0].message.content
     assert len(ev["completion_token_ids"]) == len(ev["behavior_logprobs"]) > 0
@@ -58,10 +58,20 @@ def test_a_stream_through_the_gateway_and_its_event_once_it_ends(through):
     chunks = list(client.chat.completions.create(model="policy", messages=ASK, max_tokens=8, seed=4, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
-    wait_for(lambda: events, 10, "the streamed answer's event")
+    assert len(events) == 1  # kept before the stream's [DONE]
     assert events[0]["completion"] == text and events[0]["request_id"] == chunks[0].id
     assert len(events[0]["completion_token_ids"]) == len(events[0]["behavior_logprobs"]) > 0
     assert "truncated" not in events[0]
+
+
+def test_each_of_n_choices_has_its_own_event_with_its_own_answer(through):
+    client, _, events, _, _, _ = through
+    answer = client.chat.completions.create(model="policy", messages=ASK, max_tokens=8, seed=3, n=3,
+                                            temperature=1.0)
+    assert len(answer.choices) == len(events) == 3
+    assert [e["completion"] for e in events] == [c.message.content for c in answer.choices]
+    assert len({e["event_id"] for e in events}) == 3
+    assert len({tuple(e["completion_token_ids"]) for e in events}) > 1  # (sampled: the three differ)
 
 
 def test_tool_calls_pass_through_and_reach_the_event(real):

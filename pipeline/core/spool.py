@@ -1,9 +1,10 @@
 """A local spool for events the broker did not acknowledge: nothing a producer accepted is lost
 while Kafka is away, and what waits is sent in order once it is back.
 
-    append   a record (topic, key, value) goes to the open segment file; a committer thread
-             flushes and fsyncs the segment every `commit_s` (group commit: a crash loses at most
-             the records of the last interval)
+    append   a record (topic, key, value) is written to the open segment file (the OS has it
+             once append returns: a process killed, kill -9 included, loses nothing appended); a
+             committer thread fsyncs the segment every `commit_s` (group commit: a machine that
+             goes down loses at most the records of the last interval)
     drain    the records, oldest first, to `send` (which returns once the broker acknowledged);
              the position reached is saved (fsynced) after each batch, a segment sent whole is
              deleted. A crash between a send and the saved position sends those records again:
@@ -98,6 +99,7 @@ class Spool:
             if self.file.tell() + len(record) > self.segment_bytes and self.file.tell() > 0:
                 self._roll()
             self.file.write(record)
+            self.file.flush()  # to the OS: a record in Python's buffer would die with the process
             self.bytes += len(record)
             self.dirty = True
 
@@ -119,10 +121,11 @@ class Spool:
         it that did arrive arrive again, duplicates ingest drops); the caller retries later."""
         sent = 0
         with self.lock:
-            self._flush()
-            if self.file.tell() > 0:
-                self._roll()  # the open segment is read from now on: appends go to a new one
+            full = self._swap() if self.file.tell() > 0 else None  # appends go to a new segment from now on
             segments = [s for s in self._segments() if s != self.segment]
+        if full is not None:  # (outside the lock: an append never waits on a disk flush)
+            _fsync_and_close(full)
+            _fsync_dir(self.dir)
         seg, off = self._position()
         for s in segments:
             start = off if s == seg else 0
@@ -172,21 +175,31 @@ class Spool:
     def _commit_loop(self) -> None:
         while not self.closed:
             time.sleep(self.commit_s)
-            with self.lock:
-                self._flush()
+            with self.lock:  # (the fsync on a file of its own: appends go on meanwhile)
+                fd = os.dup(self.file.fileno()) if self.dirty and not self.closed else None
+                self.dirty = False
+            if fd is not None:
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def _flush(self) -> None:
         if self.dirty and not self.closed:
-            self.file.flush()
             os.fsync(self.file.fileno())
             self.dirty = False
 
     def _roll(self) -> None:
-        self._flush()
-        self.file.close()
+        _fsync_and_close(self._swap())
+        _fsync_dir(self.dir)
+
+    def _swap(self):
+        """A new open segment; returns the last one's file, still to be fsynced and closed."""
+        full = self.file
         self.segment += 1
         self.file = open(self._path(self.segment), "ab")
-        _fsync_dir(self.dir)
+        self.dirty = False
+        return full
 
     def _segments(self) -> list[int]:
         return sorted(int(p.stem) for p in self.dir.glob("*.spool"))
@@ -219,6 +232,13 @@ class Spool:
             self.closed = True
             self.file.close()
             self.lockfile.close()  # releases the lock
+
+
+def _fsync_and_close(file) -> None:
+    try:
+        os.fsync(file.fileno())
+    finally:
+        file.close()
 
 
 def _fsync_dir(path: Path) -> None:
