@@ -4,10 +4,14 @@
                         policy's reward is estimated off-policy from the logged behaviour
                         log-probs (deploy/offpolicy.py), the improvement by a paired bootstrap
     KL                  KL(champion || candidate) per completion token on those episodes
-    generation          greedy outputs on a hash-chosen sample of the held-out prompts and on the
-                        regression suite (a policy's answers are reused from earlier cycles):
-                        canaries (abstention, length, repetition, tool-call format errors,
+    generation          greedy outputs on a hash-chosen sample of the held-out prompts (each
+                        rendered with the tools it was served with) and on the regression suite (a
+                        policy's answers are reused from earlier cycles): canaries (abstention,
+                        length, repetition, greedy tool-call format errors,
                         pipeline/core/textchecks.py) and the suite's checkers
+    tool calls          `gate.tool_samples` answers sampled at the serving temperature for each of
+                        those prompts that offered tools, the same draws for both policies: the
+                        share that write a malformed tool call (tool_format_error_rate)
     smoke               the candidate loads and generates; median latency per request
 
 The models come through a Runner (train.inference.PolicySet implements it; the orchestration
@@ -39,15 +43,16 @@ class Runner(Protocol):
 
     def add(self, name: str, adapter: Any) -> None: ...
 
-    def prompt_tokens(self, prompt: Any) -> int | None: ...
+    def prompt_tokens(self, prompt: Any, tools: list[dict] | None = None) -> int | None: ...
 
     def remove(self, name: str) -> None: ...
 
     def compare(self, p: str | None, q: str | None, episodes: list[Any],
                 max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]: ...
 
-    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64,
-                 batch_size: int = 1, reuse: bool = False) -> list[Any]: ...
+    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
+                 seed: int | None = None, batch_size: int = 1, reuse: bool = False,
+                 tools: list[dict] | None = None) -> list[Any]: ...
 
 
 @dataclass
@@ -66,23 +71,45 @@ class Evaluation:
                 "comparison": asdict(self.comparison), "episodes": self.episodes, "excluded": self.excluded}
 
 
+def broken_call(text: str, tools: list[dict] | None = None) -> bool:
+    """`text` writes a malformed tool call, as serving flags one (pipeline/core/chat.py: it does not
+    parse, names no tool offered, or its arguments break the tool's schema)."""
+    if "<tool_call>" in text:  # the chat template's convention (pipeline/core/chat.py)
+        return any(malformed_tool_call(c) for c in parse_tool_calls(text, tools).calls)
+    if text.lstrip().startswith("{"):  # a bare JSON call (models without a tool template)
+        try:
+            return malformed_tool_call(json.loads(text))
+        except ValueError:
+            return True
+    return False
+
+
 def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str, float]:
     n = max(len(texts), 1)
-    errors = 0
-    for t in texts:
-        if "<tool_call>" in t:  # the chat template's convention (pipeline/core/chat.py)
-            errors += any(malformed_tool_call(c) for c in parse_tool_calls(t).calls)
-        elif t.lstrip().startswith("{"):  # a bare JSON call (models without a tool template)
-            try:
-                errors += malformed_tool_call(json.loads(t))
-            except ValueError:
-                errors += 1
     return {
         "abstention_rate": sum(is_abstention(t, abstention_patterns) for t in texts) / n,
         "mean_length": sum(len(t) for t in texts) / n,
         "repetition_rate": sum(repeated_fraction(t, 3) > 0.5 for t in texts) / n,
-        "tool_format_error_rate": errors / n,
+        "greedy_tool_format_error_rate": sum(broken_call(t) for t in texts) / n,
     }
+
+
+def _generate(runner: Runner, name: str | None, episodes: list[LoggedEpisode], max_new_tokens: int,
+              temperature: float | None = 0.0, seed: int | None = None, reuse: bool = False,
+              batch_size: int = 64) -> list[Any]:
+    """One answer per episode's prompt, rendered with the tools it was served with; at
+    `temperature` (None: each episode's own, as it was served)."""
+    groups: dict[tuple[str, float], list[int]] = {}
+    for i, e in enumerate(episodes):
+        t = e.temperature if temperature is None else temperature
+        groups.setdefault((json.dumps(e.tools, sort_keys=True), t), []).append(i)
+    out: list[Any] = [None] * len(episodes)
+    for (_, t), idx in groups.items():
+        gens = runner.generate(name, [episodes[i].prompt for i in idx], max_new_tokens=max_new_tokens, temperature=t,
+                               seed=seed, batch_size=batch_size, reuse=reuse, tools=episodes[idx[0]].tools)
+        for i, g in zip(idx, gens):
+            out[i] = g
+    return out
 
 
 def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpisode]:
@@ -92,23 +119,32 @@ def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpiso
     return sorted(episodes, key=lambda e: hashlib.blake2b(e.request_id.encode(), digest_size=8).digest())[:n]
 
 
-def _generate_report(runner: Runner, name: str | None, label: str, prompts: list[Any], suite: Suite,
-                     patterns: tuple[str, ...], max_new_tokens: int,
+def _generate_report(runner: Runner, name: str | None, label: str, sample: list[LoggedEpisode], suite: Suite,
+                     patterns: tuple[str, ...], max_new_tokens: int, tool_samples: int, seed: int,
                      load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
     if load_error is not None:
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=load_error), {}
-    everything = prompts + [item.prompt for item in suite.items]
+    suite_items = [LoggedEpisode(item.id, item.prompt, "") for item in suite.items]
+    everything = sample + suite_items
+    # the tool-format canary: answers sampled as they would be served (each prompt's own
+    # temperature), `tool_samples` per held-out prompt that offered tools -- greedy answers stay
+    # well formed where sampled ones break. One seed for both policies: the same random draws,
+    # so that their difference is theirs and not the draws'
+    offered = [e for e in sample for _ in range(tool_samples) if e.tools]
     try:
         # the smoke check: a few requests one at a time, as serving would (their latency), then
         # the rest in batches (greedy: the same outputs, much faster)
-        smoke = runner.generate(name, everything[:3], max_new_tokens=max_new_tokens)
-        gens = smoke + runner.generate(name, everything[3:], max_new_tokens=max_new_tokens, batch_size=64,
-                                       reuse=True)
+        smoke = [g for e in everything[:3] for g in _generate(runner, name, [e], max_new_tokens, batch_size=1)]
+        gens = smoke + _generate(runner, name, everything[3:], max_new_tokens, reuse=True)
+        sampled = _generate(runner, name, offered, max_new_tokens, temperature=None, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
-    held, suite_out = gens[:len(prompts)], gens[len(prompts):]
+    held, suite_out = gens[:len(sample)], gens[len(sample):]
     outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
     metrics = canaries([g.text for g in held], patterns)
+    # (no prompt offered tools: no call can break)
+    metrics["tool_format_error_rate"] = sum(broken_call(g.text, e.tools) for e, g in zip(offered, sampled)) \
+        / max(len(offered), 1)
     metrics["smoke_latency_ms"] = statistics.median(g.latency_ms for g in smoke) if smoke else 0.0
     return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
 
@@ -131,7 +167,7 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     # smoke check (nor exhausts memory) for as long as it sits in the window
     usable_prompts = []
     for e in episodes:
-        n = runner.prompt_tokens(e.prompt)
+        n = runner.prompt_tokens(e.prompt, e.tools)
         if n is None:
             excluded["unrenderable_prompts"] += 1
         elif n == 0:  # nothing to generate from (a model cannot run on zero tokens)
@@ -141,12 +177,12 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         else:
             usable_prompts.append(e)
     episodes = usable_prompts
-    prompts = [e.prompt for e in generation_sample(episodes, generate_prompts)]
+    sample = generation_sample(episodes, generate_prompts)
     with watch("generate"):
-        cand_report, cand_out = _generate_report(runner, candidate, "candidate", prompts, suite, abstention_patterns,
-                                                 max_new_tokens, load_error)
-        champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", prompts,
-                                                   suite, abstention_patterns, max_new_tokens)
+        cand_report, cand_out = _generate_report(runner, candidate, "candidate", sample, suite, abstention_patterns,
+                                                 max_new_tokens, cfg.tool_samples, seed, load_error)
+        champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", sample,
+                                                   suite, abstention_patterns, max_new_tokens, cfg.tool_samples, seed)
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
     kl = float("nan")

@@ -119,6 +119,8 @@ class GateConfig(_Section):
     eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
     generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
     max_new_tokens: int = Field(default=64, ge=1, description="tokens each policy writes per canary prompt")
+    tool_samples: int = Field(default=4, ge=0, description="answers each policy samples at the serving temperature "
+                              "per canary prompt that offered tools: the tool-format canary (tool_format_error_rate)")
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
         default="base", description="with no champion: the base model (what serves until the first promotion) "
                                     "stands in for the champion in every check; or absolute bounds only; or refuse "
