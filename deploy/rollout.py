@@ -16,8 +16,9 @@ alias `canary`, the champion serving the rest, and the users' reactions decide:
         se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
         promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
     and the online tool-format canary, on the calls both sides served in the same period:
-        e  = errors_canary / calls_canary - errors_champion / calls_champion
-        refuse  iff  e - z(confidence) * se_e > max_tool_error_increase      (binomial se)
+        p  = (errors + 1) / (calls + 2) per side               (Agresti-Caffo: a side with no
+        e  = p_canary - p_champion                               broken call is not certain)
+        refuse  iff  e - z(confidence) * se_e > max_tool_error_increase      (binomial se of the p)
       (a reward spec blind to broken tool calls -- Cursor's first production reward hack --
       pays the canary that writes them; the users' rewards alone would promote it)
     no such data within max_wait: withdrawn, never promoted unmeasured
@@ -78,11 +79,16 @@ def decide(champion: Side, canary: Side, cfg: RolloutConfig,
 
 def tool_format_check(champion: Calls, canary: Calls, max_increase: float, z: float) -> Check:
     """The canary writes no more broken tool calls than the champion, beyond `max_increase` --
-    refused only when the lower bound of the increase is above it (noise does not refuse)."""
+    refused only when the lower bound of the increase is above it (noise does not refuse). The
+    bound is Agresti and Caffo's (2000): one broken and one good call added to each side before
+    the Wald interval, which keeps its coverage when a side has few or no broken calls -- the
+    plain Wald bound takes a champion with 0 broken of 90 calls as certain (its se 0), and refused
+    a canary with 6 of 130 (a demo run's v1)."""
     (n_a, e_a), (n_b, e_b) = champion, canary
     rate_a, rate_b = e_a / max(n_a, 1), e_b / max(n_b, 1)
-    se = math.sqrt(rate_a * (1 - rate_a) / max(n_a, 1) + rate_b * (1 - rate_b) / max(n_b, 1))
-    low = rate_b - rate_a - z * se
+    p_a, p_b = (e_a + 1) / (n_a + 2), (e_b + 1) / (n_b + 2)
+    se = math.sqrt(p_a * (1 - p_a) / (n_a + 2) + p_b * (1 - p_b) / (n_b + 2))
+    low = p_b - p_a - z * se
     passed = low <= max_increase
     return Check("online.tool_format_error_rate", passed,
                  f"online tool-call errors: canary {100 * rate_b:.1f} % of {n_b} calls vs champion "

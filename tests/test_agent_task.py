@@ -108,6 +108,10 @@ def test_the_online_tool_format_canary_refuses_a_canary_that_writes_broken_calls
     assert [c.name for c in failing] == ["online.tool_format_error_rate"] and "30.0 % of 300" in failing[0].detail
     assert rollout.decide(even, even, cfg, tool_calls=((300, 15), (300, 18))).passed  # noise is not refused
     assert rollout.decide(even, even, cfg, tool_calls=((300, 0), (300, 0))).passed  # no tools at all
+    # a champion with no broken call among few is not certain of its 0 % (a demo run's v1 was
+    # refused at 6 of 130 against 0 of 90 by the plain Wald bound); a clear increase still is refused
+    assert rollout.decide(even, even, cfg, tool_calls=((90, 0), (130, 6))).passed
+    assert not rollout.decide(even, even, cfg, tool_calls=((90, 0), (130, 20))).passed
     off = RolloutConfig(share=0.5, min_requests=60, margin=0.05, max_tool_error_increase=None)
     assert rollout.decide(even, even, off, tool_calls=((300, 15), (300, 90))).passed
 
