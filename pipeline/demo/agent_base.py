@@ -5,10 +5,11 @@ calibrated, so that every seed starts the demo from a base about as good.
                sequences: where a 2-layer model learns to reverse cheaply)
     phase 2    both_steps on both steps (agent.base_behaviour: the calls are long, a fixed format;
                the answers stay in the mix, or the phase unlearns them)
-    calibrate  sample CALIBRATION_EPISODES episodes the way the fleet plays them (temperature 1,
-               the tool's result sent back) and count the successes; outside TARGET, run
-               CALIBRATION_STEPS more steps of phase 2 with the share of calls scaled toward the
-               target, and measure again -- at most CALIBRATION_ROUNDS times
+    calibrate  sample CALIBRATION_EPISODES episodes the way the fleet plays them (at its
+               temperature, agent.TEMPERATURE; the tool's result sent back) and count the
+               successes; outside TARGET, run CALIBRATION_STEPS more steps of phase 2 with the
+               share of calls scaled toward the target, and measure again -- at most
+               CALIBRATION_ROUNDS times
 
 Why calibrate: what the warm-up teaches is a share (call the tool 30 % of the time), and the
 share a small model comes out with depends on its seed. Built by the same recipe, the seed-0
@@ -23,8 +24,8 @@ import random
 import shutil
 from pathlib import Path
 
-from pipeline.demo.agent import (AGENT_TEMPLATE, P_CALL, TOOLS, answer_behaviour, base_behaviour, call_text,
-                                 draw_agent_task, messages_after_call)
+from pipeline.demo.agent import (AGENT_TEMPLATE, P_CALL, TEMPERATURE, TOOLS, answer_behaviour, base_behaviour,
+                                 call_text, draw_agent_task, messages_after_call)
 
 TARGET = (0.08, 0.16)  # episode success of the base, as the fleet would measure it
 CALIBRATION_EPISODES, CALIBRATION_STEPS, CALIBRATION_ROUNDS, CALIBRATION_LR = 200, 15, 4, 1e-3
@@ -36,8 +37,8 @@ AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call
                 "behaviour": "agent.answer_behaviour without broken calls: reverse up to 5 letters, copy 6; "
                              "then agent.base_behaviour: step 1 call 0.30, broken call 0.05, GUESS; step 2 as "
                              "before with broken calls 0.15 at 6 letters",
-                "calibration": {"target": list(TARGET), "episodes": CALIBRATION_EPISODES, "steps": CALIBRATION_STEPS,
-                                "rounds": CALIBRATION_ROUNDS}}
+                "calibration": {"target": list(TARGET), "temperature": TEMPERATURE, "episodes": CALIBRATION_EPISODES,
+                                "steps": CALIBRATION_STEPS, "rounds": CALIBRATION_ROUNDS}}
 
 
 def build_agent_base(out: str | Path, seed: int, say=print) -> Path:
@@ -102,8 +103,8 @@ def calibrate(out: Path, seed: int, batch: int, lr: float, say=print) -> list[di
 
 def estimate_success(model_dir: Path, rng: random.Random, episodes: int) -> float:
     """The share of `episodes` sampled episodes whose answer is right: the first call sampled at
-    temperature 1 (by train.inference, as serving samples); where it is a valid call, the tool's
-    result sent back and the answer sampled. (A second call in place of an answer counts as a
+    the fleet's temperature (by train.inference, as serving samples); where it is a valid call,
+    the tool's result sent back and the answer sampled. (A second call in place of an answer counts as a
     failure: the fleet's third step is rare.)"""
     from pipeline.core.chat import parse_tool_calls
     from train.inference import PolicySet
@@ -112,8 +113,8 @@ def estimate_success(model_dir: Path, rng: random.Random, episodes: int) -> floa
     seed = rng.randrange(1 << 30)
     tasks = [draw_agent_task(rng) for _ in range(episodes)]
     firsts = policies.generate(None, [messages_after_call(t)[:1] for t in tasks], max_new_tokens=40,
-                               temperature=1.0, seed=seed, batch_size=episodes, tools=TOOLS)
+                               temperature=TEMPERATURE, seed=seed, batch_size=episodes, tools=TOOLS)
     called = [t for t, g in zip(tasks, firsts) if parse_tool_calls(g.text, TOOLS).valid]
     answers = policies.generate(None, [messages_after_call(t) for t in called], max_new_tokens=12,
-                                temperature=1.0, seed=seed + 1, batch_size=episodes, tools=TOOLS)
+                                temperature=TEMPERATURE, seed=seed + 1, batch_size=episodes, tools=TOOLS)
     return sum(g.text.strip() == t.answer for t, g in zip(called, answers)) / episodes

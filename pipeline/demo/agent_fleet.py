@@ -25,7 +25,7 @@ import uuid
 
 import requests
 
-from pipeline.demo.agent import MAX_STEPS, TOOLS, AgentTask, draw_agent_task
+from pipeline.demo.agent import MAX_STEPS, TEMPERATURE, TOOLS, AgentTask, draw_agent_task
 from pipeline.demo.sim import Fleet
 
 
@@ -79,7 +79,7 @@ class AgentFleet(Fleet):
             resp = session.post(f"{self.url}/v1/chat/completions", timeout=60, headers={
                 "X-Rtrl-Episode-Id": episode_id, "X-Rtrl-Step": str(step), "X-Session-Id": user,
                 "X-Tenant": self.tenant}, json={"model": "policy", "messages": messages, "tools": TOOLS,
-                                                "max_tokens": self.max_tokens, "temperature": 1.0,
+                                                "max_tokens": self.max_tokens, "temperature": TEMPERATURE,
                                                 "seed": self.rng.randrange(1 << 30)})
             resp.raise_for_status()
             body = resp.json()
