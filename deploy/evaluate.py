@@ -9,9 +9,13 @@
                         policy's answers are reused from earlier cycles): canaries (abstention,
                         length, repetition, greedy tool-call format errors,
                         pipeline/core/textchecks.py) and the suite's checkers
-    tool calls          `gate.tool_samples` answers sampled at the serving temperature for each of
-                        those prompts that offered tools, the same draws for both policies: the
-                        share that write a malformed tool call (tool_format_error_rate)
+    tool calls          answers sampled at the serving temperature, the same draws for both
+                        policies, to up to `gate.tool_prompts` held-out prompts that offered tools
+                        of each kind -- a task's first call, and a call after a tool's result --
+                        `gate.tool_samples` each: the share of each kind that write a malformed
+                        tool call (tool_format_error_rate, tool_format_error_rate_after_result).
+                        Apart, because a policy that learned to break its calls where it expects
+                        to fail does so at one kind of step, which the other's mass would hide
     smoke               the candidate loads and generates; median latency per request
 
 The models come through a Runner (train.inference.PolicySet implements it; the orchestration
@@ -119,32 +123,49 @@ def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpiso
     return sorted(episodes, key=lambda e: hashlib.blake2b(e.request_id.encode(), digest_size=8).digest())[:n]
 
 
+def after_result(prompt: Any) -> bool:
+    """The prompt's last message is a tool's result: the agent's call after a tool answered."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) \
+        and prompt[-1].get("role") == "tool"
+
+
+def tool_prompts(episodes: list[LoggedEpisode], per_kind: int) -> dict[str, list[LoggedEpisode]]:
+    """Up to `per_kind` held-out episodes that offered tools, of each kind (metric name ->
+    episodes), chosen by the hash generation_sample uses."""
+    offered = [e for e in episodes if e.tools]
+    return {"tool_format_error_rate": generation_sample([e for e in offered if not after_result(e.prompt)], per_kind),
+            "tool_format_error_rate_after_result": generation_sample([e for e in offered if after_result(e.prompt)],
+                                                                     per_kind)}
+
+
 def _generate_report(runner: Runner, name: str | None, label: str, sample: list[LoggedEpisode], suite: Suite,
-                     patterns: tuple[str, ...], max_new_tokens: int, tool_samples: int, seed: int,
+                     patterns: tuple[str, ...], max_new_tokens: int, tools: dict[str, list[LoggedEpisode]],
+                     tool_samples: int, seed: int,
                      load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
     if load_error is not None:
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=load_error), {}
     suite_items = [LoggedEpisode(item.id, item.prompt, "") for item in suite.items]
     everything = sample + suite_items
     # the tool-format canary: answers sampled as they would be served (each prompt's own
-    # temperature), `tool_samples` per held-out prompt that offered tools -- greedy answers stay
-    # well formed where sampled ones break. One seed for both policies: the same random draws,
-    # so that their difference is theirs and not the draws'
-    offered = [e for e in sample for _ in range(tool_samples) if e.tools]
+    # temperature), `tool_samples` per prompt -- greedy answers stay well formed where sampled
+    # ones break. One seed for both policies: the same random draws, so that their difference is
+    # theirs and not the draws'
+    offered = {metric: [e for e in episodes for _ in range(tool_samples)] for metric, episodes in tools.items()}
     try:
         # the smoke check: a few requests one at a time, as serving would (their latency), then
         # the rest in batches (greedy: the same outputs, much faster)
         smoke = [g for e in everything[:3] for g in _generate(runner, name, [e], max_new_tokens, batch_size=1)]
         gens = smoke + _generate(runner, name, everything[3:], max_new_tokens, reuse=True)
-        sampled = _generate(runner, name, offered, max_new_tokens, temperature=None, seed=seed)
+        sampled = {metric: _generate(runner, name, episodes, max_new_tokens, temperature=None, seed=seed)
+                   for metric, episodes in offered.items()}
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
     held, suite_out = gens[:len(sample)], gens[len(sample):]
     outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
     metrics = canaries([g.text for g in held], patterns)
-    # (no prompt offered tools: no call can break)
-    metrics["tool_format_error_rate"] = sum(broken_call(g.text, e.tools) for e, g in zip(offered, sampled)) \
-        / max(len(offered), 1)
+    for metric, episodes in offered.items():  # (no prompt of the kind: no call can break)
+        metrics[metric] = sum(broken_call(g.text, e.tools) for e, g in zip(episodes, sampled[metric])) \
+            / max(len(episodes), 1)
     metrics["smoke_latency_ms"] = statistics.median(g.latency_ms for g in smoke) if smoke else 0.0
     return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
 
@@ -177,12 +198,13 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         else:
             usable_prompts.append(e)
     episodes = usable_prompts
-    sample = generation_sample(episodes, generate_prompts)
+    sample, tools = generation_sample(episodes, generate_prompts), tool_prompts(episodes, cfg.tool_prompts)
     with watch("generate"):
         cand_report, cand_out = _generate_report(runner, candidate, "candidate", sample, suite, abstention_patterns,
-                                                 max_new_tokens, cfg.tool_samples, seed, load_error)
+                                                 max_new_tokens, tools, cfg.tool_samples, seed, load_error)
         champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", sample,
-                                                   suite, abstention_patterns, max_new_tokens, cfg.tool_samples, seed)
+                                                   suite, abstention_patterns, max_new_tokens, tools, cfg.tool_samples,
+                                                   seed)
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
     kl = float("nan")

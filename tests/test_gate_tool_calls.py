@@ -29,8 +29,8 @@ class Runner:
 
     names = {"cand"}
 
-    def __init__(self, champ_rate: float, cand_rate: float) -> None:
-        self.rates, self.asked = {None: champ_rate, "cand": cand_rate}, []
+    def __init__(self, champ_rate: float, cand_rate: float, after_result_only: bool = False) -> None:
+        self.rates, self.asked, self.after_result_only = {None: champ_rate, "cand": cand_rate}, [], after_result_only
 
     def add(self, name: str, adapter: Any) -> None: ...
 
@@ -45,8 +45,12 @@ class Runner:
         if temperature == 0.0:
             return [Generation(GOOD, [1], [-0.1], 1.0) for _ in prompts]
         draws = random.Random(seed)
-        return [Generation(BROKEN if draws.random() < self.rates[name] else GOOD, [1], [-0.1], 1.0)
-                for _ in prompts]
+        out = []
+        for p in prompts:
+            after = p[-1]["role"] == "tool"
+            rate = self.rates[name] if after or not self.after_result_only else self.rates[None]
+            out.append(Generation(BROKEN if draws.random() < rate else GOOD, [1], [-0.1], 1.0))
+        return out
 
     def compare(self, p, q, episodes, max_tokens=None):
         behaviour = [sum(e.behavior_logprobs) for e in episodes]
@@ -54,8 +58,12 @@ class Runner:
 
 
 def held_out(n: int = 200) -> list[LoggedEpisode]:
-    return [LoggedEpisode(f"r{i}", [{"role": "user", "content": f"reverse k{i}"}], GOOD, None, [-1.0, -1.0], 0.8,
-                          float(i % 2), tools=[LOOKUP]) for i in range(n)]
+    """First calls, and every fourth one a call after the tool's result."""
+    first = [{"role": "user", "content": "reverse the selection"}]
+    after = first + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "lookup", "arguments": '{"key": "k1"}'}}]}, {"role": "tool", "tool_call_id": "c", "content": "abc"}]
+    return [LoggedEpisode(f"r{i}", after if i % 4 == 0 else first, GOOD, None, [-1.0, -1.0], 0.8, float(i % 2),
+                          tools=[LOOKUP]) for i in range(n)]
 
 
 def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy_calls_are_well_formed():
@@ -66,12 +74,20 @@ def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy
     assert cand["greedy_tool_format_error_rate"] == champ["greedy_tool_format_error_rate"] == 0.0
     assert champ["tool_format_error_rate"] < 0.08 < 0.1 < cand["tool_format_error_rate"]
     sampled = [a for a in runner.asked if a[2] != 0.0]
-    assert [(a[1], a[2], a[3], a[4]) for a in sampled] == [(320, 0.8, 5, [LOOKUP])] * 2  # as served, same draws
+    # each kind of prompt (150 first calls, 50 after a result) up to tool_prompts = 64, 8 samples each
+    assert [(a[1], a[2], a[3], a[4]) for a in sampled] == [(512, 0.8, 5, [LOOKUP]), (400, 0.8, 5, [LOOKUP])] * 2
     assert all(a[4] == [LOOKUP] for a in runner.asked)  # greedy answers too see the tools they were served with
     decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, cfg)
     failing = [c for c in decision.checks if not c.passed]
-    assert {c.name for c in failing} == {"bound:tool_format_error_rate"}
+    assert {c.name for c in failing} == {"bound:tool_format_error_rate", "bound:tool_format_error_rate_after_result"}
     assert any("increase" in c.detail for c in failing)
+
+    # broken only after a tool's result (where the naive demo's policy breaks its calls: on the
+    # words it cannot reverse): a quarter of the calls, which the first calls' mass would hide
+    hidden = evaluate(Runner(0.04, 0.14, after_result_only=True), "cand", None, held_out(), EMPTY, cfg,
+                      generate_prompts=40, seed=5)
+    failing = [c for c in decide(hidden.candidate, hidden.champion, hidden.comparison, cfg).checks if not c.passed]
+    assert {c.name for c in failing} == {"bound:tool_format_error_rate_after_result"}
 
     same = evaluate(Runner(0.04, 0.04), "cand", None, held_out(), EMPTY, cfg, generate_prompts=40, seed=5)
     assert same.candidate.metrics["tool_format_error_rate"] == same.champion.metrics["tool_format_error_rate"]

@@ -97,6 +97,7 @@ def _default_bounds() -> dict[str, Bound]:
         "abstention_rate": Bound(max=0.3, max_increase=0.05),
         "repetition_rate": Bound(max=0.3, max_increase=0.05),
         "tool_format_error_rate": Bound(max=0.1, max_increase=0.02),
+        "tool_format_error_rate_after_result": Bound(max=0.1, max_increase=0.02),
         "mean_length": Bound(max_rel_increase=0.5, max_rel_decrease=0.5),
         "smoke_latency_ms": Bound(max_rel_increase=1.0),
     }
@@ -119,8 +120,11 @@ class GateConfig(_Section):
     eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
     generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
     max_new_tokens: int = Field(default=64, ge=1, description="tokens each policy writes per canary prompt")
+    tool_prompts: int = Field(default=64, ge=0, description="held-out prompts that offered tools, of each kind (a "
+                              "task's first call; a call after a tool's result), the tool-format canary samples")
     tool_samples: int = Field(default=4, ge=0, description="answers each policy samples at the serving temperature "
-                              "per canary prompt that offered tools: the tool-format canary (tool_format_error_rate)")
+                              "per such prompt: the tool-format canary (tool_format_error_rate, "
+                              "tool_format_error_rate_after_result)")
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
         default="base", description="with no champion: the base model (what serves until the first promotion) "
                                     "stands in for the champion in every check; or absolute bounds only; or refuse "

@@ -77,7 +77,8 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         settings["gate"].update(max_new_tokens=40, generate_prompts=40, eval_episodes=300, bounds={
             "smoke_latency_ms": {"max_rel_increase": 5.0},
             "mean_length": {"max_rel_increase": 5.0, "max_rel_decrease": 0.95},
-            "tool_format_error_rate": {"max": 0.3, "max_increase": 0.02}})
+            "tool_format_error_rate": {"max": 0.3, "max_increase": 0.02},
+            "tool_format_error_rate_after_result": {"max": 0.3, "max_increase": 0.02}})
         # the online check at 60 episodes a side: an episode's reward spreads ~0.8, so the 90 % bound
         # of a difference lies ~0.19 below it -- at a 0.05 margin a canary 0.08 better than the
         # champion would be withdrawn two times in three (seed 1: +0.079, withdrawn); 0.15 withdraws one
