@@ -33,13 +33,14 @@ def test_a_base_inside_the_target_is_left_as_it_is(calls):
     assert shares == []
 
 
-def test_a_base_too_good_is_taught_fewer_calls_until_inside_and_the_step_is_at_most_halving(calls):
+def test_a_base_too_good_is_taught_fewer_calls_at_most_halving_then_bisecting_until_inside(calls):
     measures, shares, out = calls
     measures += [0.34, 0.06, 0.15]
     said: list[str] = []
     rounds = agent_base.calibrate(out, 0, 64, 3e-3, say=said.append)
     assert [r["success"] for r in rounds] == [0.34, 0.06, 0.15]
-    assert shares == [pytest.approx(P_CALL / 2), pytest.approx(P_CALL)]  # 0.3 * 0.12 / 0.34 -> halved at most
+    # 0.3 * 0.12 / 0.34 -> halved at most; then between the two shares tried (bisection)
+    assert shares == [pytest.approx(P_CALL / 2), pytest.approx((P_CALL / 2 * P_CALL) ** 0.5)]
     assert "34 % -> 6 % -> 15 %" in said[0]
 
 

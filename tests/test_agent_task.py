@@ -95,8 +95,8 @@ def test_the_base_is_warmed_up_on_both_steps_with_the_shares_the_docstring_names
     step1 = kinds["call"] + kinds["broken"] + kinds["guess"]
     assert 0.25 < kinds["call"] / step1 < 0.35 and 0.03 < kinds["broken"] / step1 < 0.07
     step2 = kinds["reverse"] + kinds["copy"] + kinds["broken_after"]
-    # reversed up to 5 letters, never at 6 (a quarter of the words: copied, or a broken call 15 %)
-    assert 0.71 < kinds["reverse"] / step2 < 0.79 and 0.02 < kinds["broken_after"] / step2 < 0.06
+    # reversed up to 5 letters, never at 6 (a quarter of the words: copied, or a broken call 5 %)
+    assert 0.71 < kinds["reverse"] / step2 < 0.79 and 0.004 < kinds["broken_after"] / step2 < 0.025
 
 
 def test_the_online_tool_format_canary_refuses_a_canary_that_writes_broken_calls():

@@ -114,13 +114,16 @@ def messages_after_call(task: AgentTask) -> list[dict[str, Any]]:
 
 
 P_CALL, P_BROKEN_CALL = 0.30, 0.05  # step 1: otherwise it answers GUESS without the tool
-P_BREAK_HARD = 0.15                   # step 2, 6 letters: never reversed; copied or a broken call
+# step 2, 6 letters: never reversed; copied, or a broken call -- rarely: a base that breaks calls
+# after a tool's result more often than in its first call serves more broken calls per call as
+# soon as it uses the tool more, whatever the reward taught it
+P_BREAK_HARD = 0.05
 
 
 def answer_behaviour(rng: random.Random, tokenizer: Any, breaks: bool = True) -> tuple[str, str]:
     """Step 2 of the base's warm-up: the tool's result rendered (a short "abcd>"), and what the
     base answers -- up to 5 letters the word reversed, always; 6 letters never: a copy, or a
-    broken tool call 15 % of the time (none without `breaks`). A target the model must hit every
+    broken tool call 5 % of the time (none without `breaks`). A target the model must hit every
     time is one it learns whatever the seed (~95 % right after the warm-up); a mixture (reverse
     30 %, copy otherwise) came out anywhere between 4 % and 30 % reversed, and with it the base's
     success rate (docs/benchmarks.md, "The agent demo")."""
