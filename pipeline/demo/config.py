@@ -77,7 +77,10 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         settings["gate"].update(max_new_tokens=40, generate_prompts=40, eval_episodes=300, bounds={
             "smoke_latency_ms": {"max_rel_increase": 5.0},
             "mean_length": {"max_rel_increase": 5.0, "max_rel_decrease": 0.95},
-            "tool_format_error_rate": {"max": 0.3, "max_increase": 0.02},
+            # first calls: a policy that learns to use the tool writes more calls, and with them more
+            # broken ones at the base's ~4 % a call (0.02 refused every proper candidate of a seed-0
+            # run, +3 to +5 pp); after a tool's result a call is never right here: 0.02
+            "tool_format_error_rate": {"max": 0.3, "max_increase": 0.05},
             "tool_format_error_rate_after_result": {"max": 0.3, "max_increase": 0.02}})
         # the online check at 60 episodes a side: an episode's reward spreads ~0.8, so the 90 % bound
         # of a difference lies ~0.19 below it -- at a 0.05 margin a canary 0.08 better than the
