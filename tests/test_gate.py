@@ -94,8 +94,8 @@ def test_the_gate_promotes_only_a_candidate_that_passes_every_criterion(case, br
 
 def test_first_deployment_uses_absolute_limits_or_refuses():
     cfg = GateConfig(bounds={"abstention_rate": Bound(max=0.2, max_increase=0.01)})
-    metrics = {"abstention_rate": 0.1, "repetition_rate": 0.0, "tool_format_error_rate": 0.0, "mean_length": 40.0,
-               "smoke_latency_ms": 12.0}  # the default bounds cover these too
+    metrics = {"abstention_rate": 0.1, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,  # the default
+               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}  # bounds
     cand = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics=metrics, regression={"a": True})
     decision = decide(cand, None, None, cfg)
     assert decision.passed and decision.first_deployment
@@ -108,8 +108,8 @@ def test_first_deployment_uses_absolute_limits_or_refuses():
 
 def test_first_deployment_against_the_base_model_must_beat_it():
     cfg = GateConfig()
-    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0, "mean_length": 40.0,
-               "smoke_latency_ms": 12.0}
+    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,
+               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}
     cand = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics=metrics)
     base = EvalReport("base", Estimate(0.35, 0.3, 0.4), ess=400, metrics=dict(metrics))
     worse = decide(cand, base, Comparison(Estimate(-0.05, -0.1, 0.0), kl=0.1), cfg, first=True)
@@ -164,8 +164,8 @@ def test_a_candidate_that_moved_off_the_logged_completions_gets_no_credit_for_it
 
 def test_a_coverage_bound_rejects_a_candidate_the_log_covers_too_little_of():
     cfg = GateConfig(bounds={"coverage": Bound(min=0.8)})
-    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0, "mean_length": 40.0,
-               "smoke_latency_ms": 12.0}  # the default bounds cover these too
+    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,  # the default
+               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}  # bounds
     champion = EvalReport("1", Estimate(0.1, 0.0, 0.2), ess=200, metrics={**metrics, "coverage": 1.0})
     covered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.9})
     uncovered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.5})
