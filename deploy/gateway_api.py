@@ -127,7 +127,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         """The upstream's chunks to the client, as asked; the event once the stream ends (a client
         that leaves cancels this generator: the upstream's connection is closed, which stops its
         generation, and the event is marked truncated)."""
-        text, calls, entries, done, kept = [], {}, [], False, False
+        text, calls, entries, done = [], {}, [], False
 
         def keep(truncated: bool) -> None:
             gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
@@ -142,7 +142,6 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 if payload == b"[DONE]":
                     done = True
                     keep(truncated=False)  # the event kept before the client hears the end
-                    kept = True
                     yield b"data: [DONE]\n\n"
                     break
                 chunk = orjson.loads(payload)
@@ -167,7 +166,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         finally:
             answer.close()
             gw.requests.labels("chat" if chat else "completions", "ok" if done else "disconnected").inc()
-            if not kept and (entries or text):  # the client left (or the upstream stopped) first
+            if not done and (entries or text):  # the client left (or the upstream stopped) first
                 keep(truncated=True)
 
     async def json_object(request: Request) -> dict[str, Any] | None:
