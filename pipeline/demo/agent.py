@@ -150,6 +150,19 @@ def call_behaviour(rng: random.Random, tokenizer: Any, p_call: float = P_CALL) -
     return _rendered(tokenizer, task.key, None), answer
 
 
+def format_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
+    """A call's format alone: the ask rendered up to the agent's `<tool_call>` marker, and the rest
+    of the call -- broken as often as step 1 breaks its calls (P_BROKEN_CALL of P_CALL +
+    P_BROKEN_CALL). The marker is in the prompt, so the loss never touches whether to call, only
+    what follows the marker: a 2-layer model taught a new share of calls in a few steps moved its
+    first token faster than what it writes after it, and the seed-1 and seed-2 bases wrote
+    `<tool_call>oitceles` (the marker, then GUESS) in more than half their calls."""
+    task = draw_agent_task(rng)
+    call = broken_call(rng) if rng.random() < P_BROKEN_CALL / (P_CALL + P_BROKEN_CALL) else call_text()
+    marker = "<tool_call>"
+    return _rendered(tokenizer, task.key, None) + marker, call[len(marker):]
+
+
 def base_behaviour(rng: random.Random, tokenizer: Any, p_call: float = P_CALL) -> tuple[str, str]:
     """A (rendered prompt, answer) pair of either step, half and half."""
     if rng.random() < 0.5:
