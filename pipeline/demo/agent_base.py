@@ -129,6 +129,7 @@ def _share(model: Any, asks: Any, marker: int) -> Any:
 
 
 def call_share(model_dir: Path) -> float:
+    """The base's share of episodes that call the tool (_share), computed, not sampled."""
     from train.models import load_policy
 
     policy = load_policy(model_dir, device="cpu")
