@@ -15,7 +15,8 @@ alias `canary`, the champion serving the rest, and the users' reactions decide:
                                                          episode's calls averaged into one unit
         se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
         promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
-    and the online tool-format canary, on the calls both sides served in the same period:
+    and the online tool-format canary, on the calls both sides served in the same period (every
+    call, not only those that wrote a tool call: never fewer than the min_requests episodes):
         p  = (errors + 1) / (calls + 2) per side               (Agresti-Caffo: a side with no
         e  = p_canary - p_champion                               broken call is not certain)
         refuse  iff  e - z(confidence) * se_e > max_tool_error_increase      (binomial se of the p)
