@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from deploy.serve import Answer, PolicyServer, new_request_id
 from pipeline.core.chat import held_back
 from pipeline.core.types import Identifier
+
+log = logging.getLogger("rtrl.serve")
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -240,7 +243,9 @@ def create_app(server: PolicyServer) -> FastAPI:
                 result["answer"] = server.answer(prompt, req, request_headers, tools=tools, parse_tools=parse,
                                                  on_token=lambda t, lp: tokens.put((t, lp)), stop=stop,
                                                  send_event=False, request_id=result["id"])[0]
-            except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
+            except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk, and logged:
+                # the client may be gone already, and nothing else would say it failed
+                log.error("a streamed answer failed", extra={"request_id": result["id"], "error": repr(exc)})
                 result["error"] = exc
             tokens.put(None)
 
@@ -303,8 +308,8 @@ def create_app(server: PolicyServer) -> FastAPI:
                     if "answer" in result:
                         server.send_event(result["answer"], prompt, req, request_headers, tools,
                                           truncated=not finished)
-                    server.requests.labels("chat" if chat else "completions",
-                                           "ok" if finished else "disconnected").inc()
+                    outcome = "ok" if finished else "error" if "error" in result else "disconnected"
+                    server.requests.labels("chat" if chat else "completions", outcome).inc()
 
                 threading.Thread(target=send, name="stream-event", daemon=True).start()
 

@@ -43,11 +43,13 @@ class Scripted:
         ids = self.tokenizer(self.text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
         out = []
         for i, token in enumerate(ids):
-            if stop is not None and stop.is_set():
-                break
             out.append(token)
             if on_token is not None:
                 on_token(token, -0.5 - i / 100)
+            # after each token, as generate()'s stopping criteria: a client gone before the
+            # first token still gets one (and an empty answer here would end in an IndexError)
+            if stop is not None and stop.is_set():
+                break
             time.sleep(self.delay_s)
         stopped = out[-1] == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(out[:-1] if stopped else out)
@@ -154,3 +156,50 @@ def test_a_client_that_goes_away_mid_stream_stops_generation_and_its_event_is_ma
         http.stop()
     (event,) = sent
     assert event["truncated"] is True and len(event["completion_token_ids"]) < 201  # stopped early
+
+
+class LateStart(Scripted):
+    """A generation that starts only once the client has gone: the worker thread was slow to be
+    scheduled (the suite on two busy cores), and the chat stream's first chunk -- the role, sent
+    before any token -- was all the client read."""
+
+    def generate(self, *args, stop=None, **kwargs):
+        wait_for(lambda: stop.is_set(), 30, "the client to go away")
+        return super().generate(*args, stop=stop, **kwargs)
+
+
+def test_a_client_that_goes_away_before_the_first_token_still_gets_its_event_marked_truncated(real):
+    sent: list[dict] = []
+    server = PolicyServer(LateStart(real, "x" * 200), "policy", emit=sent.append)
+    http = InProcessServer(create_app(server))
+    try:
+        with requests.post(f"{http.url}/v1/chat/completions", stream=True, timeout=30,
+                           json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
+            assert next(response.iter_lines()).startswith(b"data: ")
+        wait_for(lambda: sent, 30, "the interaction event")
+    finally:
+        http.stop()
+    (event,) = sent
+    assert event["truncated"] is True and len(event["completion_token_ids"]) == 1
+
+
+class Failing(Scripted):
+    def generate(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+
+def test_a_streamed_answer_that_fails_says_so_to_the_client_the_log_and_the_metrics(real, caplog):
+    server = PolicyServer(Failing(real, ""), "policy", emit=lambda event: None)
+    http = TestClient(create_app(server))
+    with caplog.at_level("ERROR", logger="rtrl.serve"):
+        body = http.post("/v1/chat/completions", json={"messages": ASK, "stream": True}).text
+    assert "CUDA out of memory" in body and '"error"' in body
+    (record,) = [r for r in caplog.records if r.getMessage() == "a streamed answer failed"]
+    assert record.request_id.startswith("req-") and "CUDA out of memory" in record.error
+    # counted once the stream's event thread has seen the generation end
+    def counted() -> str | None:
+        metrics = http.get("/metrics").text
+        return metrics if 'outcome="error"} 1.0' in metrics else None
+
+    metrics = wait_for(counted, 30, "the failure counted")
+    assert 'outcome="disconnected"' not in metrics
