@@ -142,19 +142,24 @@ def test_a_streamed_tool_call_arrives_as_tool_call_deltas(real):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_client_that_goes_away_mid_stream_stops_generation_and_its_event_is_marked_truncated(real):
+def stream_and_leave(policy) -> dict:
+    """Serve `policy` on a real socket, read a streamed chat answer's first chunk and go away;
+    the one interaction event the server then sends."""
     sent: list[dict] = []
-    server = PolicyServer(Scripted(real, "x" * 200, delay_s=0.02), "policy", emit=sent.append)
-    http = InProcessServer(create_app(server))
+    http = InProcessServer(create_app(PolicyServer(policy, "policy", emit=sent.append)))
     try:
         with requests.post(f"{http.url}/v1/chat/completions", stream=True, timeout=30,
                            json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith(b"data: ")  # the first chunk arrived; then the client leaves
+            assert next(response.iter_lines()).startswith(b"data: ")  # the first chunk arrived; then the client leaves
         wait_for(lambda: sent, 30, "the interaction event")
     finally:
         http.stop()
     (event,) = sent
+    return event
+
+
+def test_a_client_that_goes_away_mid_stream_stops_generation_and_its_event_is_marked_truncated(real):
+    event = stream_and_leave(Scripted(real, "x" * 200, delay_s=0.02))
     assert event["truncated"] is True and len(event["completion_token_ids"]) < 201  # stopped early
 
 
@@ -169,17 +174,7 @@ class LateStart(Scripted):
 
 
 def test_a_client_that_goes_away_before_the_first_token_still_gets_its_event_marked_truncated(real):
-    sent: list[dict] = []
-    server = PolicyServer(LateStart(real, "x" * 200), "policy", emit=sent.append)
-    http = InProcessServer(create_app(server))
-    try:
-        with requests.post(f"{http.url}/v1/chat/completions", stream=True, timeout=30,
-                           json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
-            assert next(response.iter_lines()).startswith(b"data: ")
-        wait_for(lambda: sent, 30, "the interaction event")
-    finally:
-        http.stop()
-    (event,) = sent
+    event = stream_and_leave(LateStart(real, "x" * 200))
     assert event["truncated"] is True and len(event["completion_token_ids"]) == 1
 
 
@@ -196,8 +191,8 @@ def test_a_streamed_answer_that_fails_says_so_to_the_client_the_log_and_the_metr
     assert "CUDA out of memory" in body and '"error"' in body
     (record,) = [r for r in caplog.records if r.getMessage() == "a streamed answer failed"]
     assert record.request_id.startswith("req-") and "CUDA out of memory" in record.error
-    # counted once the stream's event thread has seen the generation end
-    def counted() -> str | None:
+
+    def counted() -> str | None:  # once the stream's event thread has seen the generation end
         metrics = http.get("/metrics").text
         return metrics if 'outcome="error"} 1.0' in metrics else None
 
