@@ -31,7 +31,9 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     # the session broker's state folder and port: with the override ignored, the demo would
     # start a second broker on 19092
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}, **local_kafka_env,
-           "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "OMP_NUM_THREADS": "1"}
+           "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "OMP_NUM_THREADS": "1",
+           # the demo's canary waits for 200 settled requests a side; one cycle here needs a decision, not its power
+           "RTRL_ROLLOUT__MIN_REQUESTS": "60"}
     # through `rtrl gateway` in front of `rtrl serve` (the plain demo is `make demo`'s): the gateway
     # captures every request and routes the canary's share
     done = rtrl(["demo", "--gateway", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"], env,
@@ -48,6 +50,7 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     settings = tomllib.loads((run_dir / "rtrl.toml").read_text())
     assert settings["kafka"]["port"] == int(local_kafka_env["RTRL_KAFKA__PORT"])
     assert settings["train"]["base_model"] == str(reverse_base)
+    assert settings["rollout"]["min_requests"] == 60
     assert '"logger"' in (run_dir / "demo.log").read_text()  # the structured logs went to the file
     assert (run_dir / "report" / "report.png").stat().st_size > 0
 
