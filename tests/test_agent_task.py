@@ -135,3 +135,16 @@ def test_episodes_and_tool_errors_per_version_from_the_store(engine):
     since = BASE_TS - timedelta(seconds=1)
     assert tool_call_errors(engine, ["base", "1"], since) == {"base": (2, 1), "1": (2, 0)}
     assert tool_call_errors(engine, ["1"], since, until=BASE_TS + timedelta(seconds=1.5)) == {"1": (1, 0)}
+
+
+def test_each_demo_sizes_its_canary_for_its_own_traffic(tmp_path):
+    """The agent demo's settings are the single-turn demo's with its own on top: a rollout size
+    it does not set is inherited. The single-turn fleet settles ~12 requests a second a side, the
+    agent fleet ~2 episodes, so 200 a side -- the single-turn canary's -- would hold each agent
+    canary ~100 s (a fresh run's five cycles past the ten minutes)."""
+    from pipeline.demo.config import demo_settings
+
+    single = demo_settings(tmp_path, tmp_path / "demo", False, "45s", 0, "t")["rollout"]
+    agent = demo_settings(tmp_path, tmp_path / "demo-agent", False, "45s", 0, "t", task="agent")["rollout"]
+    assert (single["min_requests"], single["margin"]) == (200, 0.05)
+    assert (agent["min_requests"], agent["margin"]) == (60, 0.15)

@@ -88,7 +88,7 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         # of a difference lies ~0.19 below it -- at a 0.05 margin a canary 0.08 better than the
         # champion would be withdrawn two times in three (seed 1: +0.079, withdrawn); 0.15 withdraws one
         # that is likely worse
-        settings["rollout"].update(max_tool_error_increase=0.02, margin=0.15)
+        settings["rollout"].update(max_tool_error_increase=0.02, margin=0.15, min_requests=60)
         # ~1.7 calls an episode at ~4 episodes/s: a cycle starts once 200 new calls are rewarded
         # (`--every` 10s only looks), so each trains on fresh data however long the last one took
         settings["cycle"]["min_new_episodes"] = 200
