@@ -56,7 +56,7 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         # of the requests until each side has 200 settled ones (~25 s at 24 tasks/s), then the
         # online comparison decides (the gate's off-policy estimate can be optimistic). A request's
         # reward spreads ~0.7, so at 200 a side the 90 % bound of a difference lies ~0.09 below it:
-        # a canary 10 pp of accepts better (+0.13) passes ~9 times in 10 (at 60-100 a side, 6 in 10)
+        # a canary 10 pp of accepts better (+0.13) passes ~9 times in 10 (at 60-100 a side, 5-6 in 10)
         "rollout": {"share": 0.5, "min_requests": 200, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
     }
