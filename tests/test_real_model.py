@@ -133,10 +133,9 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
             **cfg.model_dump(), "state_dir": tmp_path / "state",
             "mlflow": {"tracking_uri": tracking, "registered_model": name},
             "kafka": {**cfg.kafka.model_dump(), "model_updates_topic": updates},
-            # ~26 small steps, not 8 large ones: at lr 1e-2 and 2,048 tokens a micro-batch, Adam's 8
-            # near-sign steps moved the rewarded way in as few as 12 of 21 groups depending on the
-            # order the broker delivered the episodes in and the seed (a fresh clone's suite failed
-            # so; on that store, seeds 0 and 4 gave 12 and 14 of 21 at 1e-2, seeds 0, 1 and 4 21 of 21 here)
+            # ~26 small steps, not 8 large ones: Adam's few near-sign steps at lr 1e-2 moved the
+            # rewarded way in as few as 12 of 21 groups, depending on the order the broker delivered
+            # the episodes in and on the seed (docs/benchmarks.md, "twenty-fifth session")
             "train": {"base_model": bpe_base, "learning_rate": 3e-3, "epochs": 2, "batch_tokens": 512,
                       "max_seq_len": 256, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 20.0},
             # the mechanics are under test, not the bounds: a random model learns a parity rule on
