@@ -71,6 +71,17 @@ def test_advantages_group_relative_where_possible_batch_relative_otherwise():
     assert advantages([0.3], ["x"]).tolist() == [0.0]
 
 
+def test_unscaled_advantages_are_the_rewards_less_their_group_mean():
+    """Dr. GRPO's advantage (arXiv:2503.20783, eq. 3): R - mean(R) of the group, no std."""
+    rewards = [1.0, 0.0, 1.0, 0.5, -0.5, 0.2]
+    groups = ["p1", "p1", "p1", "p2", "p3", "p4"]
+    a = advantages(rewards, groups, scale=False)
+    torch.testing.assert_close(a, torch.tensor([1 / 3, -2 / 3, 1 / 3, 0.5 - 0.2 / 3, -0.5 - 0.2 / 3, 0.2 - 0.2 / 3]))
+    # an agent's episode still counts once in its group's mean
+    a = advantages([1.0, 0.5, 1.0, -1.0], ["task"] * 4, episodes=["A", "A", "A", "B"], scale=False)
+    torch.testing.assert_close(a, torch.tensor([1.0, 0.5, 1.0, -1.0]) - (2.5 / 3 - 1.0) / 2)
+
+
 def test_an_agent_episode_counts_once_in_its_task_s_baseline():
     """Two episodes of one task: A (3 calls, outcome +1) and B (1 call, outcome -1). By calls, A
     would set the baseline at +0.5; by episodes it is 0, and every call gets its episode's

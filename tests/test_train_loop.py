@@ -162,6 +162,20 @@ def test_every_loss_of_the_table_trains_in_the_loop(base_model, logged, loss, kl
     assert ("kl" in tracker.metrics[-1][1]) == (kl_coef > 0)
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+def test_dr_grpo_trains_on_advantages_not_divided_by_the_std(base_model, logged, loss):
+    """Dr. GRPO (arXiv:2503.20783, eq. 3) centres the rewards and stops there: with every episode
+    against the batch, a step's advantages spread exactly as its rewards do. GRPO divides by
+    the std, so its spread is not the rewards' (their std is ~0.5 here, not 1)."""
+    cfg = CFG.model_copy(update={"loss": loss, "advantage": "batch", "epochs": 1, "max_steps": 2,
+                                 "batch_tokens": 256})
+    *_, tracker = train(base_model, logged[0][:64], cfg)
+    spread = [(m["advantage_std"], m["reward_std"]) for _, m in tracker.metrics if "advantage_std" in m]
+    assert spread and all(r > 0.05 for _, r in spread)
+    unscaled = all(a == pytest.approx(r, abs=1e-5) for a, r in spread)
+    assert unscaled == (loss == "dr_grpo"), spread
+
+
 @pytest.mark.parametrize("loss", ["cispo", "grpo", "dr_grpo", "dapo", "kto"])
 def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     """One optimizer step over 8 episodes as one micro-batch of 8 and as four of 2: the same

@@ -15,7 +15,10 @@ correction is the identity.
 
 Advantages: group-relative (reward minus its task-group mean, over the group's std) where a
 task was sampled several times, batch-relative otherwise (GRPO, arXiv:2402.03300); the calls of
-an agent episode count once in their group's mean and std (see advantages()).
+an agent episode count once in their group's mean and std (see advantages()). Dr. GRPO
+(arXiv:2503.20783, eq. 3) keeps the difference from the mean and drops the division by the std:
+a group whose rewards barely differ would otherwise weigh as much as one whose rewards differ a
+lot (its "question-level difficulty bias"); `scale=False` (the loss table's `scale_advantages`).
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ def correct(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
 
 def advantages(rewards: Sequence[float], groups: Sequence[str],
                mode: Literal["auto", "group", "batch"] = "auto", eps: float = 1e-6,
-               episodes: Sequence[str | None] | None = None) -> torch.Tensor:
-    """[N] advantages. `groups` names each episode's task. `auto`: tasks sampled two or more
-    times are normalised within their group, single samples against the batch of single
+               episodes: Sequence[str | None] | None = None, scale: bool = True) -> torch.Tensor:
+    """[N] advantages (over their group's std unless `scale` is False). `groups` names each
+    episode's task. `auto`: tasks sampled two or more times are normalised within their group, single samples against the batch of single
     samples; `group`: single samples get 0; `batch`: everything against the batch.
 
     `episodes` names each item's agent episode (None: a call that is its own episode). The
@@ -103,7 +106,7 @@ def advantages(rewards: Sequence[float], groups: Sequence[str],
     unit = [e if e is not None else f"#{i}" for i, e in enumerate(episodes)] if episodes is not None else \
         [f"#{i}" for i in range(len(r))]
     if mode == "batch":
-        return _against_episodes(r, list(range(len(r))), unit, eps)
+        return _against_episodes(r, list(range(len(r))), unit, eps, scale)
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
@@ -111,20 +114,22 @@ def advantages(rewards: Sequence[float], groups: Sequence[str],
     singles: list[int] = []
     for idx in members.values():
         if len({unit[i] for i in idx}) > 1:
-            out[idx] = _against_episodes(r, idx, unit, eps)
+            out[idx] = _against_episodes(r, idx, unit, eps, scale)
         elif mode == "auto":
             singles.extend(idx)
     if singles:
-        out[singles] = _against_episodes(r, singles, unit, eps)
+        out[singles] = _against_episodes(r, singles, unit, eps, scale)
     return out
 
 
-def _against_episodes(r: torch.Tensor, idx: list[int], unit: list[str], eps: float) -> torch.Tensor:
-    """r[idx] against the mean and std of its episodes' mean rewards (one value per episode)."""
+def _against_episodes(r: torch.Tensor, idx: list[int], unit: list[str], eps: float, scale: bool) -> torch.Tensor:
+    """r[idx] against the mean (and, with `scale`, the std) of its episodes' mean rewards (one
+    value per episode)."""
     by_episode: dict[str, list[int]] = defaultdict(list)
     for i in idx:
         by_episode[unit[i]].append(i)
     if len(by_episode) < 2:
         return torch.zeros(len(idx))  # one episode has nothing to be compared with
     means = torch.stack([r[calls].mean() for calls in by_episode.values()])  # [episodes]
-    return (r[idx] - means.mean()) / (means.std(unbiased=False) + eps)
+    centred = r[idx] - means.mean()
+    return centred / (means.std(unbiased=False) + eps) if scale else centred

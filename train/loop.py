@@ -256,13 +256,14 @@ def train_policy(
     Under torch.distributed (train/distributed.py) `model` is the DistributedDataParallel
     wrapper and `replicas` says which rank this is; only the main rank logs and checkpoints."""
     device = next(model.parameters()).device.type
-    adv = advantages(rewards, groups, mode=cfg.advantage, episodes=[e.episode for e in episodes]).to(device)  # [N]
     reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # [N]
     sampling = SamplingRows.of(episodes, device)  # [N] each: what each episode was sampled with
     plan = plan_microbatches([len(e.input_ids) for e in episodes], cfg, replicas.world)
     per_step = cfg.grad_accum * replicas.world  # micro-batches of one optimizer step, over every replica
     total_steps = math.ceil(len(plan) / per_step)
     loss = get_loss(cfg.loss)
+    adv = advantages(rewards, groups, mode=cfg.advantage, episodes=[e.episode for e in episodes],
+                     scale=loss.scale_advantages).to(device)  # [N]
     loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes), loss)
     correction = correction_config(loss, cfg)
 

@@ -21,7 +21,8 @@ when it sampled, as logged in production -- so the data may be off-policy.
     grpo     DeepSeekMath, arXiv:2402.03300: PPO's clipped surrogate, mean over each
              sequence's tokens, then over sequences
     dr_grpo  "Understanding R1-Zero-Like Training", arXiv:2503.20783: the same surrogate
-             summed and divided by a constant (sequences x max completion length): no length bias
+             summed and divided by a constant (sequences x max completion length): no length
+             bias; its advantages are not divided by the group's std (no difficulty bias)
     dapo     DAPO, arXiv:2503.14476: the clipped surrogate (asymmetric eps), mean over all
              tokens of the step
     kto      KTO, arXiv:2402.01306, eq. (7): for binary feedback, a sigmoid of the sequence
@@ -141,6 +142,8 @@ class Loss:
     # the [train] key that bounds the importance weight from above: PPO's clip_high, or
     # CISPO's own cap (None: the loss takes no importance weight)
     upper_bound: Literal["clip_high", "cispo_weight_cap", None] = "clip_high"
+    # advantages divided by their group's std (GRPO); Dr. GRPO keeps them unscaled (importance.py)
+    scale_advantages: bool = True
 
 
 _SURROGATE = dict(per_token=clipped_surrogate_per_token, token_truncation=True, sequence_mask=True,
@@ -149,7 +152,7 @@ LOSSES: dict[str, Loss] = {
     "cispo": Loss(cispo_per_token, token_sum, count_tokens, token_truncation=False, sequence_mask=True,
                   reference=False, labels=False, kl="per_token", clip="weight_cap", upper_bound="cispo_weight_cap"),
     "grpo": Loss(aggregate=sequence_mean, count=count_sequences, **_SURROGATE),
-    "dr_grpo": Loss(aggregate=token_sum, count=count_sequence_slots, **_SURROGATE),
+    "dr_grpo": Loss(aggregate=token_sum, count=count_sequence_slots, scale_advantages=False, **_SURROGATE),
     "dapo": Loss(aggregate=token_sum, count=count_tokens, **_SURROGATE),
     "kto": Loss(kto_per_token, kto_aggregate, count_labelled, token_truncation=False, sequence_mask=False,
                 reference=True, labels=True, kl="separate", clip=None, upper_bound=None),
