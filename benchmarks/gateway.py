@@ -46,7 +46,7 @@ def _free_port() -> int:
 def _serve_upstream(port: int) -> None:
     import uvicorn
 
-    from tests.vllm_stub import instant_vllm_app
+    from tests.vllm_instant import instant_vllm_app
 
     uvicorn.run(instant_vllm_app(), host="127.0.0.1", port=port, log_level="error", access_log=False)
 
@@ -76,7 +76,7 @@ def _null_proxy_app(upstream: str):
     routing, no JSON, no event."""
     import aiohttp
 
-    from tests.vllm_stub import read_body
+    from tests.vllm_instant import read_body
 
     sessions: dict = {}
 

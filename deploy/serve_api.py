@@ -2,6 +2,7 @@
 
     POST /v1/completions        {"prompt", "max_tokens", "temperature", "top_p", "seed", "user", "n", "stream"}
     POST /v1/chat/completions   {"messages", "tools", "tool_choice", same sampling fields}
+    GET  /v1/models             the base model and the adapters served (vLLM's shape)
     GET  /health                the version being served (and the canary, if one is staged)
     GET  /metrics               Prometheus: requests, latency, swaps, events not delivered
 
@@ -41,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deploy.serve import Answer, PolicyServer, new_request_id
+from deploy.serve import BASE, Answer, PolicyServer, new_request_id
 from pipeline.core.chat import held_back
 from pipeline.core.types import Identifier
 
@@ -80,8 +81,18 @@ class _Sampling(BaseModel):
     # accepted only at the value that asks for nothing more than what is served
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's, as `rtrl gateway` sends it explicitly
+    min_p: float = 0.0
+    top_k: int = -1  # off: -1 or 0 (vLLM's conventions)
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("top_k")
+    @classmethod
+    def _no_top_k(cls, value: int) -> int:
+        if value > 0:
+            raise ValueError(f"top_k={value!r} is not supported by rtrl serve (only -1 or 0: off)")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _only_the_default(cls, value: Any, info: Any) -> Any:
         default = cls.model_fields[info.field_name].default
@@ -219,6 +230,16 @@ def create_app(server: PolicyServer) -> FastAPI:
                 "model": f"{server.model_name}:{answers[0].version}", "choices": choices,
                 "usage": usage(messages, req.tools, answers)}
         return JSONResponse(body, headers=headers(answers))
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        """What vLLM's /v1/models lists: the base model, and each adapter served by its versioned
+        name with the base as its `parent` (the official client and most tools call this first)."""
+        created = int(time.time())
+        card = {"object": "model", "created": created, "owned_by": "rtrl", "root": server.model_name}
+        versions = [v for v in (server.version, server.canary) if v is not None and v != BASE]
+        return {"object": "list", "data": [{"id": server.model_name, **card, "parent": None}] + [
+            {"id": f"{server.model_name}-v{v}", **card, "parent": server.model_name} for v in versions]}
 
     @app.get("/health")
     def health() -> dict[str, Any]:

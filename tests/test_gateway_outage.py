@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.conftest import REPO, InProcessServer, free_port, wait_for
-from tests.vllm_stub import instant_vllm_app
+from tests.vllm_instant import instant_vllm_app
 
 pytestmark = pytest.mark.kafka
 OUTAGE_S = 30.0
