@@ -14,24 +14,25 @@ For each request the gateway:
        takes the episode id from X-Rtrl-Episode-Id (the call's step from X-Rtrl-Step)
     2. routes it: `model` becomes the champion's LoRA name on the upstream (`<model>-v<version>`,
        as `rtrl serve --vllm` loads them), or the canary's for the canary's share of request ids;
-       it follows the registry through the model-update events
+       it follows the registry through the model-update events, and moves to a version only once
+       the upstream lists it in /v1/models (`reconcile`, every poll): vLLM loads an adapter after
+       the registry moved, and a name it has not loaded answers 404
     3. asks the upstream for what training needs -- the sampled tokens' log-probs and ids
-       (`logprobs`, vLLM's `return_tokens_as_token_ids`) -- and gives the client the answer in
-       the shape it asked for (log-probs only if it asked, tokens as text unless it asked for ids)
-    4. appends the interaction event to the write-ahead spool (pipeline/core/spool.py) before
-       the client gets the answer's end -- a streamed answer's before its [DONE], marked
-       truncated if the client left first -- so that a gateway killed at any moment has kept the
-       event of every answer it gave. The append is a write to a file (the spool's fsyncs and
-       its sends to Kafka happen in its own threads), so the event loop never waits on the
-       broker; Kafka being away only makes the spool hold more.
-An upstream error reaches the client as the upstream gave it (a 502 or 504 with the reason when
-there was no answer at all), and no event is sent for a request that got no answer.
+       (`logprobs`, vLLM's `return_tokens_as_token_ids`) -- with every sampling setting sent
+       explicitly (deploy/gateway_sampling.py: what sampled the tokens is what the event
+       records), and gives the client the answer in the shape it asked for
+    4. records each choice whole (deploy/gateway_record.py: its own request id, tool-call
+       fragments joined) and appends its interaction event to the write-ahead spool
+       (pipeline/core/spool.py) before the client gets the answer's end -- a streamed answer's
+       before its [DONE], marked truncated if the client left first or the upstream failed -- so
+       that a gateway killed at any moment has kept the event of every answer it gave. The append
+       is a write to a file (the spool's fsyncs and its sends to Kafka happen in its own threads),
+       so the event loop never waits on the broker; Kafka being away only makes the spool hold more.
+An upstream error before any answer reaches the client as the upstream gave it (a 502 or 504
+with the reason when there was no answer at all), and no event is sent for it.
 
-The vLLM fields relied on, as its OpenAI-compatible server defines them
-(vllm/entrypoints/openai/protocol.py, read at commit 0052bed3; the README says how far this
-was checked): `logprobs` (chat: true; completions: 0), `return_tokens_as_token_ids`, and in the
-answer `logprobs.content[].token` as "token_id:<id>", `.logprob`, `.bytes` (chat) and
-`logprobs.tokens` / `token_logprobs` (completions).
+The upstream's protocol is vLLM v0.34.0's OpenAI-compatible server, as tests/vllm_stub.py
+implements it from that release's source (and rtrl serve implements the same fields).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,8 +49,9 @@ from typing import Any
 
 import aiohttp
 import requests
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from deploy.gateway_sampling import PROBE_PROMPTS, PROBE_TEMPERATURES, LogprobsMode, classify_probe
 from deploy.rollout import routes_to_canary
 from pipeline.core.types import InteractionEvent, ModelUpdate
 
@@ -72,9 +76,13 @@ class Gateway:
         self.emit_feedback, self.default_tenant = emit_feedback, default_tenant
         self.http = requests.Session()  # /v1/models only: the completions go through session()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        # the routes taken (only to versions the upstream serves) and the registry's (wanted_*)
         self.champion: str | None = None
         self.canary: str | None = None
         self.canary_share = 0.0
+        self.wanted_champion: str | None = None
+        self.wanted_canary: tuple[str | None, float] = (None, 0.0)
+        self._lock = threading.Lock()
         # request and episode ids answered ("r:" / "e:" + id): feedback for others is counted
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.metrics = CollectorRegistry()
@@ -84,7 +92,38 @@ class Gateway:
                               "nor the spool took it)", ["type", "outcome"], registry=self.metrics)
         self.unknown = Counter("rtrl_gateway_feedback_unknown_request", "Feedback for a request or episode id this "
                                "gateway did not answer (accepted: the join handles any order)", registry=self.metrics)
+        self.routing_settled = Gauge("rtrl_gateway_routing_settled", "1 when routing is the registry's; 0 while "
+                                     "the upstream does not serve a version the registry moved to",
+                                     registry=self.metrics)
         self.emit_interaction = emit_interaction
+        # whether the upstream's log-probs are those of the distribution it sampled from
+        # (deploy/gateway_sampling.py): set by check_logprobs(), at start-up
+        self.logprobs_mode: LogprobsMode = "unknown"
+
+    def check_logprobs(self) -> LogprobsMode:
+        """Probe the upstream: a one-token completion of a few prompts at three temperatures,
+        on its base model (the first of /v1/models without a parent). "unknown" when it cannot
+        tell (the upstream away, every probe certain): events then keep their log-probs only
+        where raw and processed ones coincide."""
+        samples: list[list[tuple[object, float]]] = []
+        try:
+            listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
+            base = next((m["id"] for m in listed if not m.get("parent")), listed[0]["id"])
+            for prompt in PROBE_PROMPTS:
+                got = []
+                for temperature in PROBE_TEMPERATURES:
+                    body = {"model": base, "prompt": prompt, "max_tokens": 1, "temperature": temperature,
+                            "seed": 0, "logprobs": 0, "return_tokens_as_token_ids": True}
+                    answer = self.http.post(f"{self.upstream}/v1/completions", json=body, timeout=self.timeout_s)
+                    answer.raise_for_status()
+                    lp = answer.json()["choices"][0]["logprobs"]
+                    got.append((lp["tokens"][0], float(lp["token_logprobs"][0])))
+                samples.append(got)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves it unknown, said in the log
+            log.warning("the upstream's log-probs could not be probed", extra={
+                "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
+        self.logprobs_mode = classify_probe(samples)
+        return self.logprobs_mode
 
     async def session(self) -> aiohttp.ClientSession:
         """The event loop's pooled connections to the upstream (one loop under uvicorn; a test
@@ -101,13 +140,66 @@ class Gateway:
         return session
 
     def on_update(self, ev: ModelUpdate) -> None:
-        """A model-update event, read back from the registry (deploy/follow.py)."""
-        if ev.alias == "canary":
-            self.canary, self.canary_share = ev.version, ev.share if ev.version else 0.0
-        else:
-            self.champion = ev.version
-        log.info("routing updated", extra={"champion": self.champion, "canary": self.canary,
-                                            "share": self.canary_share})
+        """A model-update event, read back from the registry (deploy/follow.py): what to route to
+        once the upstream serves it."""
+        with self._lock:
+            if ev.alias == "canary":
+                self.wanted_canary = (ev.version, ev.share if ev.version else 0.0)
+            else:
+                self.wanted_champion = ev.version
+        self.reconcile()
+
+    def adapter(self, version: str) -> str:
+        return f"{self.model_name}-v{version}"
+
+    def reconcile(self) -> bool:
+        """Route to the registry's versions the upstream serves (listed by its /v1/models, as vLLM
+        lists the LoRA adapters it has loaded); a version it does not serve yet keeps the previous
+        route -- the champion before it, or no canary -- until a later call finds it. True when
+        routing is what the registry says. Called on each registry move and every poll_s."""
+        try:
+            listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
+            served = {m["id"] for m in listed if isinstance(m, dict)}
+        except Exception as exc:  # noqa: BLE001 - the upstream away or odd: routes stay, tried again
+            log.warning("the upstream's models not read; routing unchanged", extra={
+                "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
+            return False
+        with self._lock:
+            before = (self.champion, self.canary, self.canary_share)
+            wanted = self.wanted_champion
+            if wanted is None or self.adapter(wanted) in served:
+                self.champion = wanted
+            elif self.champion is not None and self.adapter(self.champion) not in served:
+                self.champion = None  # the previous one is gone too (an upstream restarted): the base
+            version, share = self.wanted_canary
+            if version is not None and self.adapter(version) in served and version != self.champion:
+                self.canary, self.canary_share = version, share
+            else:
+                self.canary, self.canary_share = None, 0.0
+            settled = self.champion == wanted and self.canary == (version if version != wanted else None)
+            after = (self.champion, self.canary, self.canary_share)
+        if after != before:
+            log.info("routing updated", extra={"champion": self.champion, "canary": self.canary,
+                                                "share": self.canary_share})
+        if not settled:
+            log.info("waiting for the upstream to serve the registry's version", extra={
+                "champion": wanted, "canary": version, "routed_champion": self.champion,
+                "routed_canary": self.canary})
+        self.routing_settled.set(1.0 if settled else 0.0)
+        return settled
+
+    def poll(self, interval_s: float, stop: threading.Event) -> threading.Thread:
+        """Reconcile every `interval_s` until `stop` (a thread of its own: the event loop never waits)."""
+        def run() -> None:
+            last_probe = time.monotonic()
+            while not stop.wait(interval_s):
+                self.reconcile()
+                if self.logprobs_mode == "unknown" and time.monotonic() - last_probe >= 30.0:
+                    last_probe = time.monotonic()  # the upstream was away at start-up: probe again
+                    self.check_logprobs()
+        thread = threading.Thread(target=run, name="gateway-routes", daemon=True)
+        thread.start()
+        return thread
 
     def route(self, key: str) -> tuple[str, str | None]:
         """(the version that answers, its model name on the upstream; None: the base, as asked);
@@ -116,7 +208,7 @@ class Gateway:
         version = self.champion
         if self.canary is not None and routes_to_canary(key, self.canary_share):
             version = self.canary
-        return (version, f"{self.model_name}-v{version}") if version else ("base", None)
+        return (version, self.adapter(version)) if version else ("base", None)
 
     def answered(self, request_id: str, episode_id: str | None) -> None:
         self.recent[f"r:{request_id}"] = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
@@ -19,16 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.gateway import Gateway, new_id
+from deploy.gateway_record import AnswerRecord, ChoiceRecord, token_id
+from deploy.gateway_sampling import logprobs_kept, upstream_sampling
 from deploy.serve import header_id, header_step
 from deploy.serve_api import ClosingStreamingResponse
 from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
 
-
-def _token_id(entry: dict[str, Any]) -> int | None:
-    token = entry.get("token")
-    if isinstance(token, str) and token.startswith("token_id:"):
-        return int(token.split(":", 1)[1])
-    return entry.get("token_id")
+log = logging.getLogger("rtrl.gateway")
 
 
 def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
@@ -39,33 +37,56 @@ def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
              else e.get("token")} for e in entries]
 
 
+def _error_frame(message: str, kind: str, code: int) -> bytes:
+    """A server-sent error, as vLLM writes one mid-stream (the openai client raises it)."""
+    return b"data: " + orjson.dumps({"error": {"message": message, "type": kind, "code": code}}) + b"\n\n"
+
+
 def create_gateway_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="rtrl gateway")
 
-    def event(request_id: str, version: str, body: dict[str, Any], headers: Any, completion: str,
-              tool_calls: list | None, entries: list[dict[str, Any]], truncated: bool = False) -> InteractionEvent:
-        ids = [_token_id(e) for e in entries]
+    def event(request_id: str, version: str, body: dict[str, Any], sent: dict[str, Any], headers: Any,
+              record: ChoiceRecord, group_id: str | None, error: dict[str, Any] | None = None,
+              truncated: bool = False) -> InteractionEvent:
+        entries = record.entries
+        ids = [token_id(e) for e in entries]
+        metadata: dict[str, Any] = {"server": "rtrl-gateway", "upstream": gw.upstream}
+        dropped = logprobs_kept(gw.logprobs_mode, body, sent)
+        if dropped is not None and entries:
+            metadata["behavior_logprobs_dropped"] = dropped
+        if error is not None:
+            metadata["upstream_error"] = str(error.get("message"))[:500]
         return InteractionEvent(
             schema_version=SCHEMA_VERSION, event_id=new_id("gw"), type="interaction",
             ts=datetime.now(timezone.utc), request_id=request_id,
             session_id=header_id(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
             tenant=header_id(headers, "x-tenant") or gw.default_tenant, policy_version=version,
-            prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=completion,
+            prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=record.completion,
             completion_token_ids=ids if entries and None not in ids else None,
-            behavior_logprobs=[e["logprob"] for e in entries] if entries else None,
-            sampling=Sampling(temperature=body.get("temperature", 1.0), top_p=body.get("top_p"),
-                              top_k=body.get("top_k"), max_tokens=body.get("max_tokens"), seed=body.get("seed")),
-            metadata={"server": "rtrl-gateway", "upstream": gw.upstream},
-            client_request_id=header_id(headers, "x-request-id"), tools=body.get("tools"),
-            tool_calls=tool_calls or None, episode_id=header_id(headers, "x-rtrl-episode-id"),
-            step=header_step(headers), truncated=truncated or None)
+            behavior_logprobs=[e["logprob"] for e in entries] if entries and dropped is None else None,
+            sampling=Sampling(temperature=sent["temperature"], top_p=sent["top_p"], top_k=sent["top_k"],
+                              max_tokens=body.get("max_tokens"), seed=body.get("seed")),
+            metadata=metadata, client_request_id=header_id(headers, "x-request-id"), tools=body.get("tools"),
+            tool_calls=record.tool_calls, group_id=group_id, episode_id=header_id(headers, "x-rtrl-episode-id"),
+            step=header_step(headers), truncated=truncated or error is not None or None)
 
-    async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool) -> Response:
+    def keep_all(answer: AnswerRecord, version: str, body: dict[str, Any], sent: dict[str, Any], headers: Any,
+                 truncated: bool = False) -> None:
+        """One event per choice, each under its own request id, kept before the answer's end is given."""
+        episode = header_id(headers, "x-rtrl-episode-id")
+        for request_id, record in answer.records():
+            gw.answered(request_id, episode)
+            gw.keep(functools.partial(event, request_id, version, body, sent, headers, record, answer.group_id,
+                                      answer.error, truncated))
+
+    async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool,
+                      retry: bool = True) -> Response:
         request_id = new_id("req")
         version, model = gw.route(header_id(headers, "x-rtrl-episode-id") or request_id)
         asked_logprobs = bool(request_body.get("logprobs"))
         asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
-        up = {**request_body, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}
+        sent = upstream_sampling(request_body)  # what sampled the tokens, sent and recorded
+        up = {**request_body, **sent, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}
         if model is not None:
             up["model"] = model
         stream = bool(request_body.get("stream"))
@@ -85,14 +106,21 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             gw.requests.labels(endpoint, "upstream_unreachable").inc()
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} is unreachable: {exc}",
                                            "type": "upstream_unreachable"}}, 502)
+        if answer.status == 404 and model is not None and retry:
+            # the adapter routed to is gone (unloaded before the last poll saw it): routes read
+            # anew, the request sent once more on them
+            answer.close()
+            await asyncio.to_thread(gw.reconcile)
+            return await forward(path, request_body, headers, chat, retry=False)
         if answer.status >= 400:  # the client gets the upstream's own error; no answer, no event
             gw.requests.labels(endpoint, "upstream_error").inc()
             async with answer:
                 return Response(await answer.read(), answer.status, media_type=answer.headers.get("content-type"))
         served = answer.headers.get("x-rtrl-policy-version") or version  # an rtrl serve upstream says
         out_headers = {"X-Request-Id": request_id, "X-Rtrl-Policy-Version": served}
+        record = AnswerRecord(request_id, lambda: new_id("req"))
         if stream:
-            return ClosingStreamingResponse(relay(answer, request_id, served, request_body, headers, chat,
+            return ClosingStreamingResponse(relay(answer, record, served, request_body, sent, headers, chat,
                                                   asked_logprobs, asked_ids),
                                             media_type="text/event-stream", headers=out_headers)
         try:
@@ -103,71 +131,69 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not finish its answer in "
                                                       f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
         gw.requests.labels(endpoint, "ok").inc()
-        gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
+        record.add_whole(data, chat)
+        keep_all(record, served, request_body, sent, headers)
         for choice in data.get("choices", []):
-            lp = choice.get("logprobs") or {}
-            if chat:
-                entries = lp.get("content") or []
-                message = choice.get("message") or {}
-                completion, calls = message.get("content") or "", message.get("tool_calls")
-            else:
-                entries = [{"token": t, "logprob": v} for t, v in zip(lp.get("tokens") or [],
-                                                                       lp.get("token_logprobs") or [])]
-                completion, calls = choice.get("text") or "", None
-            gw.keep(functools.partial(event, request_id, served, request_body, headers, completion, calls, entries))
+            if len(record.choices) > 1:
+                choice["request_id"] = record.id_of(choice.get("index", 0))  # as rtrl serve names them
             if not asked_logprobs:
                 choice.pop("logprobs", None)
             elif chat:
-                choice["logprobs"] = {"content": _as_asked(entries, asked_ids)}
+                choice["logprobs"] = {"content": _as_asked(record.choices[choice.get("index", 0)].entries, asked_ids)}
         data["id"] = request_id
         return Response(orjson.dumps(data), media_type="application/json", headers=out_headers)
 
-    async def relay(answer: aiohttp.ClientResponse, request_id: str, version: str, body: dict[str, Any],
-                    headers: Any, chat: bool, asked_logprobs: bool, asked_ids: bool) -> AsyncIterator[bytes]:
-        """The upstream's chunks to the client, as asked; the event once the stream ends (a client
+    async def relay(answer: aiohttp.ClientResponse, record: AnswerRecord, version: str, body: dict[str, Any],
+                    sent: dict[str, Any], headers: Any, chat: bool, asked_logprobs: bool,
+                    asked_ids: bool) -> AsyncIterator[bytes]:
+        """The upstream's chunks to the client, as asked; the events once the stream ends (a client
         that leaves cancels this generator: the upstream's connection is closed, which stops its
-        generation, and the event is marked truncated)."""
-        text, calls, entries, done = [], {}, [], False
-
-        def keep(truncated: bool) -> None:
-            gw.answered(request_id, header_id(headers, "x-rtrl-episode-id"))
-            gw.keep(lambda: event(request_id, version, body, headers, "".join(text),
-                                  [calls[k] for k in sorted(calls)], entries, truncated=truncated))
-
+        generation, and the events are marked truncated). An upstream that fails mid-stream --
+        an error frame, a cut connection, a chunk that is not JSON -- gives the client an error
+        frame, and the events say so."""
+        kept, endpoint = False, "chat" if chat else "completions"
         try:
-            async for line in answer.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[len(b"data: "):].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    keep(truncated=False)  # the event kept before the client hears the end
-                    yield b"data: [DONE]\n\n"
-                    break
-                chunk = orjson.loads(payload)
-                chunk["id"] = request_id
-                for choice in chunk.get("choices", []):
-                    lp = choice.get("logprobs") or {}
-                    if chat:
-                        delta = choice.get("delta") or {}
-                        text.append(delta.get("content") or "")
-                        for tc in delta.get("tool_calls") or ():
-                            calls.setdefault(tc.get("index", 0), tc)
-                        entries.extend(lp.get("content") or [])
-                    else:
-                        text.append(choice.get("text") or "")
-                        entries.extend({"token": t, "logprob": v} for t, v in zip(lp.get("tokens") or [],
-                                                                                  lp.get("token_logprobs") or []))
-                    if not asked_logprobs:
-                        choice.pop("logprobs", None)
-                    elif chat and lp.get("content"):
-                        choice["logprobs"] = {"content": _as_asked(lp["content"], asked_ids)}
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            try:
+                ended = False
+                async for line in answer.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[len(b"data: "):].strip()
+                    if payload == b"[DONE]":
+                        ended = True
+                        break
+                    chunk = orjson.loads(payload)
+                    record.add_chunk(chunk, chat)
+                    if record.error is not None:  # vLLM: an error frame, then [DONE]
+                        yield b"data: " + orjson.dumps({"error": record.error}) + b"\n\n"
+                        continue
+                    chunk["id"] = record.request_id
+                    for choice in chunk.get("choices", []):
+                        if choice.get("index", 0) > 0 or len(record.choices) > 1:
+                            choice["request_id"] = record.id_of(choice.get("index", 0))
+                        lp = choice.get("logprobs") or {}
+                        if not asked_logprobs:
+                            choice.pop("logprobs", None)
+                        elif chat and lp.get("content"):
+                            choice["logprobs"] = {"content": _as_asked(lp["content"], asked_ids)}
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                if not ended and record.error is None:
+                    record.error = {"message": f"the upstream {gw.upstream} ended the stream without [DONE]"}
+                    yield _error_frame(record.error["message"], "upstream_error", 502)
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+                record.error = {"message": f"the upstream {gw.upstream} failed mid-stream: {type(exc).__name__}"}
+                log.error("the upstream failed mid-stream", extra={"request_id": record.request_id,
+                                                                   "error": f"{type(exc).__name__}: {exc}"})
+                yield _error_frame(record.error["message"], "upstream_error", 502)
+            kept = True  # the events (marked when the upstream failed) before the client hears the end
+            keep_all(record, version, body, sent, headers)
+            yield b"data: [DONE]\n\n"
         finally:
             answer.close()
-            gw.requests.labels("chat" if chat else "completions", "ok" if done else "disconnected").inc()
-            if not done and (entries or text):  # the client left (or the upstream stopped) first
-                keep(truncated=True)
+            gw.requests.labels(endpoint, "upstream_error" if record.error is not None else
+                               "ok" if kept else "disconnected").inc()
+            if not kept and any(r.text or r.entries or r.calls for r in record.choices.values()):
+                keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
 
     async def json_object(request: Request) -> dict[str, Any] | None:
         try:

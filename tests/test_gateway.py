@@ -18,6 +18,7 @@ from deploy.serve_api import ChatRequest, create_app
 from pipeline.core.types import ModelUpdate
 from tests.conftest import InProcessServer, wait_for
 from tests.test_serve_agents import ASK, LOOKUP, Scripted
+from tests.vllm_stub import VllmStub
 from train.inference import PolicySet
 
 
@@ -32,6 +33,7 @@ def through(real):
     interactions, feedback = [], []
     upstream = InProcessServer(create_app(PolicyServer(real, "policy")))
     gw = Gateway(upstream.url, "policy", interactions.append, feedback.append)
+    assert gw.check_logprobs() == "processed"  # rtrl serve's are the sampled distribution's
     http = TestClient(create_gateway_app(gw))
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
     yield client, gw, interactions, feedback, upstream, http
@@ -48,7 +50,9 @@ def test_the_client_gets_what_it_asked_for_and_the_event_what_training_needs(thr
     assert len(ev["completion_token_ids"]) == len(ev["behavior_logprobs"]) > 0
     assert real.tokenizer.decode([t for t in ev["completion_token_ids"] if t != real.tokenizer.eos_token_id]) \
         == ev["completion"]
-    assert ev["sampling"] == {"temperature": 0.8, "max_tokens": 6, "seed": 2} and ev["policy_version"] == "base"
+    # what sampled the tokens, sent to the upstream explicitly and recorded
+    assert ev["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "max_tokens": 6, "seed": 2}
+    assert ev["policy_version"] == "base"
     asked = client.chat.completions.create(model="policy", messages=ASK, max_tokens=4, seed=2, logprobs=True)
     assert not any(e.token.startswith("token_id:") for e in asked.choices[0].logprobs.content)  # text, as asked
 
@@ -145,15 +149,21 @@ def test_an_upstream_error_or_absence_reaches_the_client_and_produces_no_event(t
 
 
 def test_routing_follows_the_champion_and_the_canary_s_share():
-    gw = Gateway("http://127.0.0.1:9", "m", None, None)
-    assert gw.route("req-1") == ("base", None)
-    gw.on_update(ModelUpdate("champion", "3", "runs:/a/adapter"))
-    gw.on_update(ModelUpdate("canary", "4", "runs:/b/adapter", share=0.5))
-    routed = [gw.route(f"req-{i}") for i in range(400)]
-    assert {r for r in routed} == {("3", "m-v3"), ("4", "m-v4")}
-    assert 150 < sum(r[0] == "4" for r in routed) < 250
-    gw.on_update(ModelUpdate("canary", None))
-    assert gw.route("req-1") == ("3", "m-v3")
+    stub = VllmStub(base="base-model")
+    stub.loras = {"m-v3": "/adapters/3", "m-v4": "/adapters/4"}  # loaded: the upstream lists both
+    upstream = InProcessServer(stub.app)
+    try:
+        gw = Gateway(upstream.url, "m", None, None)
+        assert gw.route("req-1") == ("base", None)
+        gw.on_update(ModelUpdate("champion", "3", "runs:/a/adapter"))
+        gw.on_update(ModelUpdate("canary", "4", "runs:/b/adapter", share=0.5))
+        routed = [gw.route(f"req-{i}") for i in range(400)]
+        assert {r for r in routed} == {("3", "m-v3"), ("4", "m-v4")}
+        assert 150 < sum(r[0] == "4" for r in routed) < 250
+        gw.on_update(ModelUpdate("canary", None))
+        assert gw.route("req-1") == ("3", "m-v3")
+    finally:
+        upstream.stop()
 
 
 def test_rtrl_serve_behind_a_gateway_answers_with_the_version_the_model_names(real):
@@ -199,7 +209,8 @@ def test_vllm_s_fields_as_its_server_gives_them():
     try:
         events: list[dict] = []
         gw = Gateway(f"http://127.0.0.1:{httpd.server_port}", "rtrl-policy", events.append, None)
-        gw.on_update(ModelUpdate("champion", "3", "runs:/a/adapter"))
+        gw.champion = "3"  # routed (this stand-in has no /v1/models to say it serves the adapter)
+        gw.logprobs_mode = "processed"
         http = TestClient(create_gateway_app(gw))
         answer = http.post("/v1/chat/completions", json={"model": "my-model", "messages": ASK, "logprobs": True})
         body = answer.json()

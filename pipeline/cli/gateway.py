@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
@@ -14,8 +16,15 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_c
 @click.option("--port", default=8080, show_default=True)
 @click.option("--tenant", default="default", show_default=True, help="Tenant of requests without X-Tenant.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True, help="Seconds to wait for the upstream.")
+@click.option("--poll", "poll_s", default=2.0, show_default=True,
+              help="Seconds between reads of the upstream's /v1/models: a version the registry moved to is "
+                   "routed to once the upstream lists it.")
+@click.option("--allow-raw-logprobs", is_flag=True,
+              help="Start even when the upstream returns raw log-probs (vLLM's default): answers sampled at "
+                   "other than temperature 1 without top-k/top-p are then kept without their log-probs.")
 @pass_ctx
-def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, timeout_s: float) -> None:
+def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, timeout_s: float, poll_s: float,
+            allow_raw_logprobs: bool) -> None:
     """Proxy /v1/chat/completions, /v1/completions and /v1/models to UPSTREAM, routing each request
     to the registry's champion (or its canary's share) and sending an interaction event for every
     answer; POST /v1/feedback takes the application's outcomes. Events wait in a local spool
@@ -26,6 +35,7 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     from deploy.follow import Follower, current
     from deploy.gateway import Gateway
     from deploy.gateway_api import create_gateway_app
+    from deploy.gateway_sampling import LOGPROBS_FLAG
     from deploy.registry import Registry
     from pipeline.core.spool import Spool
 
@@ -49,11 +59,26 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
             gw.on_update(current(registry, alias))
     except Exception as exc:  # noqa: BLE001 - kafka errors
         raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
+    mode = gw.check_logprobs()
+    if mode == "raw" and not allow_raw_logprobs:
+        follower.close()
+        interactions.close()
+        feedback.close()
+        raise click.ClickException(
+            f"{upstream} returns raw log-probs (before temperature, top-k and top-p), not those of the "
+            f"distribution it samples from: training would weigh its answers wrongly. Start vLLM with "
+            f"{LOGPROBS_FLAG}, or pass --allow-raw-logprobs to keep such answers without their log-probs.")
+    if mode == "unknown":
+        click.echo(f"warning: could not tell whether {upstream} returns processed log-probs (probed again every "
+                   f"30 s); until then answers away from temperature 1 are kept without them", err=True)
     follower.start()
+    stop = threading.Event()
+    gw.poll(poll_s, stop)
     click.echo(f"rtrl gateway on http://{host}:{port} -> {upstream} (champion {gw.champion or 'base'})", err=True)
     try:
         uvicorn.run(create_gateway_app(gw), host=host, port=port, log_level="warning")
     finally:
+        stop.set()
         follower.close()
         interactions.close()
         feedback.close()
