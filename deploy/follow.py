@@ -5,7 +5,8 @@ An event is only a wake-up. What to serve is read from the registry (`current`),
 from the event: anyone who can write to the topic could otherwise make serving load any
 adapter, ungated, and an event delivered late (a repair after an outage, a replayed topic)
 would switch serving back to an older state. A registry that cannot be read when an event
-arrives is read again every `retry_s` until it answers. Versions must be plain registry ids
+arrives is read again every `retry_s` until it answers, and an update the caller fails to apply
+(vLLM refused the load, the download broke) is tried again, backing off to once a minute. Versions must be plain registry ids
 (digits): a version becomes a path component of the adapter's download folder.
 
 Used by the reference server (deploy/serve.py: load the new adapter, swap) and by the vLLM hook
@@ -53,6 +54,7 @@ class Follower:
         """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
         self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
         self.retry_s, self.stale, self.next_try = retry_s, set(), 0.0  # aliases to read again
+        self.failures = 0  # updates that failed in a row (the backoff's exponent)
         self.consumer = kafka_client.consumer(access, group_id=None, enable_auto_commit=False,
                                               consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
@@ -99,13 +101,20 @@ class Follower:
                 log.error("registry not read after a model-update event; trying again",
                           extra={"alias": alias, "retry_s": self.retry_s, "error": f"{type(exc).__name__}: {exc}"})
                 return
-            self.stale.discard(alias)
             try:
                 self.on_update(update)
             except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
-                log.error("model update not applied; still serving the previous version",
-                          extra={"alias": alias, "version": update.version,
-                                 "error": f"{type(exc).__name__}: {exc}"})
+                # tried again (the registry read anew) after a backoff that doubles up to 60 s: a
+                # load that failed once (vLLM busy, a download cut) must not leave serving on the
+                # previous version until the next move
+                self.failures = min(self.failures + 1, 6)
+                self.next_try = time.monotonic() + min(self.retry_s * 2 ** (self.failures - 1), 60.0)
+                log.error("model update not applied; still serving the previous version, trying again",
+                          extra={"alias": alias, "version": update.version, "retry_in_s":
+                                 round(self.next_try - time.monotonic(), 1), "error": f"{type(exc).__name__}: {exc}"})
+                return
+            self.stale.discard(alias)
+            self.failures = 0
 
     def close(self) -> None:
         self.stop.set()

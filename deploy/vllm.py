@@ -3,8 +3,12 @@
 On each model-update event the new adapter is downloaded from the registry, loaded on the vLLM
 server under a versioned name (`<model>-v<version>`, POST /v1/load_lora_adapter), and only then
 is the previous one unloaded (POST /v1/unload_lora_adapter): clients asking for the new name
-find it, clients still using the old name finish first. vLLM must run with
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora.
+find it, clients still using the old name finish first. A name vLLM lists already (GET /v1/models)
+is not loaded again: a restarted sync picks up where vLLM is. A load that fails raises, and the
+follower tries the update again with a backoff (deploy/follow.py). vLLM must run with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora, --max-loras of at least 3 (the champion,
+the canary and the one being loaded) and --max-lora-rank of at least train.lora_r; `rtrl gateway`
+routes to a name only once /v1/models lists it (docs/operations.md, "vLLM").
 
 Staged rollout: a canary's adapter is loaded the same way next to the champion's and unloaded
 when the canary is withdrawn (kept when it is promoted). vLLM does not split traffic: the
@@ -77,7 +81,21 @@ class VllmAdapterSync:
         if old is not None and old != self.current:
             self._unload(old)
 
+    def served(self) -> set[str]:
+        """The adapters vLLM lists now (GET /v1/models: loaded LoRAs have the base as `parent`)."""
+        try:
+            r = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
+            r.raise_for_status()
+            return {m["id"] for m in r.json()["data"] if m.get("parent")}
+        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            raise VllmError(f"vLLM at {self.base_url}: /v1/models not read: {exc}") from None
+
     def _load(self, name: str, adapter_uri: str) -> None:
+        """Load `name` unless vLLM has it already (a restarted sync: vLLM refuses to load a loaded
+        name with a 400, serving/lora's "has already been loaded")."""
+        if name in self.served():
+            log.info("vLLM has the adapter already", extra={"lora_name": name})
+            return
         path = self.fetch(adapter_uri, self.download_dir / name)
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 

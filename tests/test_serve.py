@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,8 @@ from pipeline.core.store import db as store_db
 from pipeline.core.store.deploys import record_decision
 from pipeline.core.types import LoggedEpisode, ModelUpdate
 from pipeline.kafka_local import ensure_topics
-from tests.conftest import ServeProcess, wait_for
+from tests.conftest import InProcessServer, ServeProcess, wait_for
+from tests.vllm_stub import VllmStub
 from train.inference import PolicySet
 from train.lora import attach_adapter, save_adapter
 from train.models import load_policy
@@ -190,55 +190,63 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         server.stop()
 
 
-class FakeVllm(BaseHTTPRequestHandler):
-    calls: list[tuple[str, dict]] = []
-
-    def do_POST(self):  # noqa: N802 - http.server's naming
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ok = self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and body.get("lora_name")
-        if self.path == "/v1/load_lora_adapter":
-            ok = ok and (Path(body["lora_path"]) / "adapter_config.json").is_file()
-        FakeVllm.calls.append((self.path, body))
-        self.send_response(200 if ok else 400)
-        self.end_headers()
-        self.wfile.write(b"Success" if ok else b"bad request")
-
-    def log_message(self, *args):
-        pass
-
-
 def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_path, kafka_bootstrap):
     r = registered
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    FakeVllm.calls = []
-    sync = VllmAdapterSync(f"http://127.0.0.1:{httpd.server_port}", r["name"], r["registry"].download, tmp_path / "dl")
+    vllm = VllmStub(base=r["name"])
+    upstream = InProcessServer(vllm.app)
+    sync = VllmAdapterSync(upstream.url, r["name"], r["registry"].download, tmp_path / "dl")
     follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
                         lambda alias: current(r["registry"], alias), aliases=("champion", "canary")).start()
+    calls = vllm.lora_calls
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
-        wait_for(lambda: len(FakeVllm.calls) >= 1, 30, "vLLM to load v1")
+        wait_for(lambda: len(calls) >= 1, 30, "vLLM to load v1")
         r["registry"].promote("2", actor="test", reason="second", force=True)
-        wait_for(lambda: len(FakeVllm.calls) >= 3, 30, "vLLM to load v2 and unload v1")
+        wait_for(lambda: len(calls) >= 3, 30, "vLLM to load v2 and unload v1")
         # a staged rollout: v1 as the canary is loaded next to v2, withdrawn (unloaded), staged
         # again and promoted (v2 unloaded; v1 is loaded already)
         record_decision(r["registry"].engine, r["name"], "1", "2", None, True, {"decision": {"checks": []}})
         r["registry"].stage("1", 0.1, actor="test", reason="canary")
-        wait_for(lambda: len(FakeVllm.calls) >= 4, 30, "vLLM to load the canary")
+        wait_for(lambda: len(calls) >= 4, 30, "vLLM to load the canary")
         r["registry"].unstage(actor="test", reason="withdrawn")
-        wait_for(lambda: len(FakeVllm.calls) >= 5, 30, "vLLM to unload the canary")
+        wait_for(lambda: len(calls) >= 5, 30, "vLLM to unload the canary")
         r["registry"].stage("1", 0.1, actor="test", reason="canary")
         r["registry"].promote("1", actor="test", reason="canary passed")
-        wait_for(lambda: len(FakeVllm.calls) >= 7, 30, "vLLM to unload v2")
+        wait_for(lambda: len(calls) >= 7, 30, "vLLM to unload v2")
+        name = r["name"]
+        load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+        assert calls == [(load, f"{name}-v1", 200), (load, f"{name}-v2", 200), (unload, f"{name}-v1", 200),
+                         (load, f"{name}-v1", 200), (unload, f"{name}-v1", 200), (load, f"{name}-v1", 200),
+                         (unload, f"{name}-v2", 200)]
+        assert sync.current == f"{name}-v1" and sync.canary is None and set(vllm.loras) == {f"{name}-v1"}
+        # a sync started again while vLLM holds the champion picks up where vLLM is: no load of a
+        # loaded name (vLLM refuses it with a 400), nothing unloaded
+        again = VllmAdapterSync(upstream.url, r["name"], r["registry"].download, tmp_path / "dl2")
+        again.on_update(current(r["registry"], "champion"))
+        assert again.current == f"{name}-v1" and len(calls) == 7
     finally:
         follower.close()
-        httpd.shutdown()
-    name = r["name"]
-    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-    assert [(path, body["lora_name"]) for path, body in FakeVllm.calls] == [
-        (load, f"{name}-v1"), (load, f"{name}-v2"), (unload, f"{name}-v1"),
-        (load, f"{name}-v1"), (unload, f"{name}-v1"), (load, f"{name}-v1"), (unload, f"{name}-v2")]
-    assert sync.current == f"{name}-v1" and sync.canary is None
+        upstream.stop()
+
+
+def test_a_failed_adapter_load_is_tried_again_until_vllm_serves_it(registered, tmp_path, kafka_bootstrap):
+    """vLLM refuses the load (an engine error, 500) twice: the follower tries the update again,
+    backing off, and the champion is loaded on the third try -- not at the next registry move."""
+    r = registered
+    vllm = VllmStub(base=r["name"])
+    vllm.fail_loads = 2
+    upstream = InProcessServer(vllm.app)
+    sync = VllmAdapterSync(upstream.url, r["name"], r["registry"].download, tmp_path / "dl")
+    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
+                        lambda alias: current(r["registry"], alias), retry_s=0.2).start()
+    try:
+        r["registry"].promote("1", actor="test", reason="first", force=True)
+        wait_for(lambda: f"{r['name']}-v1" in vllm.loras, 30, "vLLM to load v1 after two refusals")
+        assert [status for _, _, status in vllm.lora_calls] == [500, 500, 200]
+        assert sync.current == f"{r['name']}-v1"
+    finally:
+        follower.close()
+        upstream.stop()
 
 
 def test_follower_serves_what_the_registry_says_not_what_an_event_says(registered, kafka_bootstrap):
@@ -268,6 +276,7 @@ def test_a_cleared_champion_alias_loads_nothing_into_vllm(tmp_path):
     calls: list[tuple[str, dict]] = []
     sync = VllmAdapterSync("http://127.0.0.1:9", "m", lambda uri, dst: dst, tmp_path)
     sync._post = lambda path, body: calls.append((path, body))
+    sync.served = lambda: set()
     sync.on_update(ModelUpdate("champion", "3", "runs:/r/adapter"))
     sync.on_update(ModelUpdate("champion", None))
     assert [body["lora_name"] for _, body in calls] == ["m-v3"] and sync.current == "m-v3"
