@@ -18,10 +18,11 @@ import threading
 from typing import Any
 
 from kafka import KafkaProducer
+from kafka import errors as kerrors
 
 from pipeline.core import kafka_client
 from pipeline.core.kafka_config import KafkaAccess
-from pipeline.core.spool import Spool
+from pipeline.core.spool import BatchRefused, Spool
 
 log = logging.getLogger("rtrl.events")
 
@@ -50,6 +51,7 @@ class EventSender:
         self.spool, self.retry_s, self.write_ahead = spool, retry_s, write_ahead and spool is not None
         self.wake, self.stopped = threading.Event(), threading.Event()
         self.failing = False  # the last drain failed: the broker is away
+        self.one_by_one = False  # a batch was refused for good: the next drain finds the record at fault
         self.drainer = threading.Thread(target=self._drain_loop, name="spool-drain", daemon=True) if spool else None
         if self.drainer is not None:
             self.drainer.start()
@@ -101,7 +103,16 @@ class EventSender:
             if self.stopped.is_set() or not self.spool.pending():
                 continue
             try:
-                sent = self.spool.drain(self._in_flight)
+                sent = self.spool.drain(self._in_flight, batch=1 if self.one_by_one else 500,
+                                        permanent=refused_for_good, on_set_aside=self._reset)
+                self.one_by_one = False
+            except BatchRefused as exc:  # one record of a batch is too large: find it, one at a time
+                self._reset()
+                self.one_by_one = True
+                self.wake.set()
+                log.warning("a batch was refused for good; sending one record at a time to set aside the one "
+                            "at fault", extra={"topic": self.topic, "error": str(exc)})
+                continue
                 if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
                     log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
                 self.failing = False
@@ -123,6 +134,13 @@ class EventSender:
             self.spool.close()
         if self.producer is not None:
             self.producer.close()
+
+
+def refused_for_good(exc: Exception) -> bool:
+    """The broker (or the producer before it) will never take this record, however often it is
+    sent: larger than max_request_size / the topic's max.message.bytes, or invalid."""
+    return isinstance(exc, (kerrors.MessageSizeTooLargeError, kerrors.RecordListTooLargeError,
+                            kerrors.InvalidRecordError))
 
 
 class _Ack:

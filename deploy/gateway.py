@@ -71,9 +71,10 @@ class Gateway:
     """The routing state (champion, canary) and the events' way out."""
 
     def __init__(self, upstream: str, model_name: str, emit_interaction: Emit | None, emit_feedback: Emit | None,
-                 default_tenant: str = "default", timeout_s: float = 120.0) -> None:
+                 default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False) -> None:
+        """`blocking`: the events' spool blocks when full (spool.when_full = "block")."""
         self.upstream, self.model_name, self.timeout_s = upstream.rstrip("/"), model_name, timeout_s
-        self.emit_feedback, self.default_tenant = emit_feedback, default_tenant
+        self.emit_feedback, self.default_tenant, self.blocking = emit_feedback, default_tenant, blocking
         self.http = requests.Session()  # /v1/models only: the completions go through session()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         # the routes taken (only to versions the upstream serves) and the registry's (wanted_*)
@@ -217,7 +218,7 @@ class Gateway:
         while len(self.recent) > 100_000:
             self.recent.popitem(last=False)
 
-    def keep(self, build: Callable[[], InteractionEvent]) -> None:
+    async def keep(self, build: Callable[[], InteractionEvent]) -> None:
         """Build the event and hand it to the events' way out (the write-ahead spool: an append,
         never a wait on the broker or an fsync) before the answer is given."""
         try:
@@ -226,15 +227,23 @@ class Gateway:
             self.events.labels("interaction", "invalid").inc()
             log.error("interaction event not built", extra={"error": f"{type(exc).__name__}: {exc}"})
             return
-        self._emit("interaction", self.emit_interaction, event)
+        await self.emit("interaction", self.emit_interaction, event)
 
-    def _emit(self, kind: str, emit: Emit | None, event: dict[str, Any]) -> None:
+    async def emit(self, kind: str, emit: Emit | None, event: dict[str, Any]) -> bool:
+        """Whether the event was kept (False: a full spool refused it -- counted and logged). A
+        spool that blocks when full waits in a thread of its own: the event loop, /health
+        included, never waits for the broker to come back."""
         if emit is None:
-            return
+            return True
         try:
-            emit(event)
-            self.events.labels(kind, "sent").inc()
+            if self.blocking:
+                await asyncio.to_thread(emit, event)
+            else:
+                emit(event)
         except Exception as exc:  # noqa: BLE001 - a full spool: counted and logged, the gateway goes on
             self.events.labels(kind, "lost").inc()
             log.error("event not delivered", extra={"type": kind, "request_id": event.get("request_id"),
                                                     "error": f"{type(exc).__name__}: {exc}"})
+            return False
+        self.events.labels(kind, "sent").inc()
+        return True

@@ -70,13 +70,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             tool_calls=record.tool_calls, group_id=group_id, episode_id=header_id(headers, "x-rtrl-episode-id"),
             step=header_step(headers), truncated=truncated or error is not None or None)
 
-    def keep_all(answer: AnswerRecord, version: str, body: dict[str, Any], sent: dict[str, Any], headers: Any,
-                 truncated: bool = False) -> None:
+    async def keep_all(answer: AnswerRecord, version: str, body: dict[str, Any], sent: dict[str, Any],
+                       headers: Any, truncated: bool = False) -> None:
         """One event per choice, each under its own request id, kept before the answer's end is given."""
         episode = header_id(headers, "x-rtrl-episode-id")
         for request_id, record in answer.records():
             gw.answered(request_id, episode)
-            gw.keep(functools.partial(event, request_id, version, body, sent, headers, record, answer.group_id,
+            await gw.keep(functools.partial(event, request_id, version, body, sent, headers, record, answer.group_id,
                                       answer.error, truncated))
 
     async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool,
@@ -132,7 +132,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                                                       f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
         gw.requests.labels(endpoint, "ok").inc()
         record.add_whole(data, chat)
-        keep_all(record, served, request_body, sent, headers)
+        await keep_all(record, served, request_body, sent, headers)
         for choice in data.get("choices", []):
             if len(record.choices) > 1:
                 choice["request_id"] = record.id_of(choice.get("index", 0))  # as rtrl serve names them
@@ -186,14 +186,14 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                                                                    "error": f"{type(exc).__name__}: {exc}"})
                 yield _error_frame(record.error["message"], "upstream_error", 502)
             kept = True  # the events (marked when the upstream failed) before the client hears the end
-            keep_all(record, version, body, sent, headers)
+            await keep_all(record, version, body, sent, headers)
             yield b"data: [DONE]\n\n"
         finally:
             answer.close()
             gw.requests.labels(endpoint, "upstream_error" if record.error is not None else
                                "ok" if kept else "disconnected").inc()
             if not kept and any(r.text or r.entries or r.calls for r in record.choices.values()):
-                keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
+                await keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
 
     async def json_object(request: Request) -> dict[str, Any] | None:
         try:
@@ -227,6 +227,12 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
+    def not_kept() -> JSONResponse:
+        """Never a 2xx for an event that was not kept: the spool is full while Kafka is away."""
+        return JSONResponse({"error": {"message": "the gateway cannot keep the event now (its spool is full while "
+                                                  "Kafka is away): send it again later", "type": "unavailable"}},
+                            503, headers={"Retry-After": "30"})
+
     def refused(exc: ValidationError) -> Response:
         field, reason = first_violation(exc)
         return JSONResponse({"error": {"message": f"{field}: {reason}", "param": field}}, 422)
@@ -245,7 +251,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             return refused(exc)
         if (f"r:{ev.request_id}" if ev.request_id is not None else f"e:{ev.episode_id}") not in gw.recent:
             gw.unknown.inc()
-        gw._emit("feedback", gw.emit_feedback, ev.to_wire())
+        if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
+            return not_kept()
         return JSONResponse({"event_id": ev.event_id, **ev.model_dump(include={"request_id", "episode_id"},
                                                                        exclude_none=True)}, 202)
 
@@ -260,8 +267,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             ev = InteractionEvent.model_validate(body)
         except ValidationError as exc:
             return refused(exc)
+        if not await gw.emit("interaction", gw.emit_interaction, body):
+            return not_kept()
         gw.answered(ev.request_id, ev.episode_id)
-        gw._emit("interaction", gw.emit_interaction, body)
         return JSONResponse({"event_id": ev.event_id, "request_id": ev.request_id}, 202)
 
     @app.get("/health")

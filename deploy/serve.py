@@ -83,6 +83,8 @@ class PolicyServer:
                                    "Interaction events neither Kafka nor the spool took (lost)", registry=self.metrics)
         self.spooled = Gauge("rtrl_serve_events_spooled_bytes", "Interaction events waiting in the spool for Kafka",
                              registry=self.metrics)
+        self.set_aside = Gauge("rtrl_serve_events_set_aside", "Interaction events the broker refused for good (too "
+                               "large for the topic), kept in the spool's set-aside.jsonl", registry=self.metrics)
         self.serving = Gauge("rtrl_serve_version", "Registry version being served (0 = base)", registry=self.metrics)
         self.canary_version = Gauge("rtrl_serve_canary_version", "Registry version of the canary (0 = none)",
                                     registry=self.metrics)

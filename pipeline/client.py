@@ -12,7 +12,8 @@ Two transports, one behaviour:
 
     gateway   POST /v1/feedback and /v1/interactions to `rtrl gateway`, which validates, counts
               and produces to Kafka (spooling while the broker is away); an event the gateway
-              refuses raises ValueError with its reason, a gateway away raises ConnectionError
+              refuses raises ValueError with its reason, a gateway away -- or one that cannot keep
+              the event (503: its spool is full while Kafka is away) -- raises ConnectionError
     kafka     produced by this process (acks=all): while the broker is away events wait in a
               local spool (append-only files, group-committed with fsync, bounded by
               `spool_max_bytes`; when full: refused with SpoolFull, or `when_full="block"`
@@ -140,6 +141,10 @@ class Rtrl:
                                   "is `rtrl gateway` running there?") from None
         if answer.status_code == 422:
             raise ValueError(f"the gateway refused the {kind} event: {answer.json()['error']['message']}")
+        if answer.status_code == 503:
+            raise ConnectionError(f"the rtrl gateway at {self.gateway_url} could not keep the {kind} event "
+                                  f"({answer.json()['error']['message']}); retry in "
+                                  f"{answer.headers.get('Retry-After', '30')} s")
         if answer.status_code != 202:
             raise ConnectionError(f"the rtrl gateway at {self.gateway_url} answered {answer.status_code}: "
                                   f"{answer.text[:200]}")

@@ -269,7 +269,8 @@ def down(cfg: Config, timeout_s: float = 30.0) -> bool:
 
 
 def ensure_topics(access: KafkaAccess | str, topics: list[str], partitions: int) -> None:
-    """Create the topics if they do not exist (idempotent)."""
+    """Create the topics if they do not exist (idempotent), taking records up to the access's
+    max_message_bytes."""
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
@@ -278,7 +279,8 @@ def ensure_topics(access: KafkaAccess | str, topics: list[str], partitions: int)
     admin = kafka_client.admin(access, client_id="rtrl-admin")
     try:
         existing = set(admin.list_topics())
-        new = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
+        limit = {"max.message.bytes": str(KafkaAccess.of(access).max_message_bytes)}  # what producers send
+        new = [NewTopic(t, partitions, 1, topic_configs=limit) for t in topics if t not in existing]
         if new:
             try:
                 admin.create_topics(new)

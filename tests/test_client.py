@@ -101,3 +101,57 @@ def test_straight_to_kafka(kafka_bootstrap, topics, tmp_path):
     assert key == request_id.encode() and interaction["episode_id"] == "task-2"
     keys = sorted(k for k, _ in read(topics["feedback"]))
     assert keys == sorted([request_id.encode(), b"task-2"])  # an episode's outcome is keyed by the episode
+
+
+def _full_sender(tmp_path, when_full):
+    """An event sender whose broker is away and whose spool holds one event: the next is refused
+    (or, with `block`, waits)."""
+    from deploy.events import EventSender
+    from pipeline.core.spool import Spool
+
+    spool = Spool(tmp_path / when_full, max_bytes=1500, when_full=when_full)
+    sender = EventSender("127.0.0.1:9", "rtrl.feedback", key="request_id", timeout_s=1.0, spool=spool,
+                         retry_s=60.0, write_ahead=True)
+    sender({"request_id": "r0", "pad": "x" * 1300})
+    return sender
+
+
+def test_a_full_spool_is_a_503_never_a_202_and_the_client_is_told(tmp_path):
+    sender = _full_sender(tmp_path, "refuse")
+    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender)
+    server = InProcessServer(create_gateway_app(gw))
+    try:
+        with Rtrl(gateway_url=server.url) as rtrl:
+            with pytest.raises(ConnectionError, match="could not keep the feedback event.*retry in 30 s"):
+                rtrl.feedback("req-1", kind="accepted", value=True)
+            with pytest.raises(ConnectionError, match="could not keep the interaction event"):
+                rtrl.interaction(prompt="p", completion="c", policy_version="3")
+        assert gw.metrics.get_sample_value("rtrl_gateway_events_total", {"type": "feedback", "outcome": "lost"}) == 1
+    finally:
+        server.stop()
+        sender.close()
+
+
+def test_a_spool_that_blocks_when_full_does_not_freeze_the_gateway(tmp_path):
+    """`when_full = "block"`: the feedback waits for room, in a thread -- /health still answers."""
+    import threading
+
+    import requests
+
+    sender = _full_sender(tmp_path, "block")
+    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender, blocking=True)
+    server = InProcessServer(create_gateway_app(gw))
+    answers: list[int] = []
+    try:
+        waiting = threading.Thread(target=lambda: answers.append(requests.post(
+            f"{server.url}/v1/feedback", json={"request_id": "r1", "kind": "accepted", "value": True},
+            timeout=60).status_code), daemon=True)
+        waiting.start()
+        wait_for(lambda: sender.spool.waiting, 30, "the feedback to wait for room in the spool")
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200 and answers == []
+        sender.spool.drain(lambda *record: None)  # the broker back: room, and the feedback is kept
+        waiting.join(timeout=30)
+        assert answers == [202]
+    finally:
+        server.stop()
+        sender.close()

@@ -141,3 +141,61 @@ def test_events_sent_while_the_broker_is_away_reach_it_in_order_once_it_is_back(
         if sender is not None:
             sender.close()
         kafka_local.down(cfg)
+
+
+def test_a_record_refused_for_good_is_set_aside_and_the_records_behind_it_go_on(tmp_path):
+    """One record the broker will never take (too large) must not stop the drain: it goes to
+    set-aside.jsonl with the error, counted; a passing failure still stops the drain there."""
+    spool = Spool(tmp_path)
+    for i in range(5):
+        spool.append("t", b"k", json.dumps({"i": i, "pad": "x" * (100 if i == 2 else 0)}).encode())
+    got: list[int] = []
+
+    def send(topic, key, value):
+        if len(value) > 50:
+            raise OverflowError("too large for the topic")
+        got.append(json.loads(value)["i"])
+
+    assert spool.drain(send, batch=2, permanent=lambda exc: isinstance(exc, OverflowError)) == 5
+    assert got == [0, 1, 3, 4] and not spool.pending() and spool.set_aside == 1
+    (aside,) = [json.loads(line) for line in (tmp_path / "set-aside.jsonl").read_text().splitlines()]
+    assert json.loads(aside["value"])["i"] == 2 and aside["error"].startswith("OverflowError")
+    spool.append("t", b"k", b'{"i": 5}')
+    with pytest.raises(ConnectionError):  # not refused for good: the drain stops, the record waits
+        spool.drain(lambda *r: (_ for _ in ()).throw(ConnectionError("away")), permanent=lambda exc: False)
+    assert spool.pending() and spool.set_aside == 1
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("producer_limit", [1 << 20, 4 << 20], ids=["producer-refuses", "broker-refuses"])
+def test_an_event_too_large_for_the_topic_is_set_aside_and_the_events_behind_it_arrive(
+        tmp_path, kafka_bootstrap, producer_limit):
+    """A 1 MiB topic and a 2 MiB event, refused by the producer (max_request_size) or, past a
+    4 MiB producer limit, by the broker: it was retried every 2 s with every later event waiting
+    behind it; now it is set aside and the others arrive."""
+    import uuid
+
+    from kafka import KafkaConsumer
+
+    from deploy.events import EventSender
+    from pipeline.core.kafka_config import KafkaAccess
+    from pipeline.kafka_local import ensure_topics
+
+    topic = f"sized-{uuid.uuid4().hex[:8]}"
+    ensure_topics(KafkaAccess(kafka_bootstrap), [topic], partitions=1)  # max.message.bytes: 1 MiB
+    sender = EventSender(KafkaAccess(kafka_bootstrap, max_message_bytes=producer_limit), topic, key="request_id",
+                         timeout_s=5.0, spool=Spool(tmp_path / "spool"), retry_s=0.2, write_ahead=True)
+    try:
+        for i in range(4):
+            sender({"request_id": f"r{i}", "i": i, "pad": "x" * ((2 << 20) if i == 1 else 0)})
+        wait_for(lambda: not sender.spool.pending(), 60, "the spool to drain past the large event")
+        assert sender.spool.set_aside == 1
+        aside = json.loads((tmp_path / "spool" / "set-aside.jsonl").read_text())
+        assert aside["key"] == "r1" and "MessageSizeTooLarge" in aside["error"]
+    finally:
+        sender.close()
+    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=3000)
+    got = [json.loads(m.value)["i"] for m in consumer]
+    consumer.close()
+    assert got == [0, 2, 3]

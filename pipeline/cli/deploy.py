@@ -266,6 +266,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
     if spool is not None:
         server.spooled.set_function(spool.size)
+        server.set_aside.set_function(lambda: spool.set_aside)
 
     def on_update(ev: ModelUpdate) -> None:
         adapter = fetch(ev.adapter_uri, adapters / f"v{ev.version}") if ev.version else None

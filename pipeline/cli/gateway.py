@@ -30,6 +30,7 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     answer; POST /v1/feedback takes the application's outcomes. Events wait in a local spool
     while Kafka is away."""
     import uvicorn
+    from prometheus_client import Gauge
 
     from deploy.events import FEEDBACK_KEY, EventSender
     from deploy.follow import Follower, current
@@ -50,7 +51,11 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
 
     interactions = sender(config.kafka.interactions_topic, "interactions", "request_id")
     feedback = sender(config.kafka.feedback_topic, "feedback", FEEDBACK_KEY)
-    gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s)
+    gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s,
+                 blocking=config.spool.when_full == "block")
+    Gauge("rtrl_gateway_events_set_aside", "Events the broker refused for good (too large for the topic), kept "
+          "in the spool's set-aside.jsonl", registry=gw.metrics).set_function(
+        lambda: interactions.spool.set_aside + feedback.spool.set_aside)
     registry = Registry(config.tracking_uri, config.mlflow.registered_model, None)
     try:
         follower = Follower(config.kafka_access, config.kafka.model_updates_topic, config.mlflow.registered_model,

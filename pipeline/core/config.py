@@ -246,7 +246,8 @@ class Config(_Section):
     @property
     def kafka_access(self) -> KafkaAccess:
         """What every Kafka client is built from (pipeline/core/kafka_client.py)."""
-        return KafkaAccess(self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s)
+        return KafkaAccess(self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s,
+                           self.kafka.max_message_bytes)
 
     @property
     def ingest_topics(self) -> list[str]:

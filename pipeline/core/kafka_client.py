@@ -50,7 +50,8 @@ def consumer(access: KafkaAccess | str, **params: Any) -> KafkaConsumer:
 
 
 def producer(access: KafkaAccess | str, **params: Any) -> KafkaProducer:
-    return _connect(KafkaProducer, KafkaAccess.of(access), params)
+    access = KafkaAccess.of(access)
+    return _connect(KafkaProducer, access, {"max_request_size": access.max_message_bytes, **params})
 
 
 def admin(access: KafkaAccess | str, **params: Any) -> KafkaAdminClient:

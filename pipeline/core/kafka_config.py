@@ -94,6 +94,10 @@ class KafkaConfig(_Section):
     interactions_topic: str = Field(default="rtrl.interactions", description="what serving produced")
     feedback_topic: str = Field(default="rtrl.feedback", description="what users did next")
     model_updates_topic: str = Field(default="rtrl.model-updates", description="alias moves, announced to serving")
+    max_message_bytes: int = Field(default=1 << 20, ge=1 << 16, le=1 << 30, description=(
+        "the largest event a producer sends (kafka-python's max_request_size) and the max.message.bytes of the "
+        "topics rtrl creates: match it to your topics'. An event over it, or one the broker refuses as too "
+        "large, is set aside (<spool>/set-aside.jsonl, counted) instead of blocking the events behind it"))
     security: KafkaSecurityConfig = KafkaSecurityConfig()
 
     @model_validator(mode="after")
@@ -114,6 +118,7 @@ class KafkaAccess:
     bootstrap: str
     security: KafkaSecurityConfig = field(default_factory=KafkaSecurityConfig)
     connect_timeout_s: float = 10.0
+    max_message_bytes: int = 1 << 20  # kafka.max_message_bytes: producers' max_request_size, topics' max.message.bytes
 
     @classmethod
     def of(cls, access: "KafkaAccess | str") -> "KafkaAccess":

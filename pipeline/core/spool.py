@@ -9,9 +9,14 @@ while Kafka is away, and what waits is sent in order once it is back.
              the position reached is saved (fsynced) after each batch, a segment sent whole is
              deleted. A crash between a send and the saved position sends those records again:
              the ingest side drops the duplicates by event id (exactly once after dedupe)
-    full     the spool holds at most `max_bytes`; past that an append is refused (returns
-             False: the caller counts and logs it) or, with `when_full = "block"`, waits for
+    full     the spool holds at most `max_bytes`; past that an append is refused (SpoolFull:
+             the caller counts and logs it) or, with `when_full = "block"`, waits for
              the drain to make room -- never a silent drop
+    set aside  a record the broker refuses for good (`permanent(error)`: too large for the
+             topic) would otherwise stop every record behind it: it is written to
+             `<dir>/set-aside.jsonl` (fsynced, with the error), counted (`set_aside`), logged,
+             and the drain goes on (refused among others in flight: BatchRefused, and the
+             caller drains again one record at a time)
 
 One process owns a spool directory: it holds an exclusive lock on `<dir>/lock` while open
 (released by the OS when it dies, kill -9 included); a second opener gets SpoolBusy at once
@@ -47,6 +52,11 @@ class SpoolFull(RuntimeError):
     """The spool is at max_bytes and refuses new records (`when_full = "refuse"`)."""
 
 
+class BatchRefused(RuntimeError):
+    """Records in flight together were refused for good, and which of them is at fault is not
+    known: drain again one record at a time (batch=1) to set aside only that one."""
+
+
 class SpoolBusy(RuntimeError):
     """Another process (or another open Spool) holds this spool directory."""
 
@@ -67,6 +77,8 @@ class Spool:
         self.commit_s, self.segment_bytes = commit_s, segment_bytes
         self.lock = threading.Condition()
         self.refused = 0
+        self.set_aside = 0  # records the broker refused for good, kept in set-aside.jsonl
+        self.waiting = 0  # appends waiting for room ("block")
         seg, off = self._position()
         for sent in (s for s in self._segments() if s < seg):  # sent whole before a crash removed it
             self._path(sent).unlink()
@@ -95,7 +107,11 @@ class Spool:
                     self.refused += 1
                     raise SpoolFull(f"the spool under {self.dir} holds {self.size()} bytes (max {self.max_bytes}); "
                                     "the broker has been away too long: raise spool.max_bytes or bring it back")
-                self.lock.wait(timeout=1.0)  # "block": until a drain makes room
+                self.waiting += 1
+                try:
+                    self.lock.wait(timeout=1.0)  # "block": until a drain makes room
+                finally:
+                    self.waiting -= 1
             if self.file.tell() + len(record) > self.segment_bytes and self.file.tell() > 0:
                 self._roll()
             self.file.write(record)
@@ -113,12 +129,17 @@ class Spool:
 
     # -- draining ----------------------------------------------------------------------------
 
-    def drain(self, send: Callable[[str, bytes | None, bytes], Any], batch: int = 500) -> int:
+    def drain(self, send: Callable[[str, bytes | None, bytes], Any], batch: int = 500,
+              permanent: Callable[[Exception], bool] = lambda exc: False,
+              on_set_aside: Callable[[], None] = lambda: None) -> int:
         """Send every waiting record in order; returns how many were sent. `send` may return a
         future (anything with `.get()`): the records of a batch are then in flight together,
         and the position is saved only once every one of them is acknowledged. A send (or a
         future) that raises stops the drain there (the batch stays first in line: records of
-        it that did arrive arrive again, duplicates ingest drops); the caller retries later."""
+        it that did arrive arrive again, duplicates ingest drops); the caller retries later --
+        unless `permanent(error)`: that record is set aside, `on_set_aside()` is called (a
+        producer that failed a record may fail every later one: the caller makes a new one),
+        and the drain goes on."""
         sent = 0
         with self.lock:
             full = self._swap() if self.file.tell() > 0 else None  # appends go to a new segment from now on
@@ -130,19 +151,21 @@ class Spool:
         for s in segments:
             start = off if s == seg else 0
             done, in_flight = 0, []
-            for end, (topic, key, value) in self._records(s, start):
-                future = send(topic, key, value)
+            for end, record in self._records(s, start):
+                try:
+                    future = send(*record)
+                except Exception as exc:  # noqa: BLE001 - refused before it left (too large): aside, or stop
+                    self._refused(record, exc, permanent)
+                    on_set_aside()
+                    future = None
                 if future is not None:
-                    in_flight.append(future)
+                    in_flight.append((future, record))
                 sent, done = sent + 1, done + 1
                 if done % batch == 0:
-                    for future in in_flight:
-                        future.get()
-                    in_flight.clear()
+                    self._settle(in_flight, permanent, on_set_aside)
                     self._save_position(s, end)
                     self.sent_offset = end
-            for future in in_flight:
-                future.get()
+            self._settle(in_flight, permanent, on_set_aside)
             self._save_position(s + 1, 0)
             length = self._length(s)
             self._path(s).unlink(missing_ok=True)
@@ -150,6 +173,39 @@ class Spool:
                 self.bytes, self.sent_offset = self.bytes - length, 0
                 self.lock.notify_all()  # room for a blocked append
         return sent
+
+    def _settle(self, in_flight: list, permanent: Callable[[Exception], bool],
+                on_set_aside: Callable[[], None]) -> None:
+        """Wait for every acknowledgement of a batch; a record refused for good goes aside --
+        when it was alone in flight: a producer fails every record in flight with the one
+        record's refusal (kafka-python aborts them all), so which one is at fault is then
+        not known (BatchRefused: drain again with batch=1)."""
+        for future, record in in_flight:
+            try:
+                future.get()
+            except Exception as exc:  # noqa: BLE001 - the broker's refusal: aside, or stop the drain
+                if len(in_flight) > 1 and permanent(exc):
+                    raise BatchRefused(f"{len(in_flight)} records in flight refused with {type(exc).__name__}: "
+                                       f"{exc}") from exc
+                self._refused(record, exc, permanent)
+                on_set_aside()
+        in_flight.clear()
+
+    def _refused(self, record: tuple[str, bytes | None, bytes], exc: Exception,
+                 permanent: Callable[[Exception], bool]) -> None:
+        if not permanent(exc):
+            raise exc
+        topic, key, value = record
+        line = json.dumps({"topic": topic, "key": key.decode() if key is not None else None, "bytes": len(value),
+                           "error": f"{type(exc).__name__}: {exc}", "at": time.time(), "value": value.decode()})
+        with open(self.dir / "set-aside.jsonl", "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.set_aside += 1
+        log.error("a record the broker refuses for good was set aside; the records behind it go on", extra={
+            "topic": topic, "key": key.decode(errors="replace") if key else None, "bytes": len(value),
+            "file": str(self.dir / "set-aside.jsonl"), "error": f"{type(exc).__name__}: {exc}"})
 
     # -- internals ---------------------------------------------------------------------------
 
