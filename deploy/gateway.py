@@ -38,8 +38,11 @@ implements it from that release's source (and rtrl serve implements the same fie
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -56,14 +59,17 @@ from deploy.rollout import routes_to_canary
 from pipeline.core.types import InteractionEvent, ModelUpdate
 
 log = logging.getLogger("rtrl.gateway")
-# Request ids: 64 random bits drawn once per process, then a counter -- unique across replicas
-# and restarts like a uuid4, without a getrandom call per request (a tenth of the gateway's
-# time per request in benchmarks/gateway.py). Canary routing hashes the whole id.
-_ID_PREFIX, _ids = uuid.uuid4().hex[:16], itertools.count()
+# Request ids: a keyed hash (blake2b, a 256-bit key drawn once per process) of a counter --
+# unguessable, as feedback and canary routing need them (the next id cannot be predicted and
+# claimed first through /v1/interactions), and unique across replicas and restarts, without a
+# getrandom call per request (a tenth of the gateway's time per request in benchmarks/gateway.py).
+_ID_KEY, _ids = os.urandom(32), itertools.count()
 
 
 def new_id(kind: str) -> str:
-    return f"{kind}-{_ID_PREFIX}{next(_ids):010x}"
+    return f"{kind}-{hashlib.blake2b(next(_ids).to_bytes(8, 'big'), key=_ID_KEY, digest_size=16).hexdigest()}"
+
+
 Emit = Callable[[dict[str, Any]], None]
 
 
@@ -71,10 +77,14 @@ class Gateway:
     """The routing state (champion, canary) and the events' way out."""
 
     def __init__(self, upstream: str, model_name: str, emit_interaction: Emit | None, emit_feedback: Emit | None,
-                 default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False) -> None:
-        """`blocking`: the events' spool blocks when full (spool.when_full = "block")."""
+                 default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False,
+                 ingest_token: str | None = None) -> None:
+        """`blocking`: the events' spool blocks when full (spool.when_full = "block");
+        `ingest_token`: what /v1/feedback and /v1/interactions require as `Authorization: Bearer`
+        (None: those routes are off)."""
         self.upstream, self.model_name, self.timeout_s = upstream.rstrip("/"), model_name, timeout_s
         self.emit_feedback, self.default_tenant, self.blocking = emit_feedback, default_tenant, blocking
+        self.ingest_token = ingest_token
         self.http = requests.Session()  # /v1/models only: the completions go through session()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         # the routes taken (only to versions the upstream serves) and the registry's (wanted_*)
@@ -210,6 +220,11 @@ class Gateway:
         if self.canary is not None and routes_to_canary(key, self.canary_share):
             version = self.canary
         return (version, self.adapter(version)) if version else ("base", None)
+
+    def may_ingest(self, authorization: str | None) -> bool:
+        """The ingestion routes' credential (compared in constant time)."""
+        expected = f"Bearer {self.ingest_token}" if self.ingest_token else None
+        return expected is not None and hmac.compare_digest((authorization or "").encode(), expected.encode())
 
     def answered(self, request_id: str, episode_id: str | None) -> None:
         self.recent[f"r:{request_id}"] = None

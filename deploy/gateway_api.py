@@ -237,8 +237,23 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         field, reason = first_violation(exc)
         return JSONResponse({"error": {"message": f"{field}: {reason}", "param": field}}, 422)
 
+    def not_allowed(request: Request) -> JSONResponse | None:
+        """The ingestion routes take events only with the gateway's token: anyone else could post
+        feedback on another user's request, or an interaction under a request id of theirs."""
+        if gw.ingest_token is None:
+            return JSONResponse({"error": {"message": "event ingestion is off on this gateway: start it with "
+                                                      "RTRL_GATEWAY_TOKEN set, and send that token as "
+                                                      "'Authorization: Bearer <token>'", "type": "forbidden"}}, 403)
+        if not gw.may_ingest(request.headers.get("authorization")):
+            return JSONResponse({"error": {"message": "a valid 'Authorization: Bearer <token>' is required "
+                                                      "(the gateway's RTRL_GATEWAY_TOKEN)", "type": "unauthorized"}},
+                                401, headers={"WWW-Authenticate": "Bearer"})
+        return None
+
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
+        if (refusal := not_allowed(request)) is not None:
+            return refusal
         body = await json_object(request)
         if body is None:
             return not_json()
@@ -260,6 +275,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def interaction(request: Request) -> Response:
         """An interaction event of an application that serves its model itself (pipeline/client.py):
         validated against the contract and produced as sent."""
+        if (refusal := not_allowed(request)) is not None:
+            return refusal
         body = await json_object(request)
         if body is None:
             return not_json()

@@ -45,17 +45,21 @@ class Rtrl:
     def __init__(self, gateway_url: str | None = None, *, bootstrap: str | KafkaAccess | None = None,
                  interactions_topic: str = "rtrl.interactions", feedback_topic: str = "rtrl.feedback",
                  spool_dir: str | Path | None = None, spool_max_bytes: int = 1 << 30,
-                 when_full: Literal["refuse", "block"] = "refuse", timeout_s: float = 10.0) -> None:
+                 when_full: Literal["refuse", "block"] = "refuse", timeout_s: float = 10.0,
+                 token: str | None = None) -> None:
         """Give exactly one of `gateway_url` and `bootstrap` (a "host:port" list, or a
         KafkaAccess with TLS/SASL settings). With Kafka, `spool_dir` (default
         `$RTRL_STATE_DIR/spool/client`, else `~/.rtrl/spool/client`) holds what the broker has
         not acknowledged; one process per spool directory (a second one is refused: give each
-        worker its own)."""
+        worker its own). `token`: the gateway's RTRL_GATEWAY_TOKEN (default: that variable)."""
         if (gateway_url is None) == (bootstrap is None):
             raise ValueError("give exactly one of gateway_url (an rtrl gateway) and bootstrap (Kafka brokers)")
         self.timeout_s = timeout_s
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
         self.http = requests.Session() if gateway_url else None
+        token = token if token is not None else os.environ.get("RTRL_GATEWAY_TOKEN")
+        if self.http is not None and token:
+            self.http.headers["Authorization"] = f"Bearer {token}"
         self.senders: dict[str, Any] = {}
         if bootstrap is not None:
             from deploy.events import FEEDBACK_KEY, EventSender  # kafka-python: only when producing
@@ -141,6 +145,9 @@ class Rtrl:
                                   "is `rtrl gateway` running there?") from None
         if answer.status_code == 422:
             raise ValueError(f"the gateway refused the {kind} event: {answer.json()['error']['message']}")
+        if answer.status_code in (401, 403):
+            raise PermissionError(f"the rtrl gateway at {self.gateway_url} refused the {kind} event: "
+                                  f"{answer.json()['error']['message']}")
         if answer.status_code == 503:
             raise ConnectionError(f"the rtrl gateway at {self.gateway_url} could not keep the {kind} event "
                                   f"({answer.json()['error']['message']}); retry in "

@@ -36,7 +36,7 @@ def test_exactly_one_transport():
 @pytest.fixture
 def gateway():
     interactions, feedback = [], []
-    gw = Gateway("http://127.0.0.1:9", "policy", interactions.append, feedback.append)
+    gw = Gateway("http://127.0.0.1:9", "policy", interactions.append, feedback.append, ingest_token="s3cret")
     server = InProcessServer(create_gateway_app(gw))
     yield server.url, interactions, feedback
     server.stop()
@@ -44,7 +44,7 @@ def gateway():
 
 def test_through_the_gateway(gateway):
     url, interactions, feedback = gateway
-    with Rtrl(gateway_url=url) as rtrl:
+    with Rtrl(gateway_url=url, token="s3cret") as rtrl:
         request_id = rtrl.interaction(prompt=[{"role": "user", "content": "reverse abc"}], completion="cba",
                                       policy_version="3", episode_id="task-1", step=0,
                                       completion_token_ids=[5, 6], behavior_logprobs=[-0.1, -0.2],
@@ -118,10 +118,10 @@ def _full_sender(tmp_path, when_full):
 
 def test_a_full_spool_is_a_503_never_a_202_and_the_client_is_told(tmp_path):
     sender = _full_sender(tmp_path, "refuse")
-    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender)
+    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender, ingest_token="s3cret")
     server = InProcessServer(create_gateway_app(gw))
     try:
-        with Rtrl(gateway_url=server.url) as rtrl:
+        with Rtrl(gateway_url=server.url, token="s3cret") as rtrl:
             with pytest.raises(ConnectionError, match="could not keep the feedback event.*retry in 30 s"):
                 rtrl.feedback("req-1", kind="accepted", value=True)
             with pytest.raises(ConnectionError, match="could not keep the interaction event"):
@@ -139,13 +139,13 @@ def test_a_spool_that_blocks_when_full_does_not_freeze_the_gateway(tmp_path):
     import requests
 
     sender = _full_sender(tmp_path, "block")
-    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender, blocking=True)
+    gw = Gateway("http://127.0.0.1:9", "policy", sender, sender, blocking=True, ingest_token="s3cret")
     server = InProcessServer(create_gateway_app(gw))
     answers: list[int] = []
     try:
         waiting = threading.Thread(target=lambda: answers.append(requests.post(
             f"{server.url}/v1/feedback", json={"request_id": "r1", "kind": "accepted", "value": True},
-            timeout=60).status_code), daemon=True)
+            headers={"Authorization": "Bearer s3cret"}, timeout=60).status_code), daemon=True)
         waiting.start()
         wait_for(lambda: sender.spool.waiting, 30, "the feedback to wait for room in the spool")
         assert requests.get(f"{server.url}/health", timeout=5).status_code == 200 and answers == []
@@ -155,3 +155,30 @@ def test_a_spool_that_blocks_when_full_does_not_freeze_the_gateway(tmp_path):
     finally:
         server.stop()
         sender.close()
+
+
+def test_the_ingestion_routes_take_events_only_with_the_gateway_s_token(gateway, monkeypatch):
+    """Anyone who can reach the gateway could otherwise post an interaction under another user's
+    request id, or feedback on it; request ids cannot be guessed from the ones a client saw."""
+    url, interactions, feedback = gateway
+    for token, refusal in ((None, "requires"), ("wrong", "refused")):
+        monkeypatch.delenv("RTRL_GATEWAY_TOKEN", raising=False)
+        with Rtrl(gateway_url=url, token=token) as rtrl, pytest.raises(PermissionError, match="Authorization"):
+            rtrl.feedback("req-1", kind="accepted", value=True)
+    monkeypatch.setenv("RTRL_GATEWAY_TOKEN", "s3cret")  # the client's default
+    with Rtrl(gateway_url=url) as rtrl:
+        rtrl.feedback("req-1", kind="accepted", value=True)
+    assert len(feedback) == 1
+    off = InProcessServer(create_gateway_app(Gateway("http://127.0.0.1:9", "policy", None, None)))
+    try:
+        import requests
+
+        answer = requests.post(f"{off.url}/v1/feedback", json={"request_id": "r", "kind": "k", "value": 1},
+                               headers={"Authorization": "Bearer anything"}, timeout=10)
+        assert answer.status_code == 403 and "RTRL_GATEWAY_TOKEN" in answer.json()["error"]["message"]
+    finally:
+        off.stop()
+    from deploy.gateway import new_id
+
+    ids = [new_id("req") for _ in range(3)]
+    assert len({i[4:12] for i in ids}) == 3 and all(len(i) == 36 for i in ids)  # no shared prefix, no counter

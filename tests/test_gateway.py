@@ -22,6 +22,9 @@ from tests.vllm_stub import VllmStub
 from train.inference import PolicySet
 
 
+TOKEN = "ingest-secret"
+
+
 @pytest.fixture(scope="module")
 def real(reverse_base):
     return PolicySet.load(reverse_base, device="cpu")
@@ -32,9 +35,9 @@ def through(real):
     """(openai client through the gateway, the gateway, interaction events, feedback events, upstream)."""
     interactions, feedback = [], []
     upstream = InProcessServer(create_app(PolicyServer(real, "policy")))
-    gw = Gateway(upstream.url, "policy", interactions.append, feedback.append)
+    gw = Gateway(upstream.url, "policy", interactions.append, feedback.append, ingest_token=TOKEN)
     assert gw.check_logprobs() == "processed"  # rtrl serve's are the sampled distribution's
-    http = TestClient(create_gateway_app(gw))
+    http = TestClient(create_gateway_app(gw), headers={"Authorization": f"Bearer {TOKEN}"})
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
     yield client, gw, interactions, feedback, upstream, http
     upstream.stop()

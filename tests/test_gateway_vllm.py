@@ -31,9 +31,9 @@ def vllm():
     stub = VllmStub(base="base-model", logprobs_mode="processed_logprobs")
     upstream = InProcessServer(stub.app)
     events: list[dict] = []
-    gw = Gateway(upstream.url, "policy", events.append, None)
+    gw = Gateway(upstream.url, "policy", events.append, None, ingest_token="t0ken")
     gw.check_logprobs()
-    http = TestClient(create_gateway_app(gw))
+    http = TestClient(create_gateway_app(gw), headers={"Authorization": "Bearer t0ken"})
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
     yield stub, gw, events, client, http
     upstream.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import click
@@ -27,8 +28,10 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
             allow_raw_logprobs: bool) -> None:
     """Proxy /v1/chat/completions, /v1/completions and /v1/models to UPSTREAM, routing each request
     to the registry's champion (or its canary's share) and sending an interaction event for every
-    answer; POST /v1/feedback takes the application's outcomes. Events wait in a local spool
-    while Kafka is away."""
+    answer; POST /v1/feedback takes the application's outcomes (and POST /v1/interactions the
+    answers of an application that serves itself) with the token in RTRL_GATEWAY_TOKEN as
+    'Authorization: Bearer <token>' -- off when it is unset. Events wait in a local spool while
+    Kafka is away."""
     import uvicorn
     from prometheus_client import Gauge
 
@@ -37,6 +40,7 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     from deploy.gateway import Gateway
     from deploy.gateway_api import create_gateway_app
     from deploy.gateway_sampling import LOGPROBS_FLAG
+    from pipeline.core.logs import mask
     from deploy.registry import Registry
     from pipeline.core.spool import Spool
 
@@ -51,8 +55,11 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
 
     interactions = sender(config.kafka.interactions_topic, "interactions", "request_id")
     feedback = sender(config.kafka.feedback_topic, "feedback", FEEDBACK_KEY)
+    token = os.environ.get("RTRL_GATEWAY_TOKEN") or None  # the ingestion routes' credential: never logged
+    if token:
+        mask(token)
     gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s,
-                 blocking=config.spool.when_full == "block")
+                 blocking=config.spool.when_full == "block", ingest_token=token)
     Gauge("rtrl_gateway_events_set_aside", "Events the broker refused for good (too large for the topic), kept "
           "in the spool's set-aside.jsonl", registry=gw.metrics).set_function(
         lambda: interactions.spool.set_aside + feedback.spool.set_aside)
