@@ -55,7 +55,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deploy.gateway_sampling import PROBE_PROMPTS, PROBE_TEMPERATURES, LogprobsMode, classify_probe
-from deploy.rollout import routes_to_canary
+from deploy.rollout import routes_to_canary, routing_salt
 from pipeline.core.types import InteractionEvent, ModelUpdate
 
 log = logging.getLogger("rtrl.gateway")
@@ -78,13 +78,16 @@ class Gateway:
 
     def __init__(self, upstream: str, model_name: str, emit_interaction: Emit | None, emit_feedback: Emit | None,
                  default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False,
-                 ingest_token: str | None = None) -> None:
+                 ingest_token: str | None = None, routing_secret: str = "") -> None:
         """`blocking`: the events' spool blocks when full (spool.when_full = "block");
         `ingest_token`: what /v1/feedback and /v1/interactions require as `Authorization: Bearer`
-        (None: those routes are off)."""
+        (None: those routes are off); `routing_secret`: salts the canary's hash (the same for every
+        replica) and signs the routing choice for an rtrl serve behind (deploy/rollout.py)."""
         self.upstream, self.model_name, self.timeout_s = upstream.rstrip("/"), model_name, timeout_s
         self.emit_feedback, self.default_tenant, self.blocking = emit_feedback, default_tenant, blocking
         self.ingest_token = ingest_token
+        self.routing_secret = routing_secret or os.urandom(16).hex()  # one replica: its own
+        self.base_model: str | None = None  # the upstream's base model (/v1/models: no parent)
         self.http = requests.Session()  # /v1/models only: the completions go through session()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         # the routes taken (only to versions the upstream serves) and the registry's (wanted_*)
@@ -171,6 +174,8 @@ class Gateway:
         try:
             listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
             served = {m["id"] for m in listed if isinstance(m, dict)}
+            self.base_model = next((m["id"] for m in listed if isinstance(m, dict) and not m.get("parent")),
+                                   self.base_model)
         except Exception as exc:  # noqa: BLE001 - the upstream away or odd: routes stay, tried again
             log.warning("the upstream's models not read; routing unchanged", extra={
                 "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
@@ -213,12 +218,14 @@ class Gateway:
         return thread
 
     def route(self, key: str) -> tuple[str, str | None]:
-        """(the version that answers, its model name on the upstream; None: the base, as asked);
+        """(the version that answers, its model name on the upstream: None for the base);
         `key`: the request's episode id when it names one (an episode's calls go to one version),
         else its request id."""
-        version = self.champion
-        if self.canary is not None and routes_to_canary(key, self.canary_share):
-            version = self.canary
+        with self._lock:  # (held by reconcile only to set the three together)
+            champion, canary, share = self.champion, self.canary, self.canary_share
+        version = champion
+        if canary is not None and routes_to_canary(key, share, routing_salt(self.routing_secret, canary)):
+            version = canary
         return (version, self.adapter(version)) if version else ("base", None)
 
     def may_ingest(self, authorization: str | None) -> bool:

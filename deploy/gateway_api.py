@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from deploy.gateway import Gateway, new_id
 from deploy.gateway_record import AnswerRecord, ChoiceRecord, token_id
 from deploy.gateway_sampling import logprobs_kept, upstream_sampling
+from deploy.rollout import routing_signature
 from deploy.serve import header_id, header_step
 from deploy.serve_api import ClosingStreamingResponse
 from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
@@ -87,17 +88,28 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
         sent = upstream_sampling(request_body)  # what sampled the tokens, sent and recorded
         up = {**request_body, **sent, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}
+        # the router decides which version answers, never the client: the base by its own name
+        if model is None and gw.base_model is not None:
+            model = gw.base_model
+        elif model is None and str(request_body.get("model") or "").startswith(f"{gw.model_name}-v"):
+            gw.requests.labels("chat" if chat else "completions", "refused").inc()
+            return JSONResponse({"error": {"message": f"model {request_body['model']!r} names a version: the "
+                                                      "gateway decides which version answers", "param": "model",
+                                           "type": "invalid_request_error"}}, 400)
         if model is not None:
             up["model"] = model
         stream = bool(request_body.get("stream"))
         endpoint = "chat" if chat else "completions"
         try:
             # X-Rtrl-Routed: the choice made, for an upstream that routes canaries itself (rtrl
-            # serve); vLLM goes by the adapter `model` names
+            # serve: it follows the choice only with the signature of the shared routing secret);
+            # vLLM goes by the adapter `model` names
+            routed = "canary" if gw.canary is not None and version == gw.canary else "champion"
             answer = await (await gw.session()).post(
                 f"{gw.upstream}{path}", data=orjson.dumps(up),
-                headers={"X-Request-Id": request_id, "Content-Type": "application/json",
-                         "X-Rtrl-Routed": "canary" if gw.canary is not None and version == gw.canary else "champion"})
+                headers={"X-Request-Id": request_id, "Content-Type": "application/json", "X-Rtrl-Routed": routed,
+                         "X-Rtrl-Routed-Signature": routing_signature(gw.routing_secret, request_id, routed,
+                                                                      up.get("model"))})
         except asyncio.TimeoutError:
             gw.requests.labels(endpoint, "upstream_timeout").inc()
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not answer in "

@@ -21,12 +21,16 @@ below its share (deploy/rollout.py) are answered by the canary, the rest by the 
 interaction event names the version that answered, so the loop compares the two online. A
 request whose `model` names the champion or the canary as vLLM names adapters
 (`<model>-v<version>`) is answered by that version, and one marked `X-Rtrl-Routed: champion`
-by the champion (the base has no adapter name): `rtrl gateway` in front routes then.
+by the champion (the base has no adapter name) -- when `rtrl gateway` in front signed that
+choice with the routing secret both share (RTRL_ROUTING_SECRET): a client's own `model` or
+header chooses nothing. The canary's hash is salted with that secret.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -37,7 +41,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from deploy.rollout import routes_to_canary
+from deploy.rollout import routes_to_canary, routing_salt, routing_signature
 from pipeline.core.chat import ToolCalls, parse_tool_calls
 from pipeline.core.types import SCHEMA_VERSION, InteractionEvent, Sampling
 
@@ -66,9 +70,12 @@ class PolicyServer:
     """The model, the version it serves, and the lock that serialises generation and swaps."""
 
     def __init__(self, runner: Any, model_name: str, emit: Callable[[dict[str, Any]], None] | None = None,
-                 default_tenant: str = "default", keep_versions: int = 3) -> None:
+                 default_tenant: str = "default", keep_versions: int = 3, routing_secret: str = "") -> None:
+        """`routing_secret`: RTRL_ROUTING_SECRET, shared with the gateway in front and the other
+        replicas (deploy/rollout.py); without one, a secret of this process's own."""
         self.runner, self.model_name, self.emit = runner, model_name, emit
         self.default_tenant, self.keep_versions = default_tenant, keep_versions
+        self.routing_secret = routing_secret or os.urandom(16).hex()
         self.version = BASE
         self.canary: str | None = None  # a staged candidate serving `canary_share` of requests
         self.canary_share = 0.0
@@ -139,24 +146,20 @@ class PolicyServer:
     def answer(self, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
                parse_tools: list[dict] | None = None, on_token: Callable[[int, float], None] | None = None,
                stop: threading.Event | None = None, send_event: bool = True,
-               request_id: str | None = None) -> list[Answer]:
+               request_id: str | None = None, version: str | None = None) -> list[Answer]:
         """`req.n` answers to `prompt` (sampling fields of `req`), each with its own request id;
         their tool calls parsed against `parse_tools`; their events sent unless the caller sends
         them itself (a stream, once it ends; it chose `request_id` with new_request_id() to name
-        its chunks). Streaming: see PolicySet.generate."""
+        its chunks), answered by `version` if the caller chose it (choose()). Streaming: see
+        PolicySet.generate."""
         # never the client's: they route the canary and join feedback
         ids = [request_id or new_request_id()] + [new_request_id() for _ in range(req.n - 1)]
         group = f"grp-{uuid.uuid4().hex}" if req.n > 1 else None
         with self.lock, self.latency.time():
-            version = self.named(getattr(req, "model", None))
-            if version is None and headers.get("x-rtrl-routed") == "champion":
-                version = self.version  # a gateway in front chose the champion (the base has no model name)
             if version is None:
-                version = self.version
                 # a request's choices all come from one version, an episode's calls too
-                key = header_id(headers, "x-rtrl-episode-id") or ids[0]
-                if self.canary is not None and routes_to_canary(key, self.canary_share):
-                    version = self.canary
+                version = self.choose(getattr(req, "model", None), headers,
+                                      header_id(headers, "x-rtrl-episode-id") or ids[0])
             gens = [self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
                                          temperature=req.temperature, top_p=req.top_p,
                                          seed=None if req.seed is None else req.seed + i, tools=tools,
@@ -170,6 +173,30 @@ class PolicyServer:
             for a in answers:
                 self.send_event(a, prompt, req, headers, tools)
         return answers
+
+    def choose(self, model: str | None, headers: dict[str, str], key: str) -> str:
+        """The version that answers: the one a gateway in front chose -- the version its `model`
+        names, or the champion -- when the request carries the gateway's signature of that
+        choice (the shared RTRL_ROUTING_SECRET), else the champion or, for the canary's share of
+        `key`s (salted: a client cannot pick its side), the canary."""
+        if self.routed_by_gateway(model, headers):
+            named = self.named(model)
+            if named is not None:
+                return named
+            if headers.get("x-rtrl-routed") == "champion":
+                return self.version  # the base has no adapter name
+        version, canary = self.version, self.canary
+        if canary is not None and routes_to_canary(key, self.canary_share, routing_salt(self.routing_secret, canary)):
+            version = canary
+        return version
+
+    def routed_by_gateway(self, model: str | None, headers: dict[str, str]) -> bool:
+        signature = headers.get("x-rtrl-routed-signature")
+        if not signature:
+            return False
+        expected = routing_signature(self.routing_secret, headers.get("x-request-id") or "",
+                                     headers.get("x-rtrl-routed") or "", model)
+        return hmac.compare_digest(signature.encode(), expected.encode())
 
     def named(self, model: str | None) -> str | None:
         """The version a request's `model` names as vLLM names LoRA adapters --

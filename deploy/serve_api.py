@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deploy.serve import BASE, Answer, PolicyServer, new_request_id
+from deploy.serve import BASE, Answer, PolicyServer, header_id, new_request_id
 from pipeline.core.chat import held_back
 from pipeline.core.types import Identifier
 
@@ -258,12 +258,15 @@ def create_app(server: PolicyServer) -> FastAPI:
         the event once the stream ends (truncated if the client went away first)."""
         tokens: queue.Queue = queue.Queue()
         stop, result = threading.Event(), {"id": new_request_id()}
+        # chosen now, so that the response's headers can say which version answers
+        version = server.choose(req.model, request_headers,
+                                header_id(request_headers, "x-rtrl-episode-id") or result["id"])
 
         def work() -> None:
             try:
                 result["answer"] = server.answer(prompt, req, request_headers, tools=tools, parse_tools=parse,
                                                  on_token=lambda t, lp: tokens.put((t, lp)), stop=stop,
-                                                 send_event=False, request_id=result["id"])[0]
+                                                 send_event=False, request_id=result["id"], version=version)[0]
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk, and logged:
                 # the client may be gone already, and nothing else would say it failed
                 log.error("a streamed answer failed", extra={"request_id": result["id"], "error": repr(exc)})
@@ -335,6 +338,6 @@ def create_app(server: PolicyServer) -> FastAPI:
                 threading.Thread(target=send, name="stream-event", daemon=True).start()
 
         return ClosingStreamingResponse(events(), media_type="text/event-stream",
-                                        headers={"X-Request-Id": result["id"]})
+                                        headers={"X-Request-Id": result["id"], "X-Rtrl-Policy-Version": version})
 
     return app

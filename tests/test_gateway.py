@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from deploy.gateway import Gateway
 from deploy.gateway_api import create_gateway_app
+from deploy.rollout import routing_signature
 from deploy.serve import PolicyServer
 from deploy.serve_api import ChatRequest, create_app
 from pipeline.core.types import ModelUpdate
@@ -171,7 +172,8 @@ def test_routing_follows_the_champion_and_the_canary_s_share():
 
 def test_rtrl_serve_behind_a_gateway_answers_with_the_version_the_model_names(real):
     """As vLLM serves the LoRA a request's `model` names: the gateway in front then decides the
-    canary's share. A name that is not the champion or the canary is routed by the server."""
+    canary's share -- only the gateway, whose signature (the shared routing secret) the choice
+    carries. A name that is not the champion or the canary is routed by the server."""
     server = PolicyServer(real, "policy")
     server.version, server.canary, server.canary_share = "3", "4", 0.5
     assert [server.named(m) for m in ("policy-v4", "policy-v3", "policy-v5", "other-v3", "policy", None)] == [
@@ -181,8 +183,17 @@ def test_rtrl_serve_behind_a_gateway_answers_with_the_version_the_model_names(re
     # a demo through the gateway: half of the base's share went to the canary a second time)
     server.version, server.canary_share = "base", 1.0  # the canary (not loaded here) would take every request
     req = ChatRequest(model="policy", messages=ASK, max_tokens=2)
-    (answer,) = server.answer(ASK, req, {"x-rtrl-routed": "champion"}, send_event=False)
+    signed = {"x-request-id": "req-1", "x-rtrl-routed": "champion",
+              "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-1", "champion", "policy")}
+    (answer,) = server.answer(ASK, req, signed, send_event=False)
     assert answer.version == "base"
+    # a client's own choice chooses nothing: unsigned, or signed with another secret
+    forged = {**signed, "x-rtrl-routed-signature": routing_signature("guess", "req-1", "champion", "policy")}
+    server.version, server.canary_share = "3", 1.0
+    assert [server.choose(m, h, "req-1") for m, h in (("policy-v3", {}), ("policy", {"x-rtrl-routed": "champion"}),
+                                                       ("policy", forged))] == ["4", "4", "4"]
+    assert server.choose("policy-v3", {**signed, "x-rtrl-routed-signature": routing_signature(
+        server.routing_secret, "req-1", "champion", "policy-v3")}, "req-1") == "3"
 
 
 def test_vllm_s_fields_as_its_server_gives_them():
@@ -226,3 +237,13 @@ def test_vllm_s_fields_as_its_server_gives_them():
         assert events[0]["behavior_logprobs"] == [-0.25, -1.5, -0.125] and events[0]["policy_version"] == "3"
     finally:
         httpd.shutdown()
+
+
+def test_a_streamed_rtrl_serve_answer_says_which_version_produced_it(through):
+    _, _, _, _, upstream, _ = through
+    import requests
+
+    with requests.post(f"{upstream.url}/v1/chat/completions", stream=True, timeout=60,
+                       json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True}) as answer:
+        assert answer.headers["X-Rtrl-Policy-Version"] == "base"
+        assert b"[DONE]" in b"".join(answer.iter_content(None))

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from deploy.gateway import Gateway
 from deploy.gateway_api import create_gateway_app
 from deploy.gateway_sampling import classify_probe
+from deploy.rollout import routes_to_canary
 from pipeline.core.textchecks import malformed_tool_call
 from pipeline.core.types import ModelUpdate
 from tests.conftest import InProcessServer
@@ -201,3 +202,24 @@ def test_traffic_goes_to_an_adapter_only_once_the_upstream_serves_it(vllm, tmp_p
     answer = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
     assert answer.status_code == 200 and answer.headers["X-Rtrl-Policy-Version"] == "3"
     assert all(r["model"] != "policy-v4" for r in stub.requests[-1:])
+
+
+def test_the_router_decides_which_version_answers_never_the_client(vllm, tmp_path):
+    """While the base serves, a client's `model` naming an adapter reached vLLM as sent (the
+    event said "base"); an episode id hashed to a side anyone could compute."""
+    stub, gw, events, client, http = vllm
+    stub.loras = {"policy-v4": str(tmp_path)}  # an old adapter, or a canary: loaded on vLLM
+    gw.reconcile()
+    answer = http.post("/v1/chat/completions", json={"model": "policy-v4", "messages": ASK, "max_tokens": 2})
+    assert answer.status_code == 200 and stub.requests[-1]["model"] == "base-model"
+    assert answer.headers["X-Rtrl-Policy-Version"] == events[-1]["policy_version"] == "base"
+    episodes = [f"task-{i}" for i in range(400)]
+    gw.champion, gw.canary, gw.canary_share = "3", "4", 0.5
+    mine = [gw.route(e)[0] for e in episodes]
+    other = Gateway(gw.upstream, "policy", None, None, routing_secret="another")
+    other.champion, other.canary, other.canary_share = "3", "4", 0.5
+    unsalted = ["4" if routes_to_canary(e, 0.5) else "3" for e in episodes]
+    assert 150 < mine.count("4") < 250 and mine != unsalted and mine != [other.route(e)[0] for e in episodes]
+    replica = Gateway(gw.upstream, "policy", None, None, routing_secret=gw.routing_secret)
+    replica.champion, replica.canary, replica.canary_share = "3", "4", 0.5
+    assert [replica.route(e)[0] for e in episodes] == mine  # replicas sharing the secret agree

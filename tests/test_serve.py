@@ -18,7 +18,7 @@ from kafka import KafkaConsumer
 from deploy.events import ModelUpdatePublisher
 from deploy.follow import Follower, current
 from deploy.registry import Registry
-from deploy.rollout import routes_to_canary
+from deploy.rollout import routes_to_canary, routing_salt
 from deploy.tracking import MlflowTracker
 from deploy.vllm import VllmAdapterSync
 from pipeline.core.config import TrainConfig
@@ -78,9 +78,10 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
     env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": r["url"],
            "RTRL_MLFLOW__TRACKING_URI": r["tracking"], "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
            "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap, "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
-           "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"]}
+           "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"], "RTRL_ROUTING_SECRET": "s3cret-salt"}
     server = ServeProcess(reverse_base, env, tmp_path / "serve.log")
     base_url, health = server.url, server.health
+    salt = routing_salt("s3cret-salt", "1")  # the canary's hash, as the server salts it
     try:
         assert wait_for(health, 120, "rtrl serve to start")["version"] == "1"
         results, failures, stop = [], [], threading.Event()
@@ -180,9 +181,9 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
                                                                        "max_tokens": 2})
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
         assert [resp.headers["X-Rtrl-Policy-Version"] for rid, _, resp in canary_window] == [
-            "1" if routes_to_canary(rid, 0.5) else "2" for rid, _, _ in canary_window]
+            "1" if routes_to_canary(rid, 0.5, salt) else "2" for rid, _, _ in canary_window]
         assert {resp.headers["X-Rtrl-Policy-Version"] for _, _, resp in canary_window} == {"1", "2"}
-        assert sticky == {ep: {"1" if routes_to_canary(ep, 0.5) else "2"} for ep in sticky}
+        assert sticky == {ep: {"1" if routes_to_canary(ep, 0.5, salt) else "2"} for ep in sticky}
         assert set().union(*sticky.values()) == {"1", "2"}
         metrics = requests.get(f"{base_url}/metrics").text
         assert "rtrl_serve_swaps_total 4.0" in metrics and "rtrl_serve_canary_share 0.0" in metrics  # start + 3

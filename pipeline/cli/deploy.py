@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     from deploy.follow import Follower
     from deploy.follow import current as registry_state
     from deploy.registry import Registry, RegistryError
-    from pipeline.core.logs import quiet_progress_bars
+    from pipeline.core.logs import mask, quiet_progress_bars
 
     quiet_progress_bars()
     config = ctx.config
@@ -263,7 +264,10 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
                                          config.spool.when_full)
     emit = None if no_events else EventSender(config.kafka_access, config.kafka.interactions_topic, key="request_id",
                                               timeout_s=10.0, spool=spool)
-    server = PolicyServer(runner, name, emit=emit, default_tenant=tenant)
+    secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared with the gateway in front: never logged
+    if secret:
+        mask(secret)
+    server = PolicyServer(runner, name, emit=emit, default_tenant=tenant, routing_secret=secret)
     if spool is not None:
         server.spooled.set_function(spool.size)
         server.set_aside.set_function(lambda: spool.set_aside)

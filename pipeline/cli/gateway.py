@@ -58,8 +58,11 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     token = os.environ.get("RTRL_GATEWAY_TOKEN") or None  # the ingestion routes' credential: never logged
     if token:
         mask(token)
+    secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared by every replica and rtrl serve behind
+    if secret:
+        mask(secret)
     gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s,
-                 blocking=config.spool.when_full == "block", ingest_token=token)
+                 blocking=config.spool.when_full == "block", ingest_token=token, routing_secret=secret)
     Gauge("rtrl_gateway_events_set_aside", "Events the broker refused for good (too large for the topic), kept "
           "in the spool's set-aside.jsonl", registry=gw.metrics).set_function(
         lambda: interactions.spool.set_aside + feedback.spool.set_aside)

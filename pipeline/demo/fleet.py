@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def start_server(config: Config, base: Path, run_dir: Path, gateway: bool = Fals
            # on the same (laptop) cores; two processes each claiming every core slow both
            "OMP_NUM_THREADS": "1"}
     env.pop("RTRL_CONFIG", None)
+    env["RTRL_ROUTING_SECRET"] = uuid.uuid4().hex  # the gateway's routing choices, trusted by the server behind
     procs: list[subprocess.Popen] = []
     port = _free_port()
     serve = ["serve", "--port", str(port), "--base-model", str(base)] + (["--no-events"] if gateway else [])
