@@ -53,8 +53,9 @@ class Follower:
                  aliases: tuple[str, ...] = ("champion",), retry_s: float = 5.0) -> None:
         """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
         self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
-        self.retry_s, self.stale, self.next_try = retry_s, set(), 0.0  # aliases to read again
-        self.failures = 0  # updates that failed in a row (the backoff's exponent)
+        self.retry_s, self.stale = retry_s, set()  # aliases to read again
+        self.next_try: dict[str, float] = {}  # an alias's next try after a failure
+        self.failures: dict[str, int] = {}  # an alias's failures in a row (its backoff's exponent)
         self.consumer = kafka_client.consumer(access, group_id=None, enable_auto_commit=False,
                                               consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
@@ -75,7 +76,7 @@ class Follower:
             for records in self.consumer.poll(timeout_ms=500).values():
                 for record in records:
                     self._handle(record.value)
-            if self.stale and time.monotonic() >= self.next_try:
+            if self.stale:
                 self._apply()
         self.consumer.close()
 
@@ -89,32 +90,40 @@ class Follower:
         if event.name != self.model_name or event.alias not in self.aliases:
             return
         self.stale.add(event.alias)
+        self.next_try.pop(event.alias, None)  # a new move: tried at once
         self._apply()
 
     def _apply(self) -> None:
-        """Read each stale alias from the registry and act on it; what fails is tried again."""
-        for alias in sorted(self.stale):
+        """Read each stale alias from the registry and act on it, the champion first; what fails
+        is tried again after its own backoff (retry_s, doubling to 60 s), and never holds up the
+        other alias: a canary vLLM can never load must not keep the champion from moving."""
+        now = time.monotonic()
+        for alias in sorted(self.stale, key=lambda a: a != "champion"):
+            if now < self.next_try.get(alias, 0.0):
+                continue
             try:
                 update = self.resolve(alias)
             except Exception as exc:  # noqa: BLE001 - registry away: read again in retry_s
-                self.next_try = time.monotonic() + self.retry_s
-                log.error("registry not read after a model-update event; trying again",
-                          extra={"alias": alias, "retry_s": self.retry_s, "error": f"{type(exc).__name__}: {exc}"})
-                return
+                self._back_off(alias, "registry not read after a model-update event; trying again", None, exc)
+                continue
             try:
                 self.on_update(update)
             except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
-                # tried again (the registry read anew) after a backoff that doubles up to 60 s: a
-                # load that failed once (vLLM busy, a download cut) must not leave serving on the
-                # previous version until the next move
-                self.failures = min(self.failures + 1, 6)
-                self.next_try = time.monotonic() + min(self.retry_s * 2 ** (self.failures - 1), 60.0)
-                log.error("model update not applied; still serving the previous version, trying again",
-                          extra={"alias": alias, "version": update.version, "retry_in_s":
-                                 round(self.next_try - time.monotonic(), 1), "error": f"{type(exc).__name__}: {exc}"})
-                return
+                # a load that failed once (vLLM busy, a download cut) must not leave serving on
+                # the previous version until the next move
+                self._back_off(alias, "model update not applied; still serving the previous version, trying again",
+                               update.version, exc)
+                continue
             self.stale.discard(alias)
-            self.failures = 0
+            self.failures.pop(alias, None)
+            self.next_try.pop(alias, None)
+
+    def _back_off(self, alias: str, message: str, version: str | None, exc: Exception) -> None:
+        self.failures[alias] = min(self.failures.get(alias, 0) + 1, 6)
+        wait = min(self.retry_s * 2 ** (self.failures[alias] - 1), 60.0)
+        self.next_try[alias] = time.monotonic() + wait
+        log.error(message, extra={"alias": alias, "version": version, "retry_in_s": round(wait, 1),
+                                  "error": f"{type(exc).__name__}: {exc}"})
 
     def close(self) -> None:
         self.stop.set()

@@ -97,6 +97,7 @@ class Gateway:
         self.wanted_champion: str | None = None
         self.wanted_canary: tuple[str | None, float] = (None, 0.0)
         self._lock = threading.Lock()
+        self._reconciling = threading.Lock()
         # request and episode ids answered ("r:" / "e:" + id): feedback for others is counted
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.metrics = CollectorRegistry()
@@ -149,8 +150,8 @@ class Gateway:
             for old in [other for other in self._sessions if other.is_closed()]:
                 del self._sessions[old]  # (their connections went with their loop)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
-            session = self._sessions[loop] = aiohttp.ClientSession(
-                timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+            session = self._sessions[loop] = aiohttp.ClientSession(  # (a stream's line may be long: a
+                timeout=timeout, connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 22)  # chunk of ids)
         return session
 
     def on_update(self, ev: ModelUpdate) -> None:
@@ -171,6 +172,10 @@ class Gateway:
         lists the LoRA adapters it has loaded); a version it does not serve yet keeps the previous
         route -- the champion before it, or no canary -- until a later call finds it. True when
         routing is what the registry says. Called on each registry move and every poll_s."""
+        with self._reconciling:  # one at a time: an older listing never lands after a newer one
+            return self._reconcile()
+
+    def _reconcile(self) -> bool:
         try:
             listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
             served = {m["id"] for m in listed if isinstance(m, dict)}
@@ -221,12 +226,16 @@ class Gateway:
         """(the version that answers, its model name on the upstream: None for the base);
         `key`: the request's episode id when it names one (an episode's calls go to one version),
         else its request id."""
+        version, model, _ = self.route_side(key)
+        return version, model
+
+    def route_side(self, key: str) -> tuple[str, str | None, str]:
+        """route(), and the side chosen ("canary" or "champion"), from one reading of the routes."""
         with self._lock:  # (held by reconcile only to set the three together)
             champion, canary, share = self.champion, self.canary, self.canary_share
-        version = champion
         if canary is not None and routes_to_canary(key, share, routing_salt(self.routing_secret, canary)):
-            version = canary
-        return (version, self.adapter(version)) if version else ("base", None)
+            return canary, self.adapter(canary), "canary"
+        return (champion, self.adapter(champion), "champion") if champion else ("base", None, "champion")
 
     def may_ingest(self, authorization: str | None) -> bool:
         """The ingestion routes' credential (compared in constant time)."""

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.gateway import Gateway, new_id
-from deploy.gateway_record import AnswerRecord, ChoiceRecord, token_id
+from deploy.gateway_record import AnswerRecord, ChoiceRecord, choice_index, token_id
 from deploy.gateway_sampling import logprobs_kept, upstream_sampling
 from deploy.rollout import routing_signature
 from deploy.serve import header_id, header_step
@@ -83,11 +83,14 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def forward(path: str, request_body: dict[str, Any], headers: Any, chat: bool,
                       retry: bool = True) -> Response:
         request_id = new_id("req")
-        version, model = gw.route(header_id(headers, "x-rtrl-episode-id") or request_id)
+        version, model, routed = gw.route_side(header_id(headers, "x-rtrl-episode-id") or request_id)
         asked_logprobs = bool(request_body.get("logprobs"))
         asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
         sent = upstream_sampling(request_body)  # what sampled the tokens, sent and recorded
-        up = {**request_body, **sent, "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}
+        # log-probs always (a completion's top-N as the client asked), token ids always
+        asked_top = request_body.get("logprobs") if isinstance(request_body.get("logprobs"), int) else None
+        up = {**request_body, **sent, "logprobs": True if chat else max(asked_top or 0, 0),
+              "return_tokens_as_token_ids": True}
         # the router decides which version answers, never the client: the base by its own name
         if model is None and gw.base_model is not None:
             model = gw.base_model
@@ -104,7 +107,6 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             # X-Rtrl-Routed: the choice made, for an upstream that routes canaries itself (rtrl
             # serve: it follows the choice only with the signature of the shared routing secret);
             # vLLM goes by the adapter `model` names
-            routed = "canary" if gw.canary is not None and version == gw.canary else "champion"
             answer = await (await gw.session()).post(
                 f"{gw.upstream}{path}", data=orjson.dumps(up),
                 headers={"X-Request-Id": request_id, "Content-Type": "application/json", "X-Rtrl-Routed": routed,
@@ -138,20 +140,28 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         try:
             async with answer:
                 data = orjson.loads(await answer.read())
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON {type(data).__name__}, not an object")
         except asyncio.TimeoutError:
             gw.requests.labels(endpoint, "upstream_timeout").inc()
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not finish its answer in "
                                                       f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
+        except (aiohttp.ClientError, ValueError) as exc:  # cut, or not an answer (orjson's error is a ValueError)
+            gw.requests.labels(endpoint, "upstream_error").inc()
+            log.error("the upstream's answer is unreadable", extra={"request_id": request_id,
+                                                                    "error": f"{type(exc).__name__}: {exc}"})
+            return JSONResponse({"error": {"message": f"the upstream {gw.upstream} gave an unreadable answer "
+                                                      f"({type(exc).__name__})", "type": "upstream_error"}}, 502)
         gw.requests.labels(endpoint, "ok").inc()
-        record.add_whole(data, chat)
+        order = record.add_whole(data, chat)
         await keep_all(record, served, request_body, sent, headers)
-        for choice in data.get("choices", []):
+        for index, choice in zip(order, [c for c in data.get("choices") or () if isinstance(c, dict)]):
             if len(record.choices) > 1:
-                choice["request_id"] = record.id_of(choice.get("index", 0))  # as rtrl serve names them
+                choice["request_id"] = record.id_of(index)  # as rtrl serve names them
             if not asked_logprobs:
                 choice.pop("logprobs", None)
             elif chat:
-                choice["logprobs"] = {"content": _as_asked(record.choices[choice.get("index", 0)].entries, asked_ids)}
+                choice["logprobs"] = {"content": _as_asked(record.choices[index].entries, asked_ids)}
         data["id"] = request_id
         return Response(orjson.dumps(data), media_type="application/json", headers=out_headers)
 
@@ -181,8 +191,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                         continue
                     chunk["id"] = record.request_id
                     for choice in chunk.get("choices", []):
-                        if choice.get("index", 0) > 0 or len(record.choices) > 1:
-                            choice["request_id"] = record.id_of(choice.get("index", 0))
+                        if choice_index(choice) > 0 or len(record.choices) > 1:
+                            choice["request_id"] = record.id_of(choice_index(choice))
                         lp = choice.get("logprobs") or {}
                         if not asked_logprobs:
                             choice.pop("logprobs", None)
@@ -192,7 +202,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 if not ended and record.error is None:
                     record.error = {"message": f"the upstream {gw.upstream} ended the stream without [DONE]"}
                     yield _error_frame(record.error["message"], "upstream_error", 502)
-            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - cut, timed out, a line too long, a chunk not an answer
                 record.error = {"message": f"the upstream {gw.upstream} failed mid-stream: {type(exc).__name__}"}
                 log.error("the upstream failed mid-stream", extra={"request_id": record.request_id,
                                                                    "error": f"{type(exc).__name__}: {exc}"})
@@ -204,7 +214,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             answer.close()
             gw.requests.labels(endpoint, "upstream_error" if record.error is not None else
                                "ok" if kept else "disconnected").inc()
-            if not kept and any(r.text or r.entries or r.calls for r in record.choices.values()):
+            if not kept and any(r.completion or r.entries or r.calls for r in record.choices.values()):
                 await keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
 
     async def json_object(request: Request) -> dict[str, Any] | None:

@@ -94,7 +94,7 @@ class ChoiceRecord:
     @classmethod
     def of_choice(cls, choice: dict[str, Any], chat: bool) -> "ChoiceRecord":
         """A whole (unstreamed) choice."""
-        record = cls(choice.get("index", 0), finish_reason=choice.get("finish_reason"))
+        record = cls(choice_index(choice), finish_reason=choice.get("finish_reason"))
         if chat:
             message = choice.get("message") or {}
             record.text.append(message.get("content") or "")
@@ -139,15 +139,28 @@ class AnswerRecord:
             self.error = error if isinstance(error, dict) else {"message": str(error)}
             return
         for choice in chunk.get("choices") or ():
-            self.choice(choice.get("index", 0)).add_delta(choice, chat)
+            self.choice(choice_index(choice)).add_delta(choice, chat)
 
-    def add_whole(self, data: dict[str, Any], chat: bool) -> None:
-        """An unstreamed answer's choices."""
-        for choice in data.get("choices") or ():
+    def add_whole(self, data: dict[str, Any], chat: bool) -> list[int]:
+        """An unstreamed answer's choices; returns the index each was recorded under, in order."""
+        order = []
+        for position, choice in enumerate(data.get("choices") or ()):
+            if not isinstance(choice, dict):
+                continue
             record = ChoiceRecord.of_choice(choice, chat)
+            if record.index in self.choices:  # no index, or one repeated: its place in the list
+                record.index = position
             self.choices[record.index] = record
             self.id_of(record.index)
+            order.append(record.index)
+        return order
 
     def records(self) -> list[tuple[str, ChoiceRecord]]:
         """(request id, record) of every choice, in index order."""
         return [(self.ids[k], self.choices[k]) for k in sorted(self.choices)]
+
+
+def choice_index(choice: dict[str, Any]) -> int:
+    """A choice's index (0 when it has none: one choice)."""
+    index = choice.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else 0

@@ -47,8 +47,11 @@ def not_recomputable(body: dict[str, Any]) -> str | None:
         value = body.get(key)
         if value is not None and value != neutral:
             return f"{key}={value!r} changes the distribution; training recomputes only temperature, top_k, top_p"
-    if body.get("logit_bias"):
-        return "logit_bias changes the distribution"
+    for key in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "thinking_token_budget"):
+        if body.get(key):
+            return f"{key} changes the distribution (vLLM applies it among the logits' processors)"
+    if body.get("use_beam_search"):
+        return "use_beam_search: the tokens were searched, not sampled"
     for key in GRAMMARS:
         value = body.get(key)
         if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
@@ -56,6 +59,11 @@ def not_recomputable(body: dict[str, Any]) -> str | None:
     choice = body.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
         return "a forced tool_choice constrains the tokens (a grammar)"
+    tools = body.get("tools") or ()
+    if tools and choice != "none" and (body.get("parallel_tool_calls") is False or any(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict")
+            for t in tools)):
+        return "strict tools or parallel_tool_calls=false constrain the tokens (vLLM's structural tag)"
     return None
 
 
@@ -95,15 +103,23 @@ def classify_probe(prompts: list[list[Sample]]) -> LogprobsMode:
 
 
 def _verdict(cold: Sample, cool: Sample, warm: Sample) -> LogprobsMode | None:
+    """Raw log-probs give a token the same value at every temperature; processed ones move with
+    it. A tie at the top moves neither at 0.01 and 0.02 (each of the two keeps half), so "raw"
+    needs the same value at 1.0 too; a certain model says nothing."""
     (token, a), (token_b, b), (token_c, c) = cold, cool, warm
     if max(a, b, c) > 1e-6:
         return "raw"  # logits, not log-probs (vLLM's raw_logits / processed_logits)
     if token != token_b:
-        return None  # a tie at the top: nothing learnt
-    if a > -1e-5 and b > -1e-5:  # ~0 at both: processed, or a model certain of this token
-        if token_c != token:
-            return None
-        return "processed" if c < -1e-3 else None
-    if abs(a - b) <= 1e-3 * abs(b) + 1e-6:
-        return "raw"
-    return "processed" if a - b > 1e-2 * abs(b) else "raw"  # a lower temperature never lowers the argmax
+        return None
+    if not same(a, b):
+        return "processed"  # the same token at two temperatures, two values
+    if token_c != token or (a > -1e-5 and c > -1e-5):
+        return None  # nothing to compare with, or a model certain of this token
+    if a > -1e-5:
+        return "processed"  # ~0 when cold, clearly below 0 at 1.0
+    return "raw" if same(a, c) else None  # a == b != c: a tie at the top
+
+
+def same(x: float, y: float) -> bool:
+    """Equal up to a server's float noise (batches of other sizes round otherwise)."""
+    return abs(x - y) <= 1e-3 * max(abs(x), abs(y)) + 1e-6

@@ -1,9 +1,10 @@
 """The vLLM hook: keep a vLLM server on the champion adapter (and the canary's, if staged).
 
 On each model-update event the new adapter is downloaded from the registry, loaded on the vLLM
-server under a versioned name (`<model>-v<version>`, POST /v1/load_lora_adapter), and only then
-is the previous one unloaded (POST /v1/unload_lora_adapter): clients asking for the new name
-find it, clients still using the old name finish first. A name vLLM lists already (GET /v1/models)
+server under a versioned name (`<model>-v<version>`, POST /v1/load_lora_adapter), and only then,
+after a grace period longer than the gateway's poll, is the previous one unloaded (POST
+/v1/unload_lora_adapter): clients asking for the new name find it, and the gateway has moved its
+routes to it before the old name goes. A name vLLM lists already (GET /v1/models)
 is not loaded again: a restarted sync picks up where vLLM is. A load that fails raises, and the
 follower tries the update again with a backoff (deploy/follow.py). vLLM must run with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora, --max-loras of at least 3 (the champion,
@@ -19,6 +20,7 @@ as rtrl serve: deploy.rollout.routes_to_canary) to `<model>-v<canary>`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,15 @@ class VllmError(RuntimeError):
 
 class VllmAdapterSync:
     def __init__(self, base_url: str, model_name: str, fetch: Callable[[str, Path], Path], download_dir: Path,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, grace_s: float = 10.0) -> None:
+        """`grace_s`: how long an adapter no version needs any more stays loaded before it is
+        unloaded -- longer than the gateway's --poll, so that it has moved its routes away first
+        (requests routed to it meanwhile are answered, not refused with a 404)."""
         self.base_url, self.model_name, self.fetch = base_url.rstrip("/"), model_name, fetch
-        self.download_dir, self.timeout_s = download_dir, timeout_s
+        self.download_dir, self.timeout_s, self.grace_s = download_dir, timeout_s, grace_s
         self.current: str | None = None  # the lora_name vLLM serves as champion
         self.canary: str | None = None  # the staged candidate's lora_name, if any
+        self.kept: list[str] = []  # names whose unload was called off: needed again within the grace period
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         try:
@@ -100,6 +106,15 @@ class VllmAdapterSync:
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
     def _unload(self, name: str) -> None:
+        """Unload `name` after the grace period, unless it is the champion or the canary again."""
+        timer = threading.Timer(self.grace_s, self._unload_now, args=(name,))
+        timer.daemon = True
+        timer.start()
+
+    def _unload_now(self, name: str) -> None:
+        if name in (self.current, self.canary):
+            self.kept.append(name)  # needed again (a rollback, a canary staged anew) within the grace period
+            return
         try:
             self._post("/v1/unload_lora_adapter", {"lora_name": name})
         except VllmError as exc:  # the new one is live; a stale adapter only costs memory

@@ -131,8 +131,8 @@ def test_the_canary_s_share_is_drawn_per_episode(through):
     """Every call of an agent's episode goes the way its episode id hashes (one version answers
     the whole episode); a request without one is routed by its own request id."""
     client, gw, events, _, _, _ = through
-    keys, route = [], gw.route
-    gw.route = lambda key: keys.append(key) or route(key)
+    keys, route = [], gw.route_side
+    gw.route_side = lambda key: keys.append(key) or route(key)
     for _ in range(2):
         client.chat.completions.create(model="policy", messages=ASK, max_tokens=2,
                                        extra_headers={"X-Rtrl-Episode-Id": "task-9"})

@@ -48,6 +48,9 @@ def test_the_probe_tells_raw_log_probs_from_processed(mode, seen):
         assert Gateway(upstream.url, "m", None, None).check_logprobs() == seen
     finally:
         upstream.stop()
+    tie = [(9, -0.6931), (9, -0.6931), (9, -0.9303)]  # two tokens level at the top: half each when cold
+    second = [(9, -1.3133), (9, -0.9741), (9, -1.0)]  # the runner-up drawn at both low temperatures
+    assert classify_probe([tie]) == "unknown" and classify_probe([second]) == "processed"
     certain = [(1, -1e-9), (1, -1e-8), (1, -1e-7)]
     assert classify_probe([]) == "unknown" and classify_probe([certain]) == "unknown"  # nothing learnt
     processed_ = [(1, -0.0), (1, -0.0), (1, -2.5)]
@@ -111,11 +114,16 @@ def test_raw_log_probs_are_kept_only_where_they_are_the_sampled_distribution_s()
     assert len(neutral["behavior_logprobs"]) == len(neutral["completion_token_ids"]) > 0  # raw = processed at 1
 
 
-def test_settings_training_cannot_recompute_keep_the_answer_without_its_log_probs(vllm):
-    _, _, events, client, _ = vllm
-    client.chat.completions.create(model="base-model", messages=ASK, max_tokens=4, presence_penalty=0.5)
-    assert events[0].get("behavior_logprobs") is None
-    assert events[0]["metadata"]["behavior_logprobs_dropped"].startswith("presence_penalty=0.5")
+@pytest.mark.parametrize("extra,reason", [
+    ({"presence_penalty": 0.5}, "presence_penalty=0.5"), ({"min_tokens": 2}, "min_tokens"),
+    ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"tools": [{**LOOKUP, "function": {**LOOKUP["function"], "strict": True}}]}, "strict tools"),
+    ({"tools": [LOOKUP], "parallel_tool_calls": False}, "strict tools or parallel_tool_calls")])
+def test_settings_training_cannot_recompute_keep_the_answer_without_its_log_probs(vllm, extra, reason):
+    _, _, events, _, http = vllm
+    http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra})
+    assert events[0].get("behavior_logprobs") is None and events[0]["completion_token_ids"]
+    assert events[0]["metadata"]["behavior_logprobs_dropped"].startswith(reason)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -223,3 +231,53 @@ def test_the_router_decides_which_version_answers_never_the_client(vllm, tmp_pat
     replica = Gateway(gw.upstream, "policy", None, None, routing_secret=gw.routing_secret)
     replica.champion, replica.canary, replica.canary_share = "3", "4", 0.5
     assert [replica.route(e)[0] for e in episodes] == mine  # replicas sharing the secret agree
+
+
+@pytest.mark.parametrize("body,status", [(b"not json", 502), (b"[1, 2]", 502)])
+def test_an_unreadable_answer_is_a_502_not_a_500(body, status):
+    from tests.vllm_instant import read_body
+
+    async def upstream(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    server = InProcessServer(upstream)
+    try:
+        http = TestClient(create_gateway_app(Gateway(server.url, "policy", None, None)))
+        answer = http.post("/v1/chat/completions", json={"messages": ASK})
+        assert answer.status_code == status and "unreadable" in answer.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("chunk", [b"[1, 2]", b'{"choices": [{"index": null, "delta": {"content": "a"}}]}',
+                                   b'{"choices": ["oops"]}'])
+def test_an_odd_stream_chunk_ends_the_stream_with_an_error_frame(chunk):
+    """Anything the relay cannot read -- valid JSON that is no chunk included -- is the upstream
+    failing mid-stream: the client gets an error frame and [DONE], never a stream that just stops."""
+    from tests.vllm_instant import read_body
+
+    first = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+
+    async def upstream(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": first + b"data: " + chunk + b"\n\ndata: [DONE]\n\n"})
+
+    server = InProcessServer(upstream)
+    events: list[dict] = []
+    try:
+        gw = Gateway(server.url, "policy", events.append, None)
+        text = TestClient(create_gateway_app(gw)).post("/v1/chat/completions", json={"messages": ASK, "stream": True}).text
+    finally:
+        server.stop()
+    if b"null" in chunk:  # an index of null is the first choice's
+        assert '"error"' not in text and events[0]["completion"] == "Hia"
+        return
+    assert '"error"' in text and text.endswith("data: [DONE]\n\n")
+    assert events[0]["completion"] == "Hi" and events[0]["truncated"] is True and "upstream_error" in events[0]["metadata"]
