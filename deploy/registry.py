@@ -175,12 +175,20 @@ class Registry(RegistryReader):
             raise RegistryError("--force needs --reason: say why the gate is overridden")
         return decision
 
-    def rollback(self, actor: str, reason: str, to: str | None = None) -> Version:
+    def rollback(self, actor: str, reason: str, to: str | None = None, force: bool = False) -> Version:
         """`champion` back to `previous` (or `to`). The new `previous` is the champion the restored
         version replaced when it was promoted, so rollbacks walk back through the promotions; the
-        version rolled back is not promoted again unless forced."""
+        version rolled back is not promoted again unless forced. `to` a version that was never the
+        champion needs a passing decision, as a promotion does, unless forced with a reason."""
         current = self.alias(CHAMPION)
         target = self.get(to) if to else self.alias(PREVIOUS)
+        if to and audit.last_move_to(self.engine, self.name, CHAMPION, target.version) is None:
+            try:
+                self._require_passed(target.version, force, reason)
+            except RegistryError as exc:
+                raise RegistryError(f"version {target.version} was never the champion, so a rollback to it is a "
+                                    f"promotion: {exc}".replace("`--force --reason", "`rtrl rollback --to "
+                                                                f"{target.version} --force --reason")) from None
         if target is None or (current is not None and target.version == current.version and not to):
             # `previous` missing, or equal to the champion (left so by an older version's failed
             # promotion): the audit trail knows what the champion replaced

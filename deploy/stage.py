@@ -162,6 +162,13 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
         return True, f"version {version} was promoted by an operator during its canary"
     if canary is None or canary.version != version:
         return False, f"the canary (version {version}) was withdrawn by an operator"
+    gated_against = decision.champion_version if decision is not None else None
+    now = champion.version if champion is not None else None
+    if decision is not None and gated_against != now:
+        # an operator's rollback or promotion during the canary wins: the candidate was gated
+        # against another champion, and its online sides would straddle the move
+        return False, (f"the champion moved from {gated_against or 'the base'} to {now or 'the base'} during the "
+                       f"canary (an operator's move): version {version} is not promoted over it")
     move = last_move_to(engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
     staged_at = move.at if move is not None else cycle_started

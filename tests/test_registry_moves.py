@@ -151,3 +151,22 @@ def test_a_cycle_resumed_in_promoting_does_not_promote_a_rolled_back_version(set
     row = run_cycle(deps)
     assert row.state == "rejected" and "rolled back by bob" in row.reason, row.reason
     assert registry.alias(CHAMPION).version == v1
+
+
+def test_a_rollback_to_a_version_that_was_never_the_champion_needs_its_gate_or_force(setup, engine):
+    """`rtrl rollback --to V` shipped a version whose gate failed without --force (promote refuses
+    the same version): a rollback to a version that never served is a promotion."""
+    registry, broker, version = setup
+    v1, v2 = version(), version()
+    failed = version()
+    audit.record_decision(engine, registry.name, failed, v2, None, False,
+                          {"decision": {"passed": False, "checks": [], "reasons": ["kl too high"]}})
+    for v in (v1, v2):
+        registry.promote(v, "automatic", "gate passed")
+    with pytest.raises(RegistryError, match=f"never the champion.*failed its gate.*rollback --to {failed} --force"):
+        registry.rollback("bob", "try it", to=failed)
+    assert registry.alias(CHAMPION).version == v2
+    assert registry.rollback("bob", "v2 reverts edits", to=v1).version == v1  # a former champion: restored
+    with pytest.raises(RegistryError, match="--force needs --reason"):
+        registry.rollback("bob", "", to=failed, force=True)
+    assert registry.rollback("bob", "the gate's KL check misfires on this one", to=failed, force=True).version == failed

@@ -177,3 +177,20 @@ def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_i
     run_cycle(deps)
     withdrawn = [m for m in moves(engine, "cycle-policy") if m.alias == CANARY and m.to_version is None]
     assert withdrawn and withdrawn[-1].from_version == version and "no cycle is measuring" in withdrawn[-1].reason
+
+
+@on_sqlite
+def test_a_champion_moved_by_an_operator_during_the_canary_is_not_overridden(
+        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    """An operator puts another version in (a rollback, a hotfix) while the canary is out: the
+    canary was gated against the champion of then, and the cycle promoted it over the operator's
+    choice once its online comparison -- against the new champion -- passed."""
+    row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "o", seed=14)
+    hotfix = deps.registry.register(deps.registry.get(version).run_id, {"base_model": "base"}).version
+    deps.registry.promote(hotfix, actor="alice", reason="hotfix while the canary runs", force=True)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "o-champion", hotfix, 60, good=0.2)
+    online_traffic(cfg, engine, topics, kafka_bootstrap, "o-canary", version, 60, good=0.8)
+    rejected = wait_for(lambda: (r := run_cycle(deps)).state != "canary" and r, 60, "the canary's check",
+                        interval=0.5)
+    assert rejected.state == "rejected" and "the champion moved" in rejected.reason, rejected.reason
+    assert deps.registry.alias(CHAMPION).version == hotfix and deps.registry.alias(CANARY) is None

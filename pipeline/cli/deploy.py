@@ -157,10 +157,12 @@ def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) ->
 @click.option("--to", "to_version", help="Version to restore (default: the `previous` alias).")
 @click.option("--canary", is_flag=True, help="Withdraw the canary of a staged rollout instead: every request "
               "goes to the champion, and the daemon's cycle records the candidate as rejected.")
+@click.option("--force", is_flag=True, help="With --to: restore a version that was never the champion and has no "
+              "passing decision (needs a --reason of your own).")
 @click.option("--reason", default="rollback", show_default=True, help="Why; recorded in the audit trail.")
 @click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
 @pass_ctx
-def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, actor: str) -> None:
+def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, reason: str, actor: str) -> None:
     """Move `champion` back to the previous version (or --to VERSION); serving follows.
 
     \b
@@ -169,6 +171,8 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, ac
     The version rolled back is not promoted again by the daemon (a cycle that had decided to
     promote it records it as rejected); `rtrl promote VERSION --force --reason ...` does.
     A promotion that failed half way leaves `previous` as it was, so the target stays right.
+    --to a version that was never the champion is a promotion: it needs a passing gate decision,
+    or --force.
 
     With --canary, withdraw a staged candidate instead (to promote it early: `rtrl promote VERSION`)."""
     with _registry(ctx) as registry:
@@ -177,7 +181,7 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, reason: str, ac
             click.echo(f"withdrew canary v{withdrawn.version}: the champion serves every request" if withdrawn
                        else "no canary to withdraw")
             return
-        target = registry.rollback(actor=actor, reason=reason, to=to_version)
+        target = registry.rollback(actor=actor, reason=reason, to=to_version, force=force)
     click.echo(f"rolled back: v{target.version} is the champion")
 
 
