@@ -209,8 +209,10 @@ class PolicyServer:
 
     def send_event(self, a: Answer, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
                    truncated: bool = False) -> None:
-        """The answer's interaction event to Kafka; one Kafka refuses is counted and logged."""
-        if self.emit is None:
+        """The answer's interaction event to Kafka; one Kafka refuses is counted and logged. None
+        for a request a gateway in front routed: the gateway records it (twice recorded, one copy
+        would never be rewarded)."""
+        if self.emit is None or self.routed_by_gateway(getattr(req, "model", None), headers):
             return
         try:
             event = InteractionEvent(

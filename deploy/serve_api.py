@@ -19,8 +19,9 @@ it for the reward guards and the gate. `tool_choice`: "auto" or "none".
 the siblings sharing the event's `group_id`. `stream: true`: server-sent events in OpenAI's
 chunk format, each token as it is sampled, then `[DONE]`; tool-call text is held back until it
 parses (then sent as tool-call deltas) or does not (then sent as content). The interaction event
-is sent once the stream ends; a client that goes away stops the generation, and the event is
-marked `truncated` (training skips it). A parameter the server does not implement is refused
+is kept before the stream's [DONE]; a client that goes away stops the generation, and the event is
+marked `truncated` (training skips it). A request a gateway in front routed (signed) sends no
+event of its own: the gateway records it. A parameter the server does not implement is refused
 with a 400 that names it, never ignored: ignoring `stream` or `n` hands the client an answer of
 another shape than it asked for.
 """
@@ -284,7 +285,7 @@ def create_app(server: PolicyServer) -> FastAPI:
             return f"data: {json.dumps(body)}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            finished, ids, text, sent = False, [], "", 0
+            finished, kept, ids, text, sent = False, False, [], "", 0
             try:
                 if chat:
                     yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -321,17 +322,20 @@ def create_app(server: PolicyServer) -> FastAPI:
                     {"text": "", "logprobs": None, "finish_reason": finish}
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 yield chunk(last, **({"usage": usage(prompt, tools, [a])} if include_usage else {}))
+                # the event kept before the client hears the end (the spool's append, in a thread):
+                # a server killed once the client has its answer has kept its event
+                kept = True
+                await asyncio.to_thread(server.send_event, a, prompt, req, request_headers, tools)
                 yield "data: [DONE]\n\n"
                 finished = True
             finally:
                 if not finished:
                     stop.set()  # the client went away: generation ends at its next token
 
-                def send() -> None:  # off the event loop: it waits for the generation and for Kafka
+                def send() -> None:  # off the event loop, which a cancelled stream cannot wait on here
                     worker.join(timeout=300)
-                    if "answer" in result:
-                        server.send_event(result["answer"], prompt, req, request_headers, tools,
-                                          truncated=not finished)
+                    if "answer" in result and not kept:  # truncated: the client left before the end
+                        server.send_event(result["answer"], prompt, req, request_headers, tools, truncated=True)
                     outcome = "ok" if finished else "error" if "error" in result else "disconnected"
                     server.requests.labels("chat" if chat else "completions", outcome).inc()
 

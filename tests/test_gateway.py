@@ -247,3 +247,52 @@ def test_a_streamed_rtrl_serve_answer_says_which_version_produced_it(through):
                        json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True}) as answer:
         assert answer.headers["X-Rtrl-Policy-Version"] == "base"
         assert b"[DONE]" in b"".join(answer.iter_content(None))
+
+
+def test_rtrl_serve_keeps_a_streamed_answer_s_event_before_its_done(real):
+    """The event was sent after [DONE], from a daemon thread: a server killed once the client had
+    its answer lost it. Here the event's append holds the stream: [DONE] comes only after it."""
+    import threading
+
+    import requests
+
+    entered, release, seen_done = threading.Event(), threading.Event(), threading.Event()
+    kept: list[dict] = []
+
+    def emit(event: dict) -> None:
+        entered.set()
+        kept.append((event, seen_done.is_set()))
+        release.wait(30)
+
+    upstream = InProcessServer(create_app(PolicyServer(real, "policy", emit=emit)))
+    try:
+        def read() -> None:
+            with requests.post(f"{upstream.url}/v1/chat/completions", stream=True, timeout=60,
+                               json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True}) as answer:
+                for line in answer.iter_lines():
+                    if line == b"data: [DONE]":
+                        seen_done.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_for(entered.is_set, 30, "the event's append")
+        assert not seen_done.is_set()
+        release.set()
+        reader.join(timeout=30)
+        assert seen_done.is_set() and len(kept) == 1 and kept[0][1] is False
+    finally:
+        release.set()
+        upstream.stop()
+
+
+def test_rtrl_serve_behind_a_gateway_leaves_the_event_to_the_gateway(real):
+    """Each call was recorded twice -- the gateway's event and rtrl serve's own, never rewarded."""
+    sent: list[dict] = []
+    server = PolicyServer(real, "policy", emit=sent.append)
+    req = ChatRequest(model="policy", messages=ASK, max_tokens=2)
+    signed = {"x-request-id": "req-9", "x-rtrl-routed": "champion",
+              "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-9", "champion", "policy")}
+    server.answer(ASK, req, signed)
+    assert sent == []
+    server.answer(ASK, req, {"x-rtrl-routed": "champion"})  # unsigned: a client of its own
+    assert len(sent) == 1

@@ -262,12 +262,14 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         runner = PolicySet.load(base)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    # an interaction event goes to Kafka after its answer; while the broker is away it waits in
-    # this server's spool (one per port: replicas on one machine do not share one)
+    # an answer's interaction event waits in this server's spool (one per port: replicas on one
+    # machine do not share one) until Kafka has it
     spool = None if no_events else Spool(config.state_dir / "spool" / f"serve-{port}", config.spool.max_bytes,
                                          config.spool.when_full)
+    # write-ahead: an answer's event is in the spool (a file append) before the answer's end is
+    # given, and the spool's thread sends it: a server killed at any moment has kept it
     emit = None if no_events else EventSender(config.kafka_access, config.kafka.interactions_topic, key="request_id",
-                                              timeout_s=10.0, spool=spool)
+                                              timeout_s=10.0, spool=spool, write_ahead=True)
     secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared with the gateway in front: never logged
     if secret:
         mask(secret)
