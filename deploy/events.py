@@ -51,6 +51,7 @@ class EventSender:
         self.spool, self.retry_s, self.write_ahead = spool, retry_s, write_ahead and spool is not None
         self.wake, self.stopped = threading.Event(), threading.Event()
         self.failing = False  # the last drain failed: the broker is away
+        self.refused: str | None = None  # the broker refuses this producer's login or rights: why
         self.one_by_one = False  # a batch was refused for good: the next drain finds the record at fault
         self.drainer = threading.Thread(target=self._drain_loop, name="spool-drain", daemon=True) if spool else None
         if self.drainer is not None:
@@ -64,10 +65,16 @@ class EventSender:
         if self.spool is None:
             self._send(self.topic, key, value)
             return
+        self.spool.check_owner()
+        if self.refused is not None and not self.write_ahead:
+            raise PermissionError(f"Kafka refuses this producer: {self.refused}")
         if not self.write_ahead and not self.spool.pending():  # (behind a spooled event, an event waits its turn)
             try:
                 self._send(self.topic, key, value)
                 return
+            except kafka_client.REFUSALS as exc:  # wrong credentials or rights: said, not spooled
+                self._reset()
+                raise PermissionError(f"Kafka refuses this producer ({type(exc).__name__}): {exc}") from None
             except Exception as exc:  # noqa: BLE001 - kafka errors of every kind: spooled
                 self._reset()
                 log.warning("the broker did not take an event; spooling until it is back", extra={
@@ -105,7 +112,7 @@ class EventSender:
             try:
                 sent = self.spool.drain(self._in_flight, batch=1 if self.one_by_one else 500,
                                         permanent=refused_for_good, on_set_aside=self._reset)
-                self.one_by_one = False
+                self.one_by_one, self.refused = False, None
             except BatchRefused as exc:  # one record of a batch is too large: find it, one at a time
                 self._reset()
                 self.one_by_one = True
@@ -116,6 +123,12 @@ class EventSender:
                 if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
                     log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
                 self.failing = False
+            except kafka_client.REFUSALS as exc:  # wrong credentials or rights: loud, and told to the caller
+                self._reset()
+                self.failing, self.refused = True, f"{type(exc).__name__}: {exc}"
+                log.error("Kafka refuses this producer: spooled events wait until its settings are fixed", extra={
+                    "topic": self.topic, "spool": str(self.spool.dir), "error": self.refused})
+                continue
             except Exception as exc:  # noqa: BLE001 - the broker still away: the next try in retry_s
                 self._reset()
                 self.failing = True

@@ -17,7 +17,10 @@ Two transports, one behaviour:
     kafka     produced by this process (acks=all): while the broker is away events wait in a
               local spool (append-only files, group-committed with fsync, bounded by
               `spool_max_bytes`; when full: refused with SpoolFull, or `when_full="block"`
-              waits) and are sent in order once it is back; a restart sends what the spool holds
+              waits) and are sent in order once it is back; a restart sends what the spool holds.
+              A broker that refuses the credentials or the topic's rights raises PermissionError
+              (waiting will not help: nothing is spooled for it); a process forked after
+              Rtrl(...) was built raises SpoolBusy -- build it in each worker, after the fork
 
 Every event is validated by the contract's own models before it leaves: a bad one raises
 ValueError here, naming the field, never becomes a dead letter downstream. Importing this

@@ -182,3 +182,26 @@ def test_the_ingestion_routes_take_events_only_with_the_gateway_s_token(gateway,
 
     ids = [new_id("req") for _ in range(3)]
     assert len({i[4:12] for i in ids}) == 3 and all(len(i) == 36 for i in ids)  # no shared prefix, no counter
+
+
+def test_a_process_forked_after_the_client_was_built_is_told_to_build_its_own(tmp_path):
+    """A pre-forking server that built Rtrl(...) before forking: the child shared the parent's
+    spool lock and files, and had no thread to send what it appended (half the events lost)."""
+    import os
+
+    rtrl = Rtrl(bootstrap="127.0.0.1:9", spool_dir=tmp_path, timeout_s=1.0)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its first event is refused, naming the fix
+            try:
+                rtrl.feedback("req-1", kind="accepted", value=True)
+                os._exit(3)
+            except SpoolBusy as exc:
+                os._exit(0 if "after the fork" in str(exc) else 4)
+            except BaseException:  # noqa: BLE001 - anything else: a distinct exit code
+                os._exit(5)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not rtrl.senders["feedback"].spool.pending()  # the parent's spool untouched
+    finally:
+        rtrl.close()

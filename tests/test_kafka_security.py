@@ -275,3 +275,15 @@ def test_the_cli_names_the_setting_and_status_shows_no_secret(secure, tmp_path):
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+@pytest.mark.kafka
+def test_the_client_library_is_told_of_wrong_credentials_instead_of_spooling_them(secure, tmp_path):
+    """A wrong password was taken for an outage: events spooled silently until the spool was full."""
+    from pipeline.client import Rtrl
+
+    access = KafkaAccess(secure["bootstrap"], _broken(secure["security"], tmp_path, "wrong password"), 3.0)
+    with Rtrl(bootstrap=access, spool_dir=tmp_path / "spool") as rtrl:
+        with pytest.raises(PermissionError, match="kafka.security.password_file"):
+            rtrl.feedback("req-1", kind="accepted", value=True)
+        assert not rtrl.senders["feedback"].spool.pending()

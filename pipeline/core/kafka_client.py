@@ -13,7 +13,8 @@ dialled in plain text the same way: it retries until its bootstrap timeout (30 s
                   check_hostname, protocol); then what the broker said (SASL: username,
                   password, sasl_mechanism; a TLS port dialled in plain text: protocol)
     3. raise      KafkaAccessError (a KafkaError, so callers that survive a broker outage
-                  survive this too) whose message names the setting
+                  survive this too) whose message names the setting -- KafkaRefusedError when
+                  the broker was reached and refused the settings (no wait will help)
 
 Secrets the clients are given are registered with pipeline/core/logs.py, which masks them in every
 log line.
@@ -45,6 +46,16 @@ class KafkaAccessError(kerrors.KafkaError):
         return str(self.args[0]) if self.args else "no connection to Kafka"
 
 
+class KafkaRefusedError(KafkaAccessError):
+    """The brokers are there but refuse these settings (credentials, certificates, protocol): no
+    wait makes it work, so a producer tells its caller instead of spooling for an outage."""
+
+
+# what a broker answers a client it will never serve: its login, or its rights (ACLs)
+REFUSALS = (KafkaRefusedError, kerrors.SaslAuthenticationFailedError, kerrors.TopicAuthorizationFailedError,
+            kerrors.ClusterAuthorizationFailedError, kerrors.TransactionalIdAuthorizationFailedError)
+
+
 def consumer(access: KafkaAccess | str, **params: Any) -> KafkaConsumer:
     return _connect(KafkaConsumer, KafkaAccess.of(access), params)
 
@@ -73,7 +84,10 @@ def _connect(factory: Callable[..., T], access: KafkaAccess, params: dict[str, A
             return factory(**settings)
         except kerrors.KafkaTimeoutError as exc:
             failure = exc
-    raise KafkaAccessError(diagnose(access, seen, failure)) from None  # 2., 3.
+    reason = diagnose(access, seen, failure)  # 2., 3.
+    if reason.startswith(("cannot reach", "no Kafka connection")):
+        raise KafkaAccessError(reason) from None  # not there (yet): an outage
+    raise KafkaRefusedError(reason) from None
 
 
 @contextmanager

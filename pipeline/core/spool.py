@@ -74,6 +74,7 @@ class Spool:
             raise SpoolBusy(f"the spool under {self.dir} is in use by another process: give each process "
                             "(each gateway port, each application worker) its own spool directory") from None
         self.max_bytes, self.when_full = max_bytes, when_full
+        self.owner = os.getpid()  # a child forked from this process holds the same lock, not its own
         self.commit_s, self.segment_bytes = commit_s, segment_bytes
         self.lock = threading.Condition()
         self.refused = 0
@@ -96,8 +97,16 @@ class Spool:
 
     # -- appending --------------------------------------------------------------------------
 
+    def check_owner(self) -> None:
+        """SpoolBusy in a process forked after the spool was opened: the lock came along with the
+        fork (both would append to one segment, and the child has no thread to send it)."""
+        if os.getpid() != self.owner:
+            raise SpoolBusy(f"the spool under {self.dir} was opened by process {self.owner} before it forked: "
+                            "open one in each worker after the fork (a pre-forking server: in its post-fork hook)")
+
     def append(self, topic: str, key: bytes | None, value: bytes) -> None:
         """Keep a record until drain() sends it; SpoolFull when the spool is full and refuses."""
+        self.check_owner()
         payload = json.dumps({"topic": topic, "key": key.decode() if key is not None else None,
                               "value": value.decode()}).encode()
         record = _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
