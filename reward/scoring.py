@@ -94,20 +94,18 @@ def _feedback(events: list[list[Any]]) -> tuple[Feedback, ...]:
 
 def _in_episode(call: Episode, episode_id: str, outcome: list[list[Any]], calls: list[list[Any]]) -> Episode:
     """A call with its agent episode: the outcome, and its place among the episode's calls --
-    ordered by the producer's `step` where both calls have one, else by the time they were
-    served (then request id: a total order whatever the arrival order)."""
+    ordered by the producer's `step`, a call without one after those with one, then by the time
+    they were served, then by request id: a total order whatever the arrival order, so exactly
+    one call is the last (the store orders an episode's first call the same way). Comparing by
+    step only where both calls had one was no order: with steps on some calls and not others,
+    a cycle could leave no call last, and discounted credit none undiscounted."""
+    def order(rid: str, step: int | None, ts: datetime) -> tuple:
+        return (step if step is not None else 1 << 30, ts, rid)
+
     served = [(rid, step, datetime.fromisoformat(cts)) for rid, step, cts in calls]
-
-    def after(other: tuple) -> bool:
-        rid, step, cts = other
-        if rid == call.request_id:
-            return False
-        if step is not None and own_step is not None and step != own_step:
-            return step > own_step
-        return (cts, rid) > (call.ts, call.request_id)
-
-    own_step = next((step for rid, step, _ in served if rid == call.request_id), None)
-    return call._replace(episode_id=episode_id, outcome=_feedback(outcome), calls_after=sum(map(after, served)),
+    own = next((order(*c) for c in served if c[0] == call.request_id), order(call.request_id, None, call.ts))
+    return call._replace(episode_id=episode_id, outcome=_feedback(outcome),
+                         calls_after=sum(order(*c) > own for c in served if c[0] != call.request_id),
                          episode_calls=len(served), last_call_ts=max(cts for _, _, cts in served))
 
 

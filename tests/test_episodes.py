@@ -262,3 +262,18 @@ def test_a_frozen_sub_agent_s_calls_are_context_never_trained(engine):
 
     evaluated = select_eval_episodes(engine, EQUAL.version, 100.0, limit=10)  # everything held out
     assert sorted(r.request_id for r in evaluated) == ["k-r-0", "k-r-3"]
+
+
+def test_an_episode_s_calls_have_a_total_order_when_only_some_carry_a_step():
+    """Steps on some calls and not others: compared by step where both had one, else by time,
+    three calls could each have one call after them -- no last call, and under discounted credit
+    no call undiscounted."""
+    from datetime import datetime
+
+    from reward.scoring import _in_episode
+
+    calls = [[rid, step, (BASE_TS + timedelta(seconds=k)).isoformat()]
+             for k, (rid, step) in enumerate([("a", 2), ("b", None), ("c", 1)], start=1)]
+    after = {rid: _in_episode(Episode(rid, datetime.fromisoformat(ts), "1", "x"), "e", [], calls).calls_after
+             for rid, _, ts in calls}
+    assert sorted(after.values()) == [0, 1, 2] and after == {"c": 2, "a": 1, "b": 0}  # by step, the unstepped last

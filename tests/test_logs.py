@@ -54,3 +54,12 @@ def test_one_convention_in_the_code():
     offenders = [str(p.relative_to(REPO)) for pkg in ("ingest", "reward", "train", "deploy", "pipeline")
                  for p in (REPO / pkg).rglob("*.py") if p.name != "logs.py" and re.search(r"extra=\{\s*\"fields\"", p.read_text())]
     assert offenders == []
+
+
+def test_a_tracking_uri_is_printed_and_stored_without_its_credentials():
+    from pipeline.core.logs import redacted_uri
+
+    assert redacted_uri("https://alice:s3cret@mlflow.example:5000/api?token=t0k") == "https://alice:***@mlflow.example:5000/api"
+    assert redacted_uri("postgresql+psycopg://rtrl:pw@db:5432/mlflow") == "postgresql+psycopg://rtrl:***@db:5432/mlflow"
+    assert redacted_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert redacted_uri("sqlite:////var/rtrl/mlflow.db") == "sqlite:////var/rtrl/mlflow.db"

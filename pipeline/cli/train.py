@@ -102,13 +102,14 @@ def run(ctx: Context, base_model: str | None, adapter: str | None, since: int | 
         click.echo("\n".join(_selection_lines(report)))
         return
     from deploy.tracking import MlflowTracker
+    from pipeline.core.logs import redacted_uri
 
     config = ctx.config
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root)
     try:
         with _progress() as on_step:
             report = run_training(engine, cfg, spec.version, config.state_dir / "runs", tracker, parent, since,
-                                  params={"tracking_uri": config.tracking_uri}, on_step=on_step)
+                                  params={"tracking_uri": redacted_uri(config.tracking_uri)}, on_step=on_step)
     except (NothingToTrain, ModelError) as exc:
         tracker.end("FAILED")
         raise click.ClickException(str(exc)) from None
@@ -118,7 +119,8 @@ def run(ctx: Context, base_model: str | None, adapter: str | None, since: int | 
                f"({report.loop.tokens:,} tokens, {report.loop.tokens / max(report.loop.seconds, 1e-9):,.0f} tok/s); "
                f"skipped {', '.join(f'{k} {v}' for k, v in skipped.items() if v) or 'none'}; "
                f"behaviour log-probs {json.dumps(report.data.behavior)}")
-    click.echo(f"run {report.run_id}  adapter {report.adapter}  mlflow run {tracker.run_id} ({config.tracking_uri})")
+    click.echo(f"run {report.run_id}  adapter {report.adapter}  mlflow run {tracker.run_id} "
+               f"({redacted_uri(config.tracking_uri)})")
 
 
 @train.command()

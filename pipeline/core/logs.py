@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 from datetime import datetime, timezone
+from urllib.parse import urlsplit, urlunsplit
 
 # what every LogRecord has; anything else on a record came from `extra`
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -32,6 +33,19 @@ def mask(secret: str) -> None:
     if len(secret) >= 4:  # a shorter one would mask ordinary words, and is no secret anyway
         _SECRETS.add(secret)
         _SECRETS.add(json.dumps(secret)[1:-1])
+
+
+def redacted_uri(uri: str) -> str:
+    """A URI fit to print or store: without the password of its userinfo (a tracking URI such as
+    https://user:token@mlflow.example or postgresql://rtrl:pw@db/mlflow holds one) and without
+    its query string (tokens travel there too)."""
+    parts = urlsplit(uri)
+    if not parts.scheme or not parts.netloc:
+        return uri.split("?", 1)[0]
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username
+    netloc = f"{user}:***@{host}" if parts.password is not None else (f"{user}@{host}" if user else host)
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def _masked(line: str) -> str:
