@@ -78,14 +78,18 @@ class Gateway:
 
     def __init__(self, upstream: str, model_name: str, emit_interaction: Emit | None, emit_feedback: Emit | None,
                  default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False,
-                 ingest_token: str | None = None, routing_secret: str = "") -> None:
+                 ingest_token: str | None = None, routing_secret: str = "", max_body_bytes: int = 16 << 20,
+                 body_timeout_s: float = 30.0) -> None:
         """`blocking`: the events' spool blocks when full (spool.when_full = "block");
         `ingest_token`: what /v1/feedback and /v1/interactions require as `Authorization: Bearer`
         (None: those routes are off); `routing_secret`: salts the canary's hash (the same for every
-        replica) and signs the routing choice for an rtrl serve behind (deploy/rollout.py)."""
+        replica) and signs the routing choice for an rtrl serve behind (deploy/rollout.py);
+        `max_body_bytes`, `body_timeout_s`: the largest request body, and how long it may take to
+        arrive."""
         self.upstream, self.model_name, self.timeout_s = upstream.rstrip("/"), model_name, timeout_s
         self.emit_feedback, self.default_tenant, self.blocking = emit_feedback, default_tenant, blocking
         self.ingest_token = ingest_token
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.routing_secret = routing_secret or os.urandom(16).hex()  # one replica: its own
         self.base_model: str | None = None  # the upstream's base model (/v1/models: no parent)
         self.http = requests.Session()  # /v1/models only: the completions go through session()

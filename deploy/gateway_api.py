@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import requests
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -217,36 +218,59 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             if not kept and any(r.completion or r.entries or r.calls for r in record.choices.values()):
                 await keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
 
-    async def json_object(request: Request) -> dict[str, Any] | None:
+    async def json_object(request: Request) -> dict[str, Any] | JSONResponse:
+        """The request's body as a JSON object, or the error to answer: a body over max_body_bytes
+        (413), one that does not arrive within body_timeout_s (408: a client trickling its body
+        holds a connection, not the event loop), one that is not a JSON object (400)."""
+        too_large = JSONResponse({"error": {"message": f"the request body is over {gw.max_body_bytes} bytes",
+                                            "type": "invalid_request_error"}}, 413)
+        declared = request.headers.get("content-length") or ""
+        if declared.isdigit() and int(declared) > gw.max_body_bytes:
+            return too_large
+        chunks, size = [], 0
         try:
-            body = await request.json()
-        except ValueError:
-            return None
-        return body if isinstance(body, dict) else None
-
-    def not_json() -> JSONResponse:
-        return JSONResponse({"error": {"message": "the request body must be a JSON object",
-                                       "type": "invalid_request_error"}}, 400)
+            async with asyncio.timeout(gw.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > gw.max_body_bytes:
+                        return too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            return JSONResponse({"error": {"message": f"the request body did not arrive within {gw.body_timeout_s:g} s",
+                                           "type": "invalid_request_error"}}, 408)
+        try:
+            body = orjson.loads(b"".join(chunks))
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the request body must be a JSON object",
+                                           "type": "invalid_request_error"}}, 400)
+        return body
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await json_object(request)
-        if body is None or not isinstance(body.get("messages"), list):
-            return not_json() if body is None else JSONResponse(
-                {"error": {"message": "messages: a list of chat messages is required", "param": "messages",
-                           "type": "invalid_request_error"}}, 400)
+        if isinstance(body, Response):
+            return body
+        if not isinstance(body.get("messages"), list):
+            return JSONResponse({"error": {"message": "messages: a list of chat messages is required",
+                                           "param": "messages", "type": "invalid_request_error"}}, 400)
         return await forward("/v1/chat/completions", body, request.headers, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await json_object(request)
-        if body is None:
-            return not_json()
+        if isinstance(body, Response):
+            return body
         return await forward("/v1/completions", body, request.headers, False)
 
     @app.get("/v1/models")
     def models() -> Response:
-        answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
+        try:
+            answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
+        except requests.RequestException as exc:
+            return JSONResponse({"error": {"message": f"the upstream {gw.upstream} is unreachable: {exc}",
+                                           "type": "upstream_unreachable"}}, 502)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     def not_kept() -> JSONResponse:
@@ -277,8 +301,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         if (refusal := not_allowed(request)) is not None:
             return refusal
         body = await json_object(request)
-        if body is None:
-            return not_json()
+        if isinstance(body, Response):
+            return body
         try:
             ev = FeedbackEvent.model_validate({
                 "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or new_id("gwf"),
@@ -300,8 +324,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         if (refusal := not_allowed(request)) is not None:
             return refusal
         body = await json_object(request)
-        if body is None:
-            return not_json()
+        if isinstance(body, Response):
+            return body
         try:
             ev = InteractionEvent.model_validate(body)
         except ValidationError as exc:

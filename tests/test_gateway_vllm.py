@@ -281,3 +281,24 @@ def test_an_odd_stream_chunk_ends_the_stream_with_an_error_frame(chunk):
         return
     assert '"error"' in text and text.endswith("data: [DONE]\n\n")
     assert events[0]["completion"] == "Hi" and events[0]["truncated"] is True and "upstream_error" in events[0]["metadata"]
+
+
+def test_a_request_body_too_large_or_too_slow_is_refused_not_read_forever(vllm):
+    """No limit on a body's size or on how long it takes: one client could fill the memory, or
+    hold a connection open by trickling its body."""
+    import socket
+
+    _, gw, events, _, http = vllm
+    gw.max_body_bytes, gw.body_timeout_s = 10_000, 1.0
+    big = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 20_000}]})
+    assert big.status_code == 413 and events == []
+    assert http.post("/v1/chat/completions", content=b"not json").status_code == 400
+    server = InProcessServer(create_gateway_app(gw))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 500\r\n\r\n{\"messages\": ")  # ... and the rest never comes
+            answer = sock.recv(4096)  # (a socket timeout of 10 s: an answer, not a hang)
+        assert answer.startswith(b"HTTP/1.1 408")
+    finally:
+        server.stop()

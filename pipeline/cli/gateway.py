@@ -23,9 +23,12 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_c
 @click.option("--allow-raw-logprobs", is_flag=True,
               help="Start even when the upstream returns raw log-probs (vLLM's default): answers sampled at "
                    "other than temperature 1 without top-k/top-p are then kept without their log-probs.")
+@click.option("--max-body-bytes", default=16 << 20, show_default=True, help="The largest request body (413 above).")
+@click.option("--body-timeout", "body_timeout_s", default=30.0, show_default=True,
+              help="Seconds a request body may take to arrive (408 after).")
 @pass_ctx
 def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, timeout_s: float, poll_s: float,
-            allow_raw_logprobs: bool) -> None:
+            allow_raw_logprobs: bool, max_body_bytes: int, body_timeout_s: float) -> None:
     """Proxy /v1/chat/completions, /v1/completions and /v1/models to UPSTREAM, routing each request
     to the registry's champion (or its canary's share) and sending an interaction event for every
     answer; POST /v1/feedback takes the application's outcomes (and POST /v1/interactions the
@@ -62,7 +65,8 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     if secret:
         mask(secret)
     gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s,
-                 blocking=config.spool.when_full == "block", ingest_token=token, routing_secret=secret)
+                 blocking=config.spool.when_full == "block", ingest_token=token, routing_secret=secret,
+                 max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     Gauge("rtrl_gateway_events_set_aside", "Events the broker refused for good (too large for the topic), kept "
           "in the spool's set-aside.jsonl", registry=gw.metrics).set_function(
         lambda: interactions.spool.set_aside + feedback.spool.set_aside)
