@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.gateway import Gateway, new_id
-from deploy.gateway_record import AnswerRecord, ChoiceRecord, choice_index, token_id
+from deploy.gateway_record import AnswerRecord, ChoiceRecord, choice_index
 from deploy.gateway_sampling import logprobs_kept, upstream_sampling
 from deploy.rollout import routing_signature
 from deploy.serve import header_id, header_step
@@ -32,11 +32,12 @@ log = logging.getLogger("rtrl.gateway")
 
 
 def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
-    """Log-prob entries with tokens as the client asked: ids, or text (from the entry's bytes)."""
+    """Log-prob entries with tokens as the client asked: an upstream that gives "token_id:<id>"
+    tokens anyway (a server flag) has them read back as text from the entry's bytes."""
     if ids:
         return entries
-    return [{**e, "token": bytes(e["bytes"]).decode(errors="replace") if e.get("bytes") is not None
-             else e.get("token")} for e in entries]
+    return [{**e, "token": bytes(e["bytes"]).decode(errors="replace")}
+            if str(e.get("token")).startswith("token_id:") and e.get("bytes") is not None else e for e in entries]
 
 
 def _error_frame(message: str, kind: str, code: int) -> bytes:
@@ -50,8 +51,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     def event(request_id: str, version: str, body: dict[str, Any], sent: dict[str, Any], headers: Any,
               record: ChoiceRecord, group_id: str | None, error: dict[str, Any] | None = None,
               truncated: bool = False) -> InteractionEvent:
-        entries = record.entries
-        ids = [token_id(e) for e in entries]
+        entries, ids = record.entries, record.token_ids
         metadata: dict[str, Any] = {"server": "rtrl-gateway", "upstream": gw.upstream}
         dropped = logprobs_kept(gw.logprobs_mode, body, sent)
         if dropped is not None and entries:
@@ -64,7 +64,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             session_id=header_id(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
             tenant=header_id(headers, "x-tenant") or gw.default_tenant, policy_version=version,
             prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=record.completion,
-            completion_token_ids=ids if entries and None not in ids else None,
+            completion_token_ids=ids,
             behavior_logprobs=[e["logprob"] for e in entries] if entries and dropped is None else None,
             sampling=Sampling(temperature=sent["temperature"], top_p=sent["top_p"], top_k=sent["top_k"],
                               max_tokens=body.get("max_tokens"), seed=body.get("seed")),
@@ -87,11 +87,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         version, model, routed = gw.route_side(header_id(headers, "x-rtrl-episode-id") or request_id)
         asked_logprobs = bool(request_body.get("logprobs"))
         asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
+        asked_token_ids = bool(request_body.get("return_token_ids"))
         sent = upstream_sampling(request_body)  # what sampled the tokens, sent and recorded
-        # log-probs always (a completion's top-N as the client asked), token ids always
+        # log-probs always (a completion's top-N as the client asked), the sampled ids always (vLLM's
+        # `token_ids`: the log-probs' tokens stay text, top-N alternatives included, unless asked)
         asked_top = request_body.get("logprobs") if isinstance(request_body.get("logprobs"), int) else None
         up = {**request_body, **sent, "logprobs": True if chat else max(asked_top or 0, 0),
-              "return_tokens_as_token_ids": True}
+              "return_token_ids": True}
         # the router decides which version answers, never the client: the base by its own name
         if model is None and gw.base_model is not None:
             model = gw.base_model
@@ -159,10 +161,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         for index, choice in zip(order, [c for c in data.get("choices") or () if isinstance(c, dict)]):
             if len(record.choices) > 1:
                 choice["request_id"] = record.id_of(index)  # as rtrl serve names them
+            if not asked_token_ids:
+                choice.pop("token_ids", None)
             if not asked_logprobs:
                 choice.pop("logprobs", None)
             elif chat:
-                choice["logprobs"] = {"content": _as_asked(record.choices[index].entries, asked_ids)}
+                choice["logprobs"] = {**(choice.get("logprobs") or {}),
+                                      "content": _as_asked(record.choices[index].entries, asked_ids)}
         data["id"] = request_id
         return Response(orjson.dumps(data), media_type="application/json", headers=out_headers)
 
@@ -175,6 +180,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         an error frame, a cut connection, a chunk that is not JSON -- gives the client an error
         frame, and the events say so."""
         kept, endpoint = False, "chat" if chat else "completions"
+        asked_token_ids = bool(body.get("return_token_ids"))
         try:
             try:
                 ended = False
@@ -195,6 +201,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                         if choice_index(choice) > 0 or len(record.choices) > 1:
                             choice["request_id"] = record.id_of(choice_index(choice))
                         lp = choice.get("logprobs") or {}
+                        if not asked_token_ids:
+                            choice.pop("token_ids", None)
                         if not asked_logprobs:
                             choice.pop("logprobs", None)
                         elif chat and lp.get("content"):

@@ -53,11 +53,21 @@ class ChoiceRecord:
     text: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by their index
     entries: list[dict[str, Any]] = field(default_factory=list)  # log-prob entries, one per token
+    ids: list[int] = field(default_factory=list)  # the sampled token ids (vLLM's `token_ids`)
     finish_reason: str | None = None
 
     @property
     def completion(self) -> str:
         return "".join(self.text)
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The sampled tokens' ids: the upstream's `token_ids`, else read from the log-prob entries
+        (vLLM's "token_id:<id>" tokens, rtrl serve's `token_id`); None if not all are known."""
+        if self.ids:
+            return self.ids
+        ids = [token_id(e) for e in self.entries]
+        return ids if ids and None not in ids else None  # type: ignore[return-value]
 
     @property
     def tool_calls(self) -> list[dict[str, Any]] | None:
@@ -89,12 +99,13 @@ class ChoiceRecord:
         else:
             self.text.append(choice.get("text") or "")
             self.entries.extend(completion_entries(choice.get("logprobs")))
+        self.ids.extend(_ints(choice.get("token_ids")))
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     @classmethod
     def of_choice(cls, choice: dict[str, Any], chat: bool) -> "ChoiceRecord":
         """A whole (unstreamed) choice."""
-        record = cls(choice_index(choice), finish_reason=choice.get("finish_reason"))
+        record = cls(choice_index(choice), finish_reason=choice.get("finish_reason"), ids=_ints(choice.get("token_ids")))
         if chat:
             message = choice.get("message") or {}
             record.text.append(message.get("content") or "")
@@ -164,3 +175,10 @@ def choice_index(choice: dict[str, Any]) -> int:
     """A choice's index (0 when it has none: one choice)."""
     index = choice.get("index")
     return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else 0
+
+
+def _ints(value: Any) -> list[int]:
+    """A `token_ids` field: its ids, or none when it is absent or not a list of ints."""
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value
+    return []

@@ -79,6 +79,7 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None  # the answer always carries the sampled tokens' log-probs
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's (0), as vLLM's default
     return_tokens_as_token_ids: bool = False  # vLLM's: each token as "token_id:<id>" (and its bytes)
+    return_token_ids: bool = False  # vLLM's: each choice's (each chunk's) sampled token ids as `token_ids`
     # accepted only at the value that asks for nothing more than what is served
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -209,7 +210,8 @@ def create_app(server: PolicyServer) -> FastAPI:
                 "choices": [{"index": i, "request_id": a.request_id, "text": a.gen.text, "finish_reason": a.finish,
                              "logprobs": {"tokens": [token_name(t, req.return_tokens_as_token_ids)
                                                      for t in a.gen.token_ids],
-                                          "token_logprobs": a.gen.logprobs, "token_ids": a.gen.token_ids}}
+                                          "token_logprobs": a.gen.logprobs, "token_ids": a.gen.token_ids},
+                             "token_ids": a.gen.token_ids if req.return_token_ids else None}
                             for i, a in enumerate(answers)],
                 "usage": usage(req.prompt, None, answers)}
         return JSONResponse(body, headers=headers(answers))
@@ -226,7 +228,8 @@ def create_app(server: PolicyServer) -> FastAPI:
             msg, finish = message(a)
             choices.append({"index": i, "request_id": a.request_id, "message": msg, "finish_reason": finish,
                             "logprobs": {"content": token_logprobs(a.gen.token_ids, a.gen.logprobs,
-                                                                   req.return_tokens_as_token_ids)}})
+                                                                   req.return_tokens_as_token_ids)},
+                            "token_ids": a.gen.token_ids if req.return_token_ids else None})
         body = {"id": answers[0].request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": f"{server.model_name}:{answers[0].version}", "choices": choices,
                 "usage": usage(messages, req.tools, answers)}
@@ -299,12 +302,14 @@ def create_app(server: PolicyServer) -> FastAPI:
                     piece, sent = text[sent:max(safe, sent)], max(safe, sent)
                     entry = {"token": token_name(token, req.return_tokens_as_token_ids), "logprob": lp,
                              "token_id": token, "bytes": list(tok.decode([token]).encode())}
+                    ids_now = [token] if req.return_token_ids else None
                     if chat:
                         yield chunk({"delta": {"content": piece}, "logprobs": {"content": [entry]},
-                                     "finish_reason": None})
+                                     "finish_reason": None, "token_ids": ids_now})
                     else:
                         yield chunk({"text": piece, "logprobs": {"tokens": [entry["token"]], "token_logprobs": [lp],
-                                                                 "token_ids": [token]}, "finish_reason": None})
+                                                                 "token_ids": [token]}, "finish_reason": None,
+                                     "token_ids": ids_now})
                 if "error" in result:
                     yield f"data: {json.dumps({'error': {'message': str(result['error'])}})}\n\n"
                     return

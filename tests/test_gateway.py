@@ -229,7 +229,7 @@ def test_vllm_s_fields_as_its_server_gives_them():
         answer = http.post("/v1/chat/completions", json={"model": "my-model", "messages": ASK, "logprobs": True})
         body = answer.json()
         assert asked[0]["model"] == "rtrl-policy-v3" and asked[0]["logprobs"] is True
-        assert asked[0]["return_tokens_as_token_ids"] is True
+        assert asked[0]["return_token_ids"] is True and "return_tokens_as_token_ids" not in asked[0]
         assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == ["H", "é", "llo"]  # as asked: text
         assert answer.headers["X-Rtrl-Policy-Version"] == "3" and body["id"] == answer.headers["X-Request-Id"]
         wait_for(lambda: events, 10, "the event")

@@ -302,3 +302,21 @@ def test_a_request_body_too_large_or_too_slow_is_refused_not_read_forever(vllm):
         assert answer.startswith(b"HTTP/1.1 408")
     finally:
         server.stop()
+
+
+def test_the_client_gets_tokens_as_it_asked_top_alternatives_and_completions_included(vllm):
+    """The gateway asked vLLM for every token as "token_id:<id>" and turned the sampled ones back
+    into text from their bytes -- but a top-N alternative's bytes are those of "token_id:<id>",
+    and a completion's tokens have none. It now asks for the ids apart (`return_token_ids`)."""
+    stub, _, events, client, http = vllm
+    chat = client.chat.completions.create(model="base-model", messages=ASK, max_tokens=4, logprobs=True, seed=2)
+    assert not any(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+    assert stub.requests[-1]["return_token_ids"] is True and not stub.requests[-1].get("return_tokens_as_token_ids")
+    assert events[-1]["completion_token_ids"] == [ord(c) - 31 for c in chat.choices[0].message.content]
+    done = http.post("/v1/completions", json={"prompt": "The", "max_tokens": 4, "logprobs": 1, "seed": 2}).json()
+    assert "".join(done["choices"][0]["logprobs"]["tokens"]) == done["choices"][0]["text"]
+    assert "token_ids" not in done["choices"][0]  # not asked for
+    assert events[-1]["completion_token_ids"] == [ord(c) - 31 for c in done["choices"][0]["text"]]
+    streamed = list(client.completions.create(model="base-model", prompt="The", max_tokens=4, seed=2, stream=True))
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert events[-1]["completion_token_ids"] == [ord(c) - 31 for c in text] and text

@@ -15,6 +15,7 @@ workplace fetches); each behaviour names the file it comes from (paths under vll
         unknown `model`           404 NotFoundError "The model `X` does not exist." (param "model")
         omitted sampling fields   the model's generation_config defaults (`generation_defaults`),
                                   else temperature 1, top_p 1, top_k 0 (off), min_p 0, no penalties
+        token ids                 `return_token_ids`: each choice's `token_ids` (streamed: each chunk's)
         log-probs                 `logprobs_mode`: "raw_logprobs" (vLLM's default: log_softmax of the
                                   model's logits) or "processed_logprobs" (after temperature, min_p,
                                   top-k, top-p: the distribution the token was drawn from; masked
@@ -248,10 +249,11 @@ class VllmStub:
         prompt = json.dumps(body["messages"]) if chat else str(body.get("prompt"))
         choices = [self.generate(name, prompt, body, i) for i in range(int(body.get("n") or 1))]
         as_ids = bool(body.get("return_tokens_as_token_ids"))
+        with_ids = bool(body.get("return_token_ids"))  # each choice's (chunk's) `token_ids`
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream"):
-            return StreamingResponse(self.stream(rid, name, choices, chat, want_lp, as_ids),
+            return StreamingResponse(self.stream(rid, name, choices, chat, want_lp, as_ids, with_ids),
                                      media_type="text/event-stream")
         out = []
         for c in choices:
@@ -269,16 +271,18 @@ class VllmStub:
                                               "function": {"name": c.call["name"],
                                                            "arguments": json.dumps(c.call["arguments"])}}]
                 out.append({"index": c.index, "message": message, "logprobs": lp,
-                            "finish_reason": "tool_calls" if c.call else "stop", "stop_reason": None})
+                            "finish_reason": "tool_calls" if c.call else "stop", "stop_reason": None,
+                            "token_ids": c.tokens if with_ids else None})
             else:
                 out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": "stop",
-                            "stop_reason": None})
+                            "stop_reason": None, "token_ids": c.tokens if with_ids else None})
         n_out = sum(len(c.tokens) for c in choices)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": name, "choices": out,
                              "usage": {"prompt_tokens": 1, "total_tokens": 1 + n_out, "completion_tokens": n_out}})
 
-    async def stream(self, rid: str, name: str, choices: list[Choice], chat: bool, want_lp: bool, as_ids: bool):
+    async def stream(self, rid: str, name: str, choices: list[Choice], chat: bool, want_lp: bool, as_ids: bool,
+                     with_ids: bool):
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": name}
 
@@ -292,7 +296,7 @@ class VllmStub:
         longest = max(len(c.tokens) for c in choices)
         for step in range(longest):
             for c in choices:
-                if step >= len(c.tokens) or c.call:
+                if step >= len(c.tokens):
                     continue
                 if self.fail_after is not None and step >= self.fail_after:
                     yield f"data: {json.dumps(error('Internal server error', 'InternalServerError', 500))}\n\n"
@@ -301,13 +305,16 @@ class VllmStub:
                 t, v = c.tokens[step], c.logprobs[step]
                 if chat:
                     lp = {"content": [self.entry(t, v, as_ids)]} if want_lp else None
-                    yield frame({"index": c.index, "delta": {"content": text_of(t)}, "logprobs": lp,
-                                 "finish_reason": None, "token_ids": None})
+                    # a call's text is held back by the tool parser: its tokens' log-probs and ids
+                    # still go out, with an empty delta (chat_completion/serving.py)
+                    yield frame({"index": c.index, "delta": {} if c.call else {"content": text_of(t)},
+                                 "logprobs": lp, "finish_reason": None, "token_ids": [t] if with_ids else None})
                 else:
                     lp = {"text_offset": [0], "token_logprobs": [v], "tokens": [f"token_id:{t}" if as_ids
                                                                                  else text_of(t)],
                           "top_logprobs": None} if want_lp else None
-                    yield frame({"index": c.index, "text": text_of(t), "logprobs": lp, "finish_reason": None})
+                    yield frame({"index": c.index, "text": text_of(t), "logprobs": lp, "finish_reason": None,
+                                 "token_ids": [t] if with_ids else None})
             await asyncio.sleep(0)
         for c in choices:
             if c.call:
