@@ -281,8 +281,10 @@ def _plot_over_time(ax: Any, report: DemoReport) -> None:
     """Accept rate per minute with its 95 % band, and a vertical line at each decision."""
     minutes = [b["minute"] + 0.5 for b in report.timeline]  # each minute's point at its middle
     rates = [100 * b["accept_rate"] for b in report.timeline]
-    ax.errorbar(minutes, rates, yerr=[[r - 100 * b["accept_ci95"][0] for r, b in zip(rates, report.timeline)],
-                                      [100 * b["accept_ci95"][1] - r for r, b in zip(rates, report.timeline)]],
+    # (each at least 0: an interval's bound at 0 % or 100 % can round past the rate by 1e-15,
+    # which matplotlib refuses)
+    ax.errorbar(minutes, rates, yerr=[[max(r - 100 * b["accept_ci95"][0], 0.0) for r, b in zip(rates, report.timeline)],
+                                      [max(100 * b["accept_ci95"][1] - r, 0.0) for r, b in zip(rates, report.timeline)]],
                 fmt="o-", color="#4477aa", capsize=3, label=f"{rate_name(report)} (95 % interval)")
     seen = set()
     for m in report.markers:
