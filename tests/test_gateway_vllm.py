@@ -320,3 +320,18 @@ def test_the_client_gets_tokens_as_it_asked_top_alternatives_and_completions_inc
     streamed = list(client.completions.create(model="base-model", prompt="The", max_tokens=4, seed=2, stream=True))
     text = "".join(c.choices[0].text for c in streamed if c.choices)
     assert events[-1]["completion_token_ids"] == [ord(c) - 31 for c in text] and text
+
+
+def test_the_conformance_checks_a_real_vllm_gets_pass_against_the_stand_in(tmp_path):
+    """benchmarks/vllm_conformance.py runs on a GPU machine against vLLM itself: the same checks
+    against the stand-in tell that the stand-in answers as the checks expect vLLM to."""
+    from benchmarks.vllm_conformance import run
+
+    stub = VllmStub(logprobs_mode="processed_logprobs")
+    stub.tool_call = {"name": "lookup", "arguments": {"key": "k1"}}
+    (tmp_path / "adapter_config.json").write_text("{}")
+    server = InProcessServer(stub.app)
+    try:
+        assert run(server.url, tmp_path) == 0
+    finally:
+        server.stop()
