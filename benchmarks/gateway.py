@@ -14,10 +14,14 @@ request must have produced one) -- or, with --bootstrap, through the spool-backe
     .venv/bin/python benchmarks/gateway.py --concurrency 16 --seconds 2    # a smoke run
     .venv/bin/python benchmarks/gateway.py --bootstrap 127.0.0.1:9092      # events to Kafka
     .venv/bin/python benchmarks/gateway.py --null-proxy    # a pass-through proxy in its place: the floor
+    .venv/bin/python benchmarks/gateway.py --litellm /tmp/llmvenv/bin/litellm
+        # LiteLLM's proxy (`pip install 'litellm[proxy]'` into a virtual environment of its own: it
+        # pins its own FastAPI and pydantic) in its place, forwarding to the same upstream
 
 Prints, per configuration, requests/s direct and through the gateway (ratio), p50/p99 latency
-of each and what the gateway added. Targets on 2 cores (issue 23): added p99 <= 5 ms at 16
-clients, ratio >= 0.7, an event for every request.
+of each and what the gateway added. Targets on 2 cores: added p99 <= 5 ms at 16 clients, ratio
+>= 0.7, an event for every request -- and against LiteLLM's proxy (--litellm), a higher
+throughput and a lower added p50/p99 at 1, 16 and 64 clients, streamed and not.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ASK = {"model": "policy", "messages": [{"role": "user", "content": "reverse the string abc"}], "max_tokens": 3}
+LITELLM_KEY = "sk-rtrl-bench-0123456789abcdef0123456789abcdef"  # its proxy refuses to start without one
+HEADERS: dict[str, str] = {}  # what every request carries (LiteLLM's key, when it is measured)
 
 
 def _free_port() -> int:
@@ -102,16 +108,32 @@ def _serve_null_proxy(port: int, upstream: str) -> None:
     uvicorn.run(_null_proxy_app(upstream), host="127.0.0.1", port=port, log_level="error", access_log=False)
 
 
+def _start_litellm(binary: str, port: int, upstream: str, workdir: Path):
+    """LiteLLM's proxy on `port`, the model "policy" forwarded to the upstream as an OpenAI-compatible
+    server (as a team puts it in front of vLLM); its logs in workdir/litellm.log."""
+    import subprocess
+
+    config = workdir / "litellm.yaml"
+    config.write_text("model_list:\n  - model_name: policy\n    litellm_params:\n      model: openai/policy\n"
+                      f"      api_base: {upstream}/v1\n      api_key: unused\n"
+                      "litellm_settings:\n  drop_params: true\n  telemetry: false\n"
+                      f"general_settings:\n  master_key: {LITELLM_KEY}\n")
+    log = open(workdir / "litellm.log", "wb")
+    return subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                             "--num_workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+
+
 def _wait(url: str, deadline_s: float = 60) -> None:
     import requests
 
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
-            requests.post(url + "/v1/chat/completions", json=ASK, timeout=2)
-            return
+            if requests.post(url + "/v1/chat/completions", json=ASK, headers=HEADERS, timeout=5).status_code == 200:
+                return
         except requests.RequestException:
-            time.sleep(0.1)  # polling a server's start, with a deadline
+            pass
+        time.sleep(0.1)  # polling a server's start, with a deadline
     raise RuntimeError(f"{url} did not start in {deadline_s} s")
 
 
@@ -128,7 +150,7 @@ async def _load(url: str, clients: int, seconds: float, stream: bool) -> tuple[i
         async def one_client() -> None:
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
-                async with http.post("/v1/chat/completions", json=body) as answer:
+                async with http.post("/v1/chat/completions", json=body, headers=HEADERS) as answer:
                     await answer.read()  # the whole answer: every chunk of a stream
                     assert answer.status == 200, await answer.text()
                 latencies.append(time.perf_counter() - t0)
@@ -160,20 +182,28 @@ def main() -> None:
     ap.add_argument("--bootstrap", help="send the events to this Kafka broker (spooled) instead of a counter")
     ap.add_argument("--null-proxy", action="store_true",
                     help="measure a pass-through proxy in the gateway's place (the floor of its design) instead")
+    ap.add_argument("--litellm", metavar="BIN", help="measure LiteLLM's proxy (this `litellm` executable) in the "
+                                                     "gateway's place instead")
     args = ap.parse_args()
 
     ctx = mp.get_context("spawn")
     up_port, gw_port = _free_port(), _free_port()
     upstream, gateway = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
     spool = str(Path(__import__("tempfile").mkdtemp(prefix="rtrl-bench-gw-")) / "spool")
-    procs = [ctx.Process(target=_serve_upstream, args=(up_port,), daemon=True),
-             ctx.Process(target=_serve_null_proxy, args=(gw_port, upstream), daemon=True) if args.null_proxy else
-             ctx.Process(target=_serve_gateway, args=(gw_port, upstream, args.bootstrap, spool), daemon=True)]
+    procs = [ctx.Process(target=_serve_upstream, args=(up_port,), daemon=True)]
+    if args.null_proxy:
+        procs.append(ctx.Process(target=_serve_null_proxy, args=(gw_port, upstream), daemon=True))
+    elif not args.litellm:
+        procs.append(ctx.Process(target=_serve_gateway, args=(gw_port, upstream, args.bootstrap, spool), daemon=True))
     for p in procs:
         p.start()
+    if args.litellm:
+        procs.append(_start_litellm(args.litellm, gw_port, upstream, Path(spool).parent))
+        HEADERS["Authorization"] = f"Bearer {LITELLM_KEY}"
+    no_events = args.null_proxy or args.litellm
     try:
         _wait(upstream)
-        _wait(gateway)
+        _wait(gateway, 180)
         print(f"{'clients':>7} {'stream':>6} | {'direct r/s':>10} {'gateway r/s':>11} {'ratio':>5} | "
               f"{'p50 direct':>10} {'p50 gw':>7} {'p99 direct':>10} {'p99 gw':>7} | {'added p50':>9} {'added p99':>9}"
               f" | events")
@@ -185,7 +215,7 @@ def main() -> None:
                 before = _events_sent(gateway)
                 direct_rps, direct = asyncio.run(_load(upstream, clients, args.seconds, stream))
                 gw_rps, through = asyncio.run(_load(gateway, clients, args.seconds, stream))
-                deadline = time.monotonic() + (0 if args.null_proxy else 30)
+                deadline = time.monotonic() + (0 if no_events else 30)
                 while _events_sent(gateway) - before < len(through) and time.monotonic() < deadline:
                     time.sleep(0.05)  # the sender thread hands events off after the answers
                 events = int(_events_sent(gateway) - before)
@@ -196,7 +226,7 @@ def main() -> None:
     finally:
         for p in procs:
             p.terminate()
-            p.join(5)
+            p.join(5) if hasattr(p, "join") else p.wait(5)
 
 
 if __name__ == "__main__":
