@@ -102,7 +102,7 @@ class Gateway:
         self.wanted_canary: tuple[str | None, float] = (None, 0.0)
         self._lock = threading.Lock()
         self._reconciling = threading.Lock()
-        # request and episode ids answered ("r:" / "e:" + id): feedback for others is counted
+        # request ids and (tenant, episode id)s answered: feedback for others is counted
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.metrics = CollectorRegistry()
         self.requests = Counter("rtrl_gateway_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
@@ -246,10 +246,10 @@ class Gateway:
         expected = f"Bearer {self.ingest_token}" if self.ingest_token else None
         return expected is not None and hmac.compare_digest((authorization or "").encode(), expected.encode())
 
-    def answered(self, request_id: str, episode_id: str | None) -> None:
+    def answered(self, request_id: str, episode_id: str | None, tenant: str) -> None:
         self.recent[f"r:{request_id}"] = None
         if episode_id is not None:
-            self.recent[f"e:{episode_id}"] = None
+            self.recent[f"e:{tenant}\x1f{episode_id}"] = None
         while len(self.recent) > 100_000:
             self.recent.popitem(last=False)
 

@@ -75,9 +75,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def keep_all(answer: AnswerRecord, version: str, body: dict[str, Any], sent: dict[str, Any],
                        headers: Any, truncated: bool = False) -> None:
         """One event per choice, each under its own request id, kept before the answer's end is given."""
-        episode = header_id(headers, "x-rtrl-episode-id")
+        episode, tenant = header_id(headers, "x-rtrl-episode-id"), header_id(headers, "x-tenant") or gw.default_tenant
         for request_id, record in answer.records():
-            gw.answered(request_id, episode)
+            gw.answered(request_id, episode, tenant)
             await gw.keep(functools.partial(event, request_id, version, body, sent, headers, record, answer.group_id,
                                       answer.error, truncated))
 
@@ -315,10 +315,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             ev = FeedbackEvent.model_validate({
                 "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or new_id("gwf"),
                 "type": "feedback", "ts": body.get("ts") or datetime.now(timezone.utc), **{
-                    k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")}})
+                    k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")},
+                # whose episode: the body's tenant, else X-Tenant, else the gateway's (as its interactions')
+                "tenant": body.get("tenant") or header_id(request.headers, "x-tenant") or gw.default_tenant})
         except ValidationError as exc:
             return refused(exc)
-        if (f"r:{ev.request_id}" if ev.request_id is not None else f"e:{ev.episode_id}") not in gw.recent:
+        if (f"r:{ev.request_id}" if ev.request_id is not None else f"e:{ev.tenant}\x1f{ev.episode_id}") \
+                not in gw.recent:
             gw.unknown.inc()
         if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
             return not_kept()
@@ -340,7 +343,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             return refused(exc)
         if not await gw.emit("interaction", gw.emit_interaction, body):
             return not_kept()
-        gw.answered(ev.request_id, ev.episode_id)
+        gw.answered(ev.request_id, ev.episode_id, ev.tenant)
         return JSONResponse({"event_id": ev.event_id, "request_id": ev.request_id}, 202)
 
     @app.get("/health")

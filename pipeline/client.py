@@ -49,15 +49,17 @@ class Rtrl:
                  interactions_topic: str = "rtrl.interactions", feedback_topic: str = "rtrl.feedback",
                  spool_dir: str | Path | None = None, spool_max_bytes: int = 1 << 30,
                  when_full: Literal["refuse", "block"] = "refuse", timeout_s: float = 10.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, tenant: str | None = None) -> None:
         """Give exactly one of `gateway_url` and `bootstrap` (a "host:port" list, or a
         KafkaAccess with TLS/SASL settings). With Kafka, `spool_dir` (default
         `$RTRL_STATE_DIR/spool/client`, else `~/.rtrl/spool/client`) holds what the broker has
         not acknowledged; one process per spool directory (a second one is refused: give each
-        worker its own). `token`: the gateway's RTRL_GATEWAY_TOKEN (default: that variable)."""
+        worker its own). `token`: the gateway's RTRL_GATEWAY_TOKEN (default: that variable);
+        `tenant`: whose episodes the outcomes report -- episode ids are scoped by tenant: a
+        multi-tenant application names it (None: the episode id in every tenant)."""
         if (gateway_url is None) == (bootstrap is None):
             raise ValueError("give exactly one of gateway_url (an rtrl gateway) and bootstrap (Kafka brokers)")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.tenant = timeout_s, tenant
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
         self.http = requests.Session() if gateway_url else None
         token = token if token is not None else os.environ.get("RTRL_GATEWAY_TOKEN")
@@ -93,7 +95,7 @@ class Rtrl:
 
     def interaction(self, *, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]],
                     policy_version: str, request_id: str | None = None, session_id: str | None = None,
-                    user_id: str = "anonymous", tenant: str = "default", episode_id: str | None = None,
+                    user_id: str = "anonymous", tenant: str | None = None, episode_id: str | None = None,
                     step: int | None = None, completion_token_ids: list[int] | None = None,
                     behavior_logprobs: list[float] | None = None, sampling: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
@@ -106,7 +108,7 @@ class Rtrl:
         event = _valid(InteractionEvent, {
             "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-i-{uuid.uuid4().hex}",
             "type": "interaction", "ts": ts or datetime.now(timezone.utc), "request_id": request_id,
-            "session_id": session_id or request_id, "user_id": user_id, "tenant": tenant,
+            "session_id": session_id or request_id, "user_id": user_id, "tenant": tenant or self.tenant or "default",
             "policy_version": policy_version, "prompt": prompt, "completion": completion,
             "episode_id": episode_id, "step": step, "completion_token_ids": completion_token_ids,
             "behavior_logprobs": behavior_logprobs, "sampling": sampling, "tools": tools,
@@ -132,7 +134,7 @@ class Rtrl:
         event = _valid(FeedbackEvent, {
             "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-f-{uuid.uuid4().hex}",
             "type": "feedback", "ts": ts or datetime.now(timezone.utc), **subject, "kind": kind, "value": value,
-            "payload": payload})
+            "payload": payload, "tenant": self.tenant})
         self._send("feedback", event.to_wire())
         return event.event_id
 

@@ -142,10 +142,12 @@ def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | N
     return found[0] if found else None
 
 
-def explain_episode(engine: Engine, spec: RewardSpec, episode_id: str, now: datetime | None = None):
-    """(call, result, ripe) for each call of an agent episode, first call first, computed now
-    under `spec` (each result shows the call's credited share of the outcome); [] if unknown."""
-    calls = _explain(engine, spec, episode_request_ids(engine, episode_id), now)
+def explain_episode(engine: Engine, spec: RewardSpec, episode_id: str, now: datetime | None = None,
+                    tenant: str | None = None):
+    """(call, result, ripe) for each call of tenant `tenant`'s agent episode (None: the tenant that
+    has one of that id), first call first, computed now under `spec` (each result shows the
+    call's credited share of the outcome); [] if unknown."""
+    calls = _explain(engine, spec, episode_request_ids(engine, episode_id, tenant), now)
     return sorted(calls, key=lambda found: -found[0].calls_after)
 
 

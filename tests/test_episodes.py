@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -277,3 +278,28 @@ def test_an_episode_s_calls_have_a_total_order_when_only_some_carry_a_step():
     after = {rid: _in_episode(Episode(rid, datetime.fromisoformat(ts), "1", "x"), "e", [], calls).calls_after
              for rid, _, ts in calls}
     assert sorted(after.values()) == [0, 1, 2] and after == {"c": 2, "a": 1, "b": 0}  # by step, the unstepped last
+
+
+def test_two_tenants_episodes_of_one_id_get_their_own_outcomes(engine):
+    """Outcomes and sibling calls joined on the episode id alone: two tenants' "task-7" were one
+    episode, each credited with the other's outcome. An outcome that names no tenant (a producer
+    of before tenants were named) still reaches the episode id in every tenant."""
+    store(engine, call("task-7", 0, 0, tenant="acme", request_id="a-0"), call("task-7", 1, 1, tenant="acme", request_id="a-1"),
+          call("task-7", 0, 2, tenant="globex", request_id="g-0"),
+          dict(outcome("task-7", 5), tenant="acme", event_id="acme-persisted"),
+          dict(outcome("task-7", 6, value=False), tenant="globex", event_id="globex-failed"))
+    run_rewards(engine, EQUAL, now=LATER)
+    value = {rid: stored_reward(engine, rid, EQUAL.version).value for rid in ("a-0", "a-1", "g-0")}
+    assert value == {"a-0": 1.0, "a-1": 1.0, "g-0": -1.0}
+    assert stored_reward(engine, "g-0", EQUAL.version).outcome["events"] == ["globex-failed"]
+    # each tenant's episode has its own calls: acme's two, globex's one (a discounted last call)
+    run_rewards(engine, HALVED, now=LATER)
+    assert [stored_reward(engine, r, HALVED.version).value for r in ("a-0", "a-1", "g-0")] == [0.5, 1.0, -1.0]
+    store(engine, call("task-9", 0, 7, tenant="acme", request_id="a-9"), call("task-9", 0, 8, tenant="globex",
+                                                                              request_id="g-9"), outcome("task-9", 9))
+    run_rewards(engine, EQUAL, now=LATER)
+    assert [stored_reward(engine, r, EQUAL.version).value for r in ("a-9", "g-9")] == [1.0, 1.0]  # named: none
+    with pytest.raises(ValueError, match="tenants acme, globex each have an episode 'task-9'"):
+        explain_episode(engine, EQUAL, "task-9", now=LATER)
+    assert [ep.request_id for ep, _, _ in explain_episode(engine, EQUAL, "task-9", now=LATER, tenant="globex")] == [
+        "g-9"]

@@ -120,7 +120,12 @@ def test_an_episode_s_outcome_is_feedback_naming_the_episode(through):
     ok = http.post("/v1/feedback", json={"episode_id": "task-7", "kind": "persisted", "value": True})
     assert ok.status_code == 202 and ok.json()["episode_id"] == "task-7" and "request_id" not in ok.json()
     assert feedback[-1]["episode_id"] == "task-7" and "request_id" not in feedback[-1]
+    assert feedback[-1]["tenant"] == "default"  # as its calls: the gateway's tenant (no X-Tenant)
     assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 0  # it was answered
+    other = http.post("/v1/feedback", json={"episode_id": "task-7", "kind": "persisted", "value": True},
+                      headers={"X-Tenant": "globex"})  # another tenant's task-7: not an episode answered here
+    assert other.status_code == 202 and feedback[-1]["tenant"] == "globex"
+    assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 1
     both = http.post("/v1/feedback", json={"episode_id": "task-7", "request_id": "r", "kind": "x", "value": 1})
     assert both.status_code == 422 and "exactly one of request_id" in both.json()["error"]["message"]
     wait_for(lambda: events, 10, "the interaction event")

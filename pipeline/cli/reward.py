@@ -84,17 +84,24 @@ def run(ctx: Context, spec_path: str | None, workers: int) -> None:
 @click.argument("request_id")
 @click.option("--episode", "is_episode", is_flag=True,
               help="The id is an agent episode's: show its calls, its outcome and each call's credited reward.")
+@click.option("--tenant", help="With --episode: the tenant whose episode it is (needed when several have one of "
+              "that id).")
 @SPEC_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def explain(ctx: Context, request_id: str, is_episode: bool, spec_path: str | None, as_json: bool) -> None:
+def explain(ctx: Context, request_id: str, is_episode: bool, tenant: str | None, spec_path: str | None,
+            as_json: bool) -> None:
     """Print an episode, its feedback and every component of its reward (with --episode, every
     call of an agent episode: its own feedback and guards, and its share of the outcome)."""
     spec = reward_spec(ctx, spec_path)
     if is_episode:
-        found = explain_calls(ctx.engine(), spec, request_id)
+        try:
+            found = explain_calls(ctx.engine(), spec, request_id, tenant=tenant)
+        except ValueError as exc:
+            raise click.ClickException(f"{exc} with --tenant") from None
         if not found:
-            raise click.ClickException(f"no interaction of episode {request_id!r} is stored "
+            whose = f"tenant {tenant!r}'s " if tenant else ""
+            raise click.ClickException(f"no interaction of {whose}episode {request_id!r} is stored "
                                        "(an episode id is the interactions' `episode_id`)")
     else:
         one = explain_call(ctx.engine(), spec, request_id)

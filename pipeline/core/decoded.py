@@ -118,12 +118,13 @@ class DecodedFeedback(msgspec.Struct, tag_field="type", tag="feedback"):
     request_id: Id | None = None
     episode_id: Id | None = None
     payload: Union[dict[str, Any], str, None] = None
+    tenant: Id | None = None  # whose episode (episode ids are the applications'); None: not named
 
     type = "feedback"
 
     def __post_init__(self) -> None:
         self.ts = _event_time(self.ts)
-        _check_ids(self.event_id, self.kind, self.request_id, self.episode_id)
+        _check_ids(self.event_id, self.kind, self.request_id, self.episode_id, self.tenant)
         if (self.request_id is None) == (self.episode_id is None):
             raise ValueError("name exactly one of request_id and episode_id")
         if not isinstance(self.value, bool) and abs(self.value) > 1e15:

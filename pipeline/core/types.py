@@ -192,6 +192,11 @@ class FeedbackEvent(_Envelope):
     kind: Identifier
     value: Annotated[Union[StrictBool, StrictInt, FiniteFloat], AfterValidator(_feedback_value)]
     payload: dict[str, Any] | str | None = None
+    # the tenant whose episode `episode_id` names (the interactions' `tenant`): two tenants' "task-7"
+    # are two episodes. None: not named -- the outcome of that episode id in every tenant, as
+    # before tenants were named (a multi-tenant application names them). A request id needs
+    # none: servers choose it, unguessable
+    tenant: Identifier | None = None
 
     @model_validator(mode="after")
     def _one_subject(self) -> "FeedbackEvent":

@@ -225,14 +225,14 @@ def online_rewards(engine: Engine, spec_version: str, versions: list[str], since
     # driven by the window (the ts index), each reward found by its request: the cost follows the
     # window, not the history (an index on the rewards' policy_version would make SQLite read
     # every reward the champion ever had; docs/benchmarks.md has the figures)
-    unit = func.coalesce(interactions.c.episode_id, interactions.c.request_id)
-    stmt = (select(rewards.c.policy_version, unit, func.avg(rewards.c.value))
+    unit = func.coalesce(interactions.c.episode_id, interactions.c.request_id)  # (an episode: of its tenant)
+    stmt = (select(rewards.c.policy_version, interactions.c.tenant, unit, func.avg(rewards.c.value))
             .select_from(interactions.join(rewards, rewards.c.request_id == interactions.c.request_id))
             .where(*window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
-            .group_by(rewards.c.policy_version, unit))
+            .group_by(rewards.c.policy_version, interactions.c.tenant, unit))
     per_version: dict[str, list[float]] = {}
     with engine.connect() as conn:
-        for version, _, mean in conn.execute(stmt):
+        for version, _, _, mean in conn.execute(stmt):
             per_version.setdefault(version, []).append(float(mean))
     out: dict[str, tuple[int, float, float]] = {}
     for version, values in per_version.items():

@@ -36,19 +36,21 @@ def wrote_malformed_call(output_tool_calls: str | None) -> bool:
 
 
 def episode_summaries(engine: Engine) -> list[EpisodeSummary]:
-    """Every episode, oldest first."""
+    """Every episode (of each tenant), oldest first."""
     with engine.connect() as conn:
-        rows = conn.execute(select(interactions.c.episode_id, interactions.c.step, interactions.c.ts,
-                                   interactions.c.policy_version, interactions.c.output_tool_calls)
+        rows = conn.execute(select(interactions.c.tenant, interactions.c.episode_id, interactions.c.step,
+                                   interactions.c.ts, interactions.c.policy_version, interactions.c.output_tool_calls)
                             .where(interactions.c.episode_id.is_not(None))).all()
-        accepted = set(conn.scalars(select(feedback.c.episode_id).where(
-            feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0)))
-    calls: dict[str, list] = {}
-    for episode_id, step, ts, version, tool_calls in rows:
-        calls.setdefault(episode_id, []).append((step if step is not None else 1 << 30, ts, version, tool_calls))
+        accepted = set(conn.execute(select(feedback.c.tenant, feedback.c.episode_id).where(
+            feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0)).tuples())
+    calls: dict[tuple[str, str], list] = {}
+    for tenant, episode_id, step, ts, version, tool_calls in rows:
+        calls.setdefault((tenant, episode_id), []).append(
+            (step if step is not None else 1 << 30, ts, version, tool_calls))
     out = []
-    for episode_id, its in calls.items():
+    for (tenant, episode_id), its in calls.items():
         first = min(its, key=lambda c: (c[0], c[1]))
         errors = sum(wrote_malformed_call(t) for *_, t in its)
-        out.append(EpisodeSummary(episode_id, first[1], first[2], len(its), errors, episode_id in accepted))
+        succeeded = (tenant, episode_id) in accepted or (None, episode_id) in accepted  # (None: any tenant's)
+        out.append(EpisodeSummary(episode_id, first[1], first[2], len(its), errors, succeeded))
     return sorted(out, key=lambda e: e.started)

@@ -105,7 +105,7 @@ def event_row(ev: DecodedEvent, pos: SourcePosition, body: str) -> dict[str, Any
                    policy_version=ev.policy_version, step=ev.step,
                    **output_columns(ev.completion, ev.metadata, ev.tool_calls))
     else:
-        row.update(kind=ev.kind, value=float(ev.value))
+        row.update(kind=ev.kind, value=float(ev.value), tenant=ev.tenant)
     return row
 
 

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, String, and_, case, delete, exists, func, literal
 from sqlalchemy.dialects import postgresql, sqlite
 
 from pipeline.core.store.events import utcnow
-from pipeline.core.store.tables import feedback, interactions, reward_progress, reward_waiting
+from pipeline.core.store.tables import feedback, interactions, reward_progress, reward_waiting, same_episode
 
 _CHUNK = 500  # values per IN (...)
 
@@ -53,8 +53,8 @@ def save_progress(engine: Engine, spec_version: str, before: RewardProgress, aft
     waiting = reward_waiting.c
     missing = or_(and_(feedback.c.request_id.is_not(None),
                        ~exists().where(interactions.c.request_id == feedback.c.request_id)),
-                  and_(feedback.c.episode_id.is_not(None),
-                       ~exists().where(interactions.c.episode_id == feedback.c.episode_id)))
+                  and_(feedback.c.episode_id.is_not(None), ~exists().where(
+                      same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))))
     values = {"settled_below": after.settled_below, "feedback_seen": after.feedback_seen,
               "episodes": after.episodes, "duplicates": after.duplicates, "unusable": after.unusable,
               "pending": after.pending, "updated_at": utcnow()}

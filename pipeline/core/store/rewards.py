@@ -13,10 +13,10 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, type_coerce
+from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, tuple_, type_coerce
 
 from pipeline.core.store.events import insert_ignore, utcnow
-from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, training_episodes
+from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, same_episode, training_episodes
 
 
 @dataclass
@@ -71,10 +71,11 @@ def _episode_json(dialect: str, payload_kinds: Sequence[str] | None):
     place and the episode's last call are worked out from these in Python: episodes are short)."""
     agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
                                                                                         func.json_build_array)
-    outcome = _feedback_json(dialect, payload_kinds, on=feedback.c.episode_id == interactions.c.episode_id)
+    outcome = _feedback_json(dialect, payload_kinds,
+                             on=same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))
     calls = interactions.alias("calls")
     siblings = (select(agg(array(calls.c.request_id, calls.c.step, calls.c.ts)))
-                .where(calls.c.episode_id == interactions.c.episode_id).scalar_subquery())
+                .where(same_episode(calls, interactions)).scalar_subquery())
     alone = interactions.c.episode_id.is_(None)
     return case((alone, null()), else_=outcome), case((alone, null()), else_=siblings)
 
@@ -150,8 +151,9 @@ def iter_episode_chunks(
     # a call of an agent episode also reflects the episode's outcome and its calls (a late call
     # moves the others' place from the end): reward.scoring.inputs_counted counts the same
     in_episode = case((interactions.c.episode_id.is_(None), 0), else_=(
-        select(func.count()).where(feedback.c.episode_id == interactions.c.episode_id).scalar_subquery()
-        + select(func.count()).select_from(siblings).where(siblings.c.episode_id == interactions.c.episode_id)
+        select(func.count()).where(same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))
+        .scalar_subquery()
+        + select(func.count()).select_from(siblings).where(same_episode(siblings, interactions))
         .scalar_subquery()))
     # (no reward yet is tested first: a first run then never counts)
     stale = or_(stored_count.is_(None), count + in_episode != stored_count)
@@ -264,21 +266,36 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
     window = feedback.c.ts >= since if since is not None else true()
     total = 0
     with engine.connect() as conn:
-        # feedback on one call by request_id, an episode's outcome by episode_id (NULL: the other kind)
-        for key, column in ((feedback.c.request_id, interactions.c.request_id),
-                            (feedback.c.episode_id, interactions.c.episode_id)):
-            with_feedback = select(key.label("key")).where(window, key.is_not(None)).distinct().subquery()
-            orphans = select(with_feedback.c.key).where(~exists().where(column == with_feedback.c.key))
-            total += conn.scalar(select(func.count()).select_from(feedback).where(
-                key.in_(orphans), feedback.c.ts < older_than, window))
+        # feedback on one call by request_id (NULL: an episode's outcome)
+        with_feedback = select(feedback.c.request_id.label("key")).where(
+            window, feedback.c.request_id.is_not(None)).distinct().subquery()
+        orphans = select(with_feedback.c.key).where(~exists().where(interactions.c.request_id == with_feedback.c.key))
+        total += conn.scalar(select(func.count()).select_from(feedback).where(
+            feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window))
+        # an episode's outcome whose tenant has no call of that episode (the same two steps, by
+        # pair; '' stands for a tenant not named, which any tenant's calls match)
+        named = func.coalesce(feedback.c.tenant, "")
+        pairs = select(feedback.c.episode_id, named.label("tenant")).where(
+            window, feedback.c.episode_id.is_not(None)).distinct().subquery()
+        orphans = select(pairs.c.episode_id, pairs.c.tenant).where(
+            ~exists().where(same_episode(interactions, pairs, any_tenant=pairs.c.tenant == "")))
+        total += conn.scalar(select(func.count()).select_from(feedback).where(
+            tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window))
     return total
 
 
-def episode_request_ids(engine: Engine, episode_id: str) -> list[str]:
-    """The request ids of an agent episode's calls, in the order they were stored."""
+def episode_request_ids(engine: Engine, episode_id: str, tenant: str | None = None) -> list[str]:
+    """The request ids of tenant `tenant`'s agent episode's calls, in the order they were stored
+    (None: the one tenant that has an episode of that id; ValueError naming them if several do)."""
     with engine.connect() as conn:
-        return list(conn.scalars(select(interactions.c.request_id).where(interactions.c.episode_id == episode_id)
-                                 .order_by(interactions.c.id)))
+        rows = conn.execute(select(interactions.c.request_id, interactions.c.tenant).where(
+            interactions.c.episode_id == episode_id, *([interactions.c.tenant == tenant] if tenant else []))
+            .order_by(interactions.c.id)).all()
+    tenants = sorted({t for _, t in rows})
+    if len(tenants) > 1:
+        raise ValueError(f"tenants {', '.join(tenants)} each have an episode {episode_id!r}: name one")
+    return [r for r, _ in rows]
+
 
 
 def judge_scores_for(engine: Engine, request_ids: Sequence[str], judge_version: str) -> dict[str, float]:

@@ -10,6 +10,8 @@ Timestamps are stored as naive UTC (`DateTime` without zone) so SQLite and Postg
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -25,6 +27,8 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
+    or_,
 )
 
 # Deterministic constraint names, so autogenerate and both dialects agree.
@@ -80,6 +84,9 @@ feedback = Table(
     # looked up through ix_feedback_request_kind (request_id first): no index of its own (0012)
     Column("request_id", ID),
     Column("episode_id", ID, index=True),
+    # whose episode (0014): an outcome joins the calls of its tenant's episode only (NULL: a
+    # producer that names no tenant -- the episode id's calls in every tenant)
+    Column("tenant", ID),
     Column("schema_version", Integer, nullable=False),
     Column("ts", DateTime, nullable=False, index=True),
     Column("kind", ID, nullable=False),  # no query filters by kind alone (0012)
@@ -287,3 +294,13 @@ cycles = Table(
 Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)
 
 EVENT_TABLES = {"interaction": interactions, "feedback": feedback}
+
+
+def same_episode(calls: Any, other: Any, any_tenant: Any = None) -> Any:
+    """`calls` (interactions) and `other` (interactions, or feedback naming an episode) are of one
+    agent episode: the same episode id of the same tenant -- episode ids are the applications',
+    and two tenants may both have a "task-7". `any_tenant`: a condition on `other` under which
+    its tenant is not named and any tenant's episode of that id matches (feedback's NULL)."""
+    tenant = calls.c.tenant == other.c.tenant
+    return and_(calls.c.episode_id == other.c.episode_id,
+                tenant if any_tenant is None else or_(any_tenant, tenant))

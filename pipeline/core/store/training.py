@@ -71,30 +71,37 @@ def task_of(body: str | bytes) -> bytes | None:
     return _episode_and_task(body)[1]
 
 
-def _episode_and_task(body: str | bytes) -> tuple[str | None, bytes | None]:
-    """A stored event body's episode id and task (None where it has none), from one parse."""
+EpisodeKey = tuple[str, str]  # (tenant, episode id): episode ids are the applications', per tenant
+
+
+def _episode_and_task(body: str | bytes) -> tuple[EpisodeKey | None, bytes | None]:
+    """A stored event body's episode (tenant, id) and task (None where it has none), from one parse."""
     try:
         ev = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None, None
     if not isinstance(ev, dict):
         return None, None
-    episode = ev.get("episode_id")
-    return (episode if isinstance(episode, str) else None), (task_key(ev["prompt"]) if "prompt" in ev else None)
+    episode, tenant = ev.get("episode_id"), ev.get("tenant")
+    key = (tenant if isinstance(tenant, str) else "default", episode) if isinstance(episode, str) else None
+    return key, (task_key(ev["prompt"]) if "prompt" in ev else None)
 
 
-def episode_tasks(conn: Any, episode_ids: set[str]) -> dict[str, bytes]:
+def episode_tasks(conn: Any, episodes: set[EpisodeKey]) -> dict[EpisodeKey, bytes]:
     """The task of each episode: its first call's (lowest step, then earliest), whatever later
     calls' prompts start with (an agent's summary of its own context, say)."""
-    out: dict[str, tuple] = {}
-    ids = sorted(episode_ids)
+    out: dict[EpisodeKey, tuple] = {}
+    ids = sorted({episode for _, episode in episodes})
     for k in range(0, len(ids), 500):
-        stmt = (select(interactions.c.episode_id, interactions.c.step, interactions.c.ts, interactions.c.id,
-                       interactions.c.body).where(interactions.c.episode_id.in_(ids[k:k + 500])))
-        for episode_id, step, ts, row_id, body in conn.execute(stmt):
+        stmt = (select(interactions.c.tenant, interactions.c.episode_id, interactions.c.step, interactions.c.ts,
+                       interactions.c.id, interactions.c.body).where(interactions.c.episode_id.in_(ids[k:k + 500])))
+        for tenant, episode_id, step, ts, row_id, body in conn.execute(stmt):
+            key = (tenant, episode_id)
+            if key not in episodes:
+                continue  # another tenant's episode of the same id
             order = (step if step is not None else 1 << 30, str(ts), row_id)
-            if episode_id not in out or order < out[episode_id][0]:
-                out[episode_id] = (order, body)
+            if key not in out or order < out[key][0]:
+                out[key] = (order, body)
     return {e: task for e, (_, body) in out.items() if (task := task_of(body)) is not None}
 
 
@@ -172,7 +179,7 @@ def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: flo
                    interactions.c.ts, interactions.c.body)
             .select_from(joined).where(and_(*where)).order_by(interactions.c.ts.desc(), interactions.c.id))
     out, seen = [], set()
-    tasks: dict[str, bytes] = {}  # episode id -> its task, looked up once per episode
+    tasks: dict[EpisodeKey, bytes] = {}  # an episode's task, looked up once per episode
     with engine.connect() as conn, engine.connect() as lookup:
         for row in conn.execution_options(yield_per=1000).execute(stmt):
             if row.request_id in seen or not is_our_version(row.policy_version):
