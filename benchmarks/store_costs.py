@@ -47,6 +47,21 @@ def batches(kind: str, n: int, completion_chars: int = 0) -> list[Rows]:
     return out
 
 
+def _with_todays_columns(engine) -> None:
+    """An older revision's store with the columns today's code writes added (no index): its
+    indexes are what is measured, and ingest's rows carry every column of today's tables."""
+    from pipeline.core.store.tables import feedback, interactions
+
+    schema = inspect(engine)
+    with engine.begin() as conn:
+        for table in (interactions, feedback):
+            have = {c["name"] for c in schema.get_columns(table.name)}
+            for column in table.columns:
+                if column.name not in have:
+                    kind = column.type.compile(dialect=engine.dialect)
+                    conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+
+
 def write_us(workdir: Path, name: str, rows: list[Rows], drop: str | None, repeat: int, revision: str) -> float:
     best = float("inf")
     for r in range(repeat):
@@ -56,6 +71,7 @@ def write_us(workdir: Path, name: str, rows: list[Rows], drop: str | None, repea
         if drop:
             with engine.begin() as conn:
                 conn.execute(text(f"DROP INDEX {drop}"))
+        _with_todays_columns(engine)
         start = time.perf_counter()
         for batch in rows:
             write_rows(engine, batch)

@@ -19,12 +19,12 @@ def instant_vllm_app():
     body = json.dumps(answer).encode()
     entries = answer["choices"][0]["logprobs"]["content"]
     chunks = []
-    for entry in entries:
+    for entry, token in zip(entries, answer["choices"][0]["token_ids"]):
         text = bytes(entry["bytes"]).decode()
         chunks.append({"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
                        "model": answer["model"], "choices": [{"index": 0, "delta": {"content": text},
                                                               "logprobs": {"content": [entry]},
-                                                              "finish_reason": None}]})
+                                                              "finish_reason": None, "token_ids": [token]}]})
     chunks[-1]["choices"][0]["finish_reason"] = "length"
     stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
