@@ -113,6 +113,9 @@ class EventSender:
                 sent = self.spool.drain(self._in_flight, batch=1 if self.one_by_one else 500,
                                         permanent=refused_for_good, on_set_aside=self._reset)
                 self.one_by_one, self.refused = False, None
+                if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
+                    log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
+                self.failing = False
             except BatchRefused as exc:  # one record of a batch is too large: find it, one at a time
                 self._reset()
                 self.one_by_one = True
@@ -120,9 +123,6 @@ class EventSender:
                 log.warning("a batch was refused for good; sending one record at a time to set aside the one "
                             "at fault", extra={"topic": self.topic, "error": str(exc)})
                 continue
-                if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
-                    log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
-                self.failing = False
             except kafka_client.REFUSALS as exc:  # wrong credentials or rights: loud, and told to the caller
                 self._reset()
                 self.failing, self.refused = True, f"{type(exc).__name__}: {exc}"

@@ -18,7 +18,7 @@ For each request the gateway:
        the upstream lists it in /v1/models (`reconcile`, every poll): vLLM loads an adapter after
        the registry moved, and a name it has not loaded answers 404
     3. asks the upstream for what training needs -- the sampled tokens' log-probs and ids
-       (`logprobs`, vLLM's `return_tokens_as_token_ids`) -- with every sampling setting sent
+       (`logprobs`, vLLM's `return_token_ids`) -- with every sampling setting sent
        explicitly (deploy/gateway_sampling.py: what sampled the tokens is what the event
        records), and gives the client the answer in the shape it asked for
     4. records each choice whole (deploy/gateway_record.py: its own request id, tool-call
@@ -45,7 +45,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -118,6 +117,10 @@ class Gateway:
         # whether the upstream's log-probs are those of the distribution it sampled from
         # (deploy/gateway_sampling.py): set by check_logprobs(), at start-up
         self.logprobs_mode: LogprobsMode = "unknown"
+        self.logprobs_gauge = Gauge("rtrl_gateway_upstream_logprobs_processed", "1: the upstream returns the sampled "
+                                    "distribution's log-probs; 0: raw ones (kept only at temperature 1); -1: not "
+                                    "known yet", registry=self.metrics)
+        self.logprobs_gauge.set(-1.0)
 
     def check_logprobs(self) -> LogprobsMode:
         """Probe the upstream: a one-token completion of a few prompts at three temperatures,
@@ -142,6 +145,7 @@ class Gateway:
             log.warning("the upstream's log-probs could not be probed", extra={
                 "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
         self.logprobs_mode = classify_probe(samples)
+        self.logprobs_gauge.set({"processed": 1.0, "raw": 0.0}.get(self.logprobs_mode, -1.0))
         return self.logprobs_mode
 
     async def session(self) -> aiohttp.ClientSession:
@@ -221,7 +225,10 @@ class Gateway:
                 self.reconcile()
                 if self.logprobs_mode == "unknown" and time.monotonic() - last_probe >= 30.0:
                     last_probe = time.monotonic()  # the upstream was away at start-up: probe again
-                    self.check_logprobs()
+                    if self.check_logprobs() == "raw":
+                        log.error("the upstream returns raw log-probs: answers away from temperature 1 are kept "
+                                  "without them; start vLLM with --logprobs-mode processed_logprobs",
+                                  extra={"upstream": self.upstream})
         thread = threading.Thread(target=run, name="gateway-routes", daemon=True)
         thread.start()
         return thread

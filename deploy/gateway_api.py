@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.gateway import Gateway, new_id
+from deploy.gateway_body import json_object
 from deploy.gateway_record import AnswerRecord, ChoiceRecord, choice_index
 from deploy.gateway_sampling import logprobs_kept, upstream_sampling
 from deploy.rollout import routing_signature
@@ -226,38 +227,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             if not kept and any(r.completion or r.entries or r.calls for r in record.choices.values()):
                 await keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
 
-    async def json_object(request: Request) -> dict[str, Any] | JSONResponse:
-        """The request's body as a JSON object, or the error to answer: a body over max_body_bytes
-        (413), one that does not arrive within body_timeout_s (408: a client trickling its body
-        holds a connection, not the event loop), one that is not a JSON object (400)."""
-        too_large = JSONResponse({"error": {"message": f"the request body is over {gw.max_body_bytes} bytes",
-                                            "type": "invalid_request_error"}}, 413)
-        declared = request.headers.get("content-length") or ""
-        if declared.isdigit() and int(declared) > gw.max_body_bytes:
-            return too_large
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(gw.body_timeout_s):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > gw.max_body_bytes:
-                        return too_large
-                    chunks.append(chunk)
-        except TimeoutError:
-            return JSONResponse({"error": {"message": f"the request body did not arrive within {gw.body_timeout_s:g} s",
-                                           "type": "invalid_request_error"}}, 408)
-        try:
-            body = orjson.loads(b"".join(chunks))
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the request body must be a JSON object",
-                                           "type": "invalid_request_error"}}, 400)
-        return body
-
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await json_object(request)
+        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
         if isinstance(body, Response):
             return body
         if not isinstance(body.get("messages"), list):
@@ -267,7 +239,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await json_object(request)
+        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
         if isinstance(body, Response):
             return body
         return await forward("/v1/completions", body, request.headers, False)
@@ -308,7 +280,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def feedback(request: Request) -> Response:
         if (refusal := not_allowed(request)) is not None:
             return refusal
-        body = await json_object(request)
+        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
         if isinstance(body, Response):
             return body
         try:
@@ -316,12 +288,14 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or new_id("gwf"),
                 "type": "feedback", "ts": body.get("ts") or datetime.now(timezone.utc), **{
                     k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")},
-                # whose episode: the body's tenant, else X-Tenant, else the gateway's (as its interactions')
-                "tenant": body.get("tenant") or header_id(request.headers, "x-tenant") or gw.default_tenant})
+                # whose episode: the body's tenant, else X-Tenant (the header the calls carried); neither:
+                # not named, as over Kafka -- the episode id in every tenant
+                "tenant": body.get("tenant") or header_id(request.headers, "x-tenant")})
         except ValidationError as exc:
             return refused(exc)
-        if (f"r:{ev.request_id}" if ev.request_id is not None else f"e:{ev.tenant}\x1f{ev.episode_id}") \
-                not in gw.recent:
+        answered = f"r:{ev.request_id}" if ev.request_id is not None else \
+            f"e:{ev.tenant or gw.default_tenant}\x1f{ev.episode_id}"
+        if answered not in gw.recent:
             gw.unknown.inc()
         if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
             return not_kept()
@@ -334,7 +308,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         validated against the contract and produced as sent."""
         if (refusal := not_allowed(request)) is not None:
             return refusal
-        body = await json_object(request)
+        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
         if isinstance(body, Response):
             return body
         try:

@@ -47,6 +47,8 @@ class VllmAdapterSync:
         self.current: str | None = None  # the lora_name vLLM serves as champion
         self.canary: str | None = None  # the staged candidate's lora_name, if any
         self.kept: list[str] = []  # names whose unload was called off: needed again within the grace period
+        self.timers: list[threading.Timer] = []  # the grace periods running
+        self.lock = threading.Lock()
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         try:
@@ -57,6 +59,10 @@ class VllmAdapterSync:
             raise VllmError(f"vLLM refused {path} for {body.get('lora_name')}: HTTP {r.status_code} {r.text[:300]}")
 
     def on_update(self, event: ModelUpdate) -> None:
+        with self.lock:  # (a grace period's unload runs in a timer thread: it must see the names chosen)
+            self._on_update(event)
+
+    def _on_update(self, event: ModelUpdate) -> None:
         if event.alias == "canary":
             self._on_canary(event)
             return
@@ -110,11 +116,16 @@ class VllmAdapterSync:
         timer = threading.Timer(self.grace_s, self._unload_now, args=(name,))
         timer.daemon = True
         timer.start()
+        self.timers = [t for t in self.timers if t.is_alive()] + [timer]
 
     def _unload_now(self, name: str) -> None:
-        if name in (self.current, self.canary):
-            self.kept.append(name)  # needed again (a rollback, a canary staged anew) within the grace period
-            return
+        with self.lock:
+            if name in (self.current, self.canary):
+                self.kept.append(name)  # needed again (a rollback, a canary staged anew) within the grace period
+                return
+            self._unload_after_grace(name)
+
+    def _unload_after_grace(self, name: str) -> None:
         try:
             self._post("/v1/unload_lora_adapter", {"lora_name": name})
         except VllmError as exc:  # the new one is live; a stale adapter only costs memory

@@ -82,14 +82,15 @@ class Rtrl:
     def feedback(self, request_id: str, kind: str, value: bool | int | float, payload: Any = None,
                  ts: datetime | None = None, event_id: str | None = None) -> str:
         """An outcome of one call (the request id the server returned). Returns the event id."""
-        return self._feedback({"request_id": request_id}, kind, value, payload, ts, event_id)
+        return self._feedback({"request_id": request_id}, kind, value, payload, ts, event_id, None)
 
     def episode_outcome(self, episode_id: str, kind: str, value: bool | int | float, payload: Any = None,
-                        ts: datetime | None = None, event_id: str | None = None) -> str:
+                        ts: datetime | None = None, event_id: str | None = None, tenant: str | None = None) -> str:
         """The outcome of a whole agent episode (the id its calls were served under: the
         X-Rtrl-Episode-Id header, or `interaction(episode_id=...)`), credited to every call as the
-        reward spec's [episode] section says. Returns the event id."""
-        return self._feedback({"episode_id": episode_id}, kind, value, payload, ts, event_id)
+        reward spec's [episode] section says; `tenant`: whose episode (default: the client's).
+        Returns the event id."""
+        return self._feedback({"episode_id": episode_id}, kind, value, payload, ts, event_id, tenant or self.tenant)
 
     # --- what an application that serves itself served ------------------------------------
 
@@ -130,11 +131,11 @@ class Rtrl:
         self.close()
 
     def _feedback(self, subject: dict[str, str], kind: str, value: Any, payload: Any, ts: datetime | None,
-                  event_id: str | None) -> str:
+                  event_id: str | None, tenant: str | None) -> str:
         event = _valid(FeedbackEvent, {
             "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-f-{uuid.uuid4().hex}",
             "type": "feedback", "ts": ts or datetime.now(timezone.utc), **subject, "kind": kind, "value": value,
-            "payload": payload, "tenant": self.tenant})
+            "payload": payload, "tenant": tenant})
         self._send("feedback", event.to_wire())
         return event.event_id
 
@@ -148,18 +149,26 @@ class Rtrl:
         except requests.RequestException as exc:
             raise ConnectionError(f"the rtrl gateway at {self.gateway_url} did not answer ({exc}); "
                                   "is `rtrl gateway` running there?") from None
+        if answer.status_code == 202:
+            return
+        reason = _reason(answer)
         if answer.status_code == 422:
-            raise ValueError(f"the gateway refused the {kind} event: {answer.json()['error']['message']}")
+            raise ValueError(f"the gateway refused the {kind} event: {reason}")
         if answer.status_code in (401, 403):
-            raise PermissionError(f"the rtrl gateway at {self.gateway_url} refused the {kind} event: "
-                                  f"{answer.json()['error']['message']}")
+            raise PermissionError(f"the rtrl gateway at {self.gateway_url} refused the {kind} event: {reason}")
         if answer.status_code == 503:
             raise ConnectionError(f"the rtrl gateway at {self.gateway_url} could not keep the {kind} event "
-                                  f"({answer.json()['error']['message']}); retry in "
-                                  f"{answer.headers.get('Retry-After', '30')} s")
-        if answer.status_code != 202:
-            raise ConnectionError(f"the rtrl gateway at {self.gateway_url} answered {answer.status_code}: "
-                                  f"{answer.text[:200]}")
+                                  f"({reason}); retry in {answer.headers.get('Retry-After', '30')} s")
+        raise ConnectionError(f"the rtrl gateway at {self.gateway_url} answered {answer.status_code}: {reason}")
+
+
+def _reason(answer: requests.Response) -> str:
+    """The error message of a gateway's answer -- or, from something in front of it (a load
+    balancer's HTML page), the start of its body: never a JSON error raised as the app's."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.text[:200]
 
 
 def _valid(model: type, fields: dict[str, Any]) -> Any:

@@ -96,9 +96,10 @@ def _in_episode(call: Episode, episode_id: str, outcome: list[list[Any]], calls:
     """A call with its agent episode: the outcome, and its place among the episode's calls --
     ordered by the producer's `step`, a call without one after those with one, then by the time
     they were served, then by request id: a total order whatever the arrival order, so exactly
-    one call is the last (the store orders an episode's first call the same way). Comparing by
-    step only where both calls had one was no order: with steps on some calls and not others,
-    a cycle could leave no call last, and discounted credit none undiscounted."""
+    one call is the last (the store orders an episode's first call the same way). A comparison
+    by step only where both calls have one is no order: with steps on some calls and not others
+    it can go round in a cycle, leaving no call last and, under discounted credit, none
+    undiscounted."""
     def order(rid: str, step: int | None, ts: datetime) -> tuple:
         return (step if step is not None else 1 << 30, ts, rid)
 

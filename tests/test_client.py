@@ -161,7 +161,7 @@ def test_the_ingestion_routes_take_events_only_with_the_gateway_s_token(gateway,
     """Anyone who can reach the gateway could otherwise post an interaction under another user's
     request id, or feedback on it; request ids cannot be guessed from the ones a client saw."""
     url, interactions, feedback = gateway
-    for token, refusal in ((None, "requires"), ("wrong", "refused")):
+    for token in (None, "wrong"):
         monkeypatch.delenv("RTRL_GATEWAY_TOKEN", raising=False)
         with Rtrl(gateway_url=url, token=token) as rtrl, pytest.raises(PermissionError, match="Authorization"):
             rtrl.feedback("req-1", kind="accepted", value=True)
@@ -205,3 +205,23 @@ def test_a_process_forked_after_the_client_was_built_is_told_to_build_its_own(tm
         assert not rtrl.senders["feedback"].spool.pending()  # the parent's spool untouched
     finally:
         rtrl.close()
+
+
+def test_an_error_page_in_front_of_the_gateway_is_a_connection_error_not_an_invalid_event():
+    """A load balancer's 503 has an HTML body: reading it as the gateway's JSON raised a
+    ValueError, which the client documents as "the event is invalid" -- an app would drop it."""
+    from tests.vllm_instant import read_body
+
+    async def balancer(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/html")]})
+        await send({"type": "http.response.body", "body": b"<html><body>no healthy upstream</body></html>"})
+
+    server = InProcessServer(balancer)
+    try:
+        with Rtrl(gateway_url=server.url, token="t") as rtrl, pytest.raises(ConnectionError, match="no healthy upstream"):
+            rtrl.feedback("req-1", kind="accepted", value=True)
+    finally:
+        server.stop()

@@ -159,10 +159,10 @@ def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) ->
               "goes to the champion, and the daemon's cycle records the candidate as rejected.")
 @click.option("--force", is_flag=True, help="With --to: restore a version that was never the champion and has no "
               "passing decision (needs a --reason of your own).")
-@click.option("--reason", default="rollback", show_default=True, help="Why; recorded in the audit trail.")
+@click.option("--reason", help="Why; recorded in the audit trail (default \"rollback\"; --force needs one of yours).")
 @click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
 @pass_ctx
-def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, reason: str, actor: str) -> None:
+def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, reason: str | None, actor: str) -> None:
     """Move `champion` back to the previous version (or --to VERSION); serving follows.
 
     \b
@@ -175,6 +175,9 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, re
     or --force.
 
     With --canary, withdraw a staged candidate instead (to promote it early: `rtrl promote VERSION`)."""
+    if force and not (reason or "").strip():
+        raise click.UsageError("--force needs --reason: say why the gate is overridden")
+    reason = reason or "rollback"
     with _registry(ctx) as registry:
         if canary:
             withdrawn = registry.unstage(actor=actor, reason=reason)
@@ -273,6 +276,9 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
     secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared with the gateway in front: never logged
     if secret:
         mask(secret)
+    elif not no_events:
+        click.echo("warning: RTRL_ROUTING_SECRET is unset: behind an rtrl gateway, set the gateway's, or this "
+                   "server routes the canary's share itself and records every call a second time", err=True)
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant, routing_secret=secret)
     if spool is not None:
         server.spooled.set_function(spool.size)

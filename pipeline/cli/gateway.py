@@ -64,6 +64,9 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared by every replica and rtrl serve behind
     if secret:
         mask(secret)
+    else:
+        click.echo("warning: RTRL_ROUTING_SECRET is unset: this gateway salts the canary's hash with a secret of "
+                   "its own -- give every replica (and an rtrl serve behind it) the same one", err=True)
     gw = Gateway(upstream, config.mlflow.registered_model, interactions, feedback, tenant, timeout_s,
                  blocking=config.spool.when_full == "block", ingest_token=token, routing_secret=secret,
                  max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)

@@ -146,9 +146,9 @@ class Spool:
         and the position is saved only once every one of them is acknowledged. A send (or a
         future) that raises stops the drain there (the batch stays first in line: records of
         it that did arrive arrive again, duplicates ingest drops); the caller retries later --
-        unless `permanent(error)`: that record is set aside, `on_set_aside()` is called (a
-        producer that failed a record may fail every later one: the caller makes a new one),
-        and the drain goes on."""
+        unless `permanent(error)`: that record is set aside and the drain goes on -- after
+        `on_set_aside()` where the broker refused it (a producer that had a record refused fails
+        every later one: the caller makes a new one)."""
         sent = 0
         with self.lock:
             full = self._swap() if self.file.tell() > 0 else None  # appends go to a new segment from now on
@@ -164,8 +164,7 @@ class Spool:
                 try:
                     future = send(*record)
                 except Exception as exc:  # noqa: BLE001 - refused before it left (too large): aside, or stop
-                    self._refused(record, exc, permanent)
-                    on_set_aside()
+                    self._refused(record, exc, permanent)  # (the producer never sent it: still sound)
                     future = None
                 if future is not None:
                     in_flight.append((future, record))

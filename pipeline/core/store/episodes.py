@@ -41,8 +41,8 @@ def episode_summaries(engine: Engine) -> list[EpisodeSummary]:
         rows = conn.execute(select(interactions.c.tenant, interactions.c.episode_id, interactions.c.step,
                                    interactions.c.ts, interactions.c.policy_version, interactions.c.output_tool_calls)
                             .where(interactions.c.episode_id.is_not(None))).all()
-        accepted = set(conn.execute(select(feedback.c.tenant, feedback.c.episode_id).where(
-            feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0)).tuples())
+        accepted = {(tenant, episode) for tenant, episode in conn.execute(select(feedback.c.tenant, feedback.c.episode_id)
+                    .where(feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0))}
     calls: dict[tuple[str, str], list] = {}
     for tenant, episode_id, step, ts, version, tool_calls in rows:
         calls.setdefault((tenant, episode_id), []).append(

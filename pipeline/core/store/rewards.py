@@ -297,7 +297,6 @@ def episode_request_ids(engine: Engine, episode_id: str, tenant: str | None = No
     return [r for r, _ in rows]
 
 
-
 def judge_scores_for(engine: Engine, request_ids: Sequence[str], judge_version: str) -> dict[str, float]:
     if not request_ids:
         return {}
