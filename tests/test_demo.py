@@ -44,6 +44,7 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     assert "rtrl-gateway" in routed and "rtrl-serve" not in routed, routed
     assert not [line for line in terminal if line.lstrip().startswith("{")], "JSON log lines on the terminal"
     assert any(" decision on v" in line for line in terminal), terminal
+    assert any("keeps running" in line and "kafka down` stops it" in line for line in terminal), terminal
     assert not any("FutureWarning" in line for line in terminal)
 
     run_dir = Path(local_kafka_env["RTRL_STATE_DIR"]) / "demo"

@@ -64,6 +64,9 @@ def demo(ctx: Context, cycles: int, task: str, naive_reward: bool, seed: int, ra
     click.echo(routing(report.served_by))
     click.echo(canary_line(report.canaries))
     click.echo(f"report: {', '.join(str(f) for f in report.files)}")
+    if report.explore:  # (the first is `rtrl --config <the run's rtrl.toml> status`)
+        stop = report.explore[0].rsplit(" ", 1)[0] + " kafka down"
+        click.echo(f"the demo's Kafka broker keeps running for the commands below; `{stop}` stops it")
     click.echo("look around what it did:")
     for line in report.explore:
         click.echo(f"  {line}")
