@@ -129,8 +129,8 @@ class Gateway:
         where raw and processed ones coincide."""
         samples: list[list[tuple[object, float]]] = []
         try:
-            listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
-            base = next((m["id"] for m in listed if not m.get("parent")), listed[0]["id"])
+            listed = self._models()
+            base = _base_of(listed) or listed[0]["id"]
             for prompt in PROBE_PROMPTS:
                 got = []
                 for temperature in PROBE_TEMPERATURES:
@@ -172,6 +172,11 @@ class Gateway:
                 self.wanted_champion = ev.version
         self.reconcile()
 
+    def _models(self) -> list[dict[str, Any]]:
+        """The upstream's /v1/models cards (vLLM lists its base model and each loaded adapter)."""
+        listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
+        return [m for m in listed if isinstance(m, dict)]
+
     def adapter(self, version: str) -> str:
         return f"{self.model_name}-v{version}"
 
@@ -185,10 +190,9 @@ class Gateway:
 
     def _reconcile(self) -> bool:
         try:
-            listed = self.http.get(f"{self.upstream}/v1/models", timeout=self.timeout_s).json()["data"]
-            served = {m["id"] for m in listed if isinstance(m, dict)}
-            self.base_model = next((m["id"] for m in listed if isinstance(m, dict) and not m.get("parent")),
-                                   self.base_model)
+            listed = self._models()
+            served = {m["id"] for m in listed}
+            self.base_model = _base_of(listed) or self.base_model
         except Exception as exc:  # noqa: BLE001 - the upstream away or odd: routes stay, tried again
             log.warning("the upstream's models not read; routing unchanged", extra={
                 "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
@@ -253,10 +257,15 @@ class Gateway:
         expected = f"Bearer {self.ingest_token}" if self.ingest_token else None
         return expected is not None and hmac.compare_digest((authorization or "").encode(), expected.encode())
 
+    @staticmethod
+    def subject(request_id: str | None, episode_id: str | None, tenant: str) -> str:
+        """The key `recent` knows a call (request_id) or a tenant's episode by."""
+        return f"r:{request_id}" if request_id is not None else f"e:{tenant}\x1f{episode_id}"
+
     def answered(self, request_id: str, episode_id: str | None, tenant: str) -> None:
-        self.recent[f"r:{request_id}"] = None
+        self.recent[self.subject(request_id, None, tenant)] = None
         if episode_id is not None:
-            self.recent[f"e:{tenant}\x1f{episode_id}"] = None
+            self.recent[self.subject(None, episode_id, tenant)] = None
         while len(self.recent) > 100_000:
             self.recent.popitem(last=False)
 
@@ -289,3 +298,8 @@ class Gateway:
             return False
         self.events.labels(kind, "sent").inc()
         return True
+
+
+def _base_of(listed: list[dict[str, Any]]) -> str | None:
+    """The base model of an upstream's /v1/models cards: the first without a parent."""
+    return next((m["id"] for m in listed if not m.get("parent")), None)

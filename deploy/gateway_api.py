@@ -293,9 +293,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 "tenant": body.get("tenant") or header_id(request.headers, "x-tenant")})
         except ValidationError as exc:
             return refused(exc)
-        answered = f"r:{ev.request_id}" if ev.request_id is not None else \
-            f"e:{ev.tenant or gw.default_tenant}\x1f{ev.episode_id}"
-        if answered not in gw.recent:
+        if gw.subject(ev.request_id, ev.episode_id, ev.tenant or gw.default_tenant) not in gw.recent:
             gw.unknown.inc()
         if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
             return not_kept()
