@@ -11,7 +11,8 @@ so that some task is held out: with none, the query reads every episode looking 
                                   be incremental counts: a judge's, a PostgreSQL role without the lock)
     selection, 1,000 new          train.run.select: rewarded episodes past the last run's watermark
     held-out slice                select_eval_episodes: the gate's newest held-out episodes
-    online check, last hour       online_rewards of two versions (a staged rollout's comparison)
+    online check, last hour       online_units of two versions, the prompt covariate from 5,000 calls
+                                  before (a staged rollout's sequential test)
     served and accepted           served_and_accepted of three versions (the demo's report, the audit)
     accept tally, 1k new          the daemon's metrics: AcceptTally.read after 1,000 new interactions
                                   and accepts (each repeat adds its own)
@@ -40,7 +41,7 @@ from sqlalchemy import func, select  # noqa: E402
 from benchmarks.reward import T0, fill, new_store  # noqa: E402
 from pipeline.core.config import Config  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
-from pipeline.core.store.deploys import online_rewards, served_and_accepted  # noqa: E402
+from pipeline.core.store.deploys import online_units, served_and_accepted  # noqa: E402
 from pipeline.core.store.accept_tally import AcceptTally  # noqa: E402
 from pipeline.core.store.events import Rows, output_columns, write_rows  # noqa: E402
 from pipeline.core.store.rewards import orphaned_feedback  # noqa: E402
@@ -117,7 +118,8 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         "selection, 1,000 new": lambda: select_episodes(engine, spec.version, since_reward_id=newest - 1000,
                                                         holdout_percent=cfg.train.holdout_percent),
         "held-out slice": lambda: select_eval_episodes(engine, spec.version, 50.0, cfg.gate.eval_episodes),
-        "online check, last hour": lambda: online_rewards(engine, spec.version, ["1", "2"], last_hour),
+        "online check, last hour": lambda: online_units(engine, spec.version, ["1", "2"], last_hour,
+                                                        covariate="prompt", history=cfg.rollout.covariate_history),
         "served and accepted": lambda: served_and_accepted(engine, ["1", "2", "3"]),
         "accept tally, 1k new": new_traffic,
     }

@@ -1,34 +1,34 @@
-"""Staged rollout: the online comparison that decides whether a canary becomes the champion.
+"""Staged rollout: the online test that decides whether a canary becomes the champion.
 
-The gate decides from logged episodes (deploy/offpolicy.py), and that estimate can be
-optimistic: it cannot see the probability a candidate puts on completions the champion never
-produced -- the candidate's own mistakes (README, "Known limitation"). With `rollout.share` > 0
-a candidate that passed the gate first serves that share of live requests under the registry
-alias `canary`, the champion serving the rest, and the users' reactions decide:
+The gate decides before any user sees the candidate, and its estimate can be optimistic (the
+probability a candidate puts on answers that were never served is beyond it; docs/concepts.md).
+With `rollout.share` > 0 a candidate that passed the gate first serves that share of live
+requests under the registry alias `canary`, the champion serving the rest, and the users'
+reactions decide:
 
     a request goes to the canary  iff  hash_salt(episode_id or request_id) < share   (routes_to_canary;
       the salt a server-side secret: only the router decides, never the client)
       (every call of an agent's episode goes the same way: a canary is measured as a whole
       agent, never as the first call of an episode the champion finishes)
-    once both sides have >= min_requests settled episodes since the canary went live (served
-    at least the spec's ripeness window ago, so every outcome is in; pipeline/cycle.py):
-        d  = mean_canary - mean_champion                 rewards under the current spec, an
-                                                         episode's calls averaged into one unit
-        se = sqrt(var_canary / n_canary + var_champion / n_champion)           (Welch)
-        promote  iff  d - z(confidence) * se >= -margin   (non-inferiority, one-sided)
-    and the online tool-format canary, on the calls both sides served in the same period (every
-    call, not only those that wrote a tool call: never fewer than the min_requests episodes):
+    at every check (the daemon's, every rollout.check_every), on the episodes both sides served
+    since the canary went live and whose outcomes are final (the spec's ripeness window passed):
+        each episode's reward (its calls' mean: the episode is the unit) and its covariate (its
+        first prompt's -- or user's -- mean reward before the canary went live: CUPED)
+        look = deploy/sequential.py's SPRT: promote / withdraw (futility) / truncated / continue
+    when the reward test promotes, the online tool-format canary, on the calls both sides
+    served in the same period (every call, not only those that wrote a tool call):
         p  = (errors + 1) / (calls + 2) per side               (Agresti-Caffo: a side with no
         e  = p_canary - p_champion                               broken call is not certain)
         refuse  iff  e - z(confidence) * se_e > max_tool_error_increase      (binomial se of the p)
       (a reward spec blind to broken tool calls -- Cursor's first production reward hack --
       pays the canary that writes them; the users' rewards alone would promote it)
-    no such data within max_wait: withdrawn, never promoted unmeasured
+    no decision within max_wait: withdrawn, never promoted unmeasured
 
 Both sides are served over the same period from the same traffic, assigned at random, so the
 difference is a randomised experiment's: no importance weights, no model of the users. The
-comparison is made once, at the fixed sample size: re-testing as data arrives and stopping at
-the first pass would let a worse canary through far more often than 1 - confidence.
+test is sequential and valid under continuous monitoring (its boundaries are Ville's), so the
+daemon may look as often as it likes: a canary well above or below the margin is decided after
+a fraction of the episodes a fixed-size test needs (benchmarks/decisions.py).
 Nothing here touches a model, a store or a registry.
 """
 
@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from statistics import NormalDist
 
+from deploy import sequential
 from deploy.gate import Check, Decision
+from deploy.sequential import PROMOTE, WITHDRAW, Design, Look
 from pipeline.core.config import RolloutConfig
 
-Side = tuple[int, float, float]  # rewarded episodes (a request without one: its own), mean reward, variance
+Units = tuple[Sequence[float], Sequence[float]]  # per settled episode: its reward, its covariate
 Calls = tuple[int, int]  # calls served, calls that wrote a malformed tool call
 
 
@@ -72,28 +75,42 @@ def routing_signature(secret: str, request_id: str, routed: str, model: str | No
     return hashlib.blake2b(message, key=hashlib.blake2b(secret.encode()).digest(), digest_size=16).hexdigest()
 
 
-def ready(champion: Side | None, canary: Side | None, cfg: RolloutConfig) -> bool:
-    """Both sides have the requests the comparison is sized for."""
-    return all(side is not None and side[0] >= cfg.min_requests for side in (champion, canary))
+def look(champion: Units | None, canary: Units | None, cfg: RolloutConfig) -> Look:
+    """The sequential test on what each side has settled so far (None: nothing yet)."""
+    empty: Units = ([], [])
+    return sequential.look(champion or empty, canary or empty, Design.of(cfg))
 
 
-def decide(champion: Side, canary: Side, cfg: RolloutConfig,
-           tool_calls: tuple[Calls, Calls] | None = None) -> Decision:
-    """The one comparison, on both sides' rewards since the canary went live (and, with
-    `tool_calls` -- (champion's, canary's) -- their tool-call error rates)."""
-    (n_a, mean_a, var_a), (n_b, mean_b, var_b) = champion, canary
-    diff = mean_b - mean_a
-    se = math.sqrt(var_b / n_b + var_a / n_a)
-    z = NormalDist().inv_cdf(cfg.confidence)
-    low = diff - z * se
-    passed = low >= -cfg.margin
-    detail = (f"online reward: canary {mean_b:+.3f} (n={n_b}) vs champion {mean_a:+.3f} (n={n_a}), difference "
-              f"{diff:+.3f}, {100 * cfg.confidence:.0f} % lower bound {low:+.3f} "
-              f"{'>=' if passed else '<'} -{cfg.margin:g}")
-    checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion requests settled",
+def decide(seen: Look, cfg: RolloutConfig, tool_calls: tuple[Calls, Calls] | None = None) -> Decision:
+    """The decision of a look that ended the test (its verdict is not CONTINUE) -- and, with
+    `tool_calls` ((champion's, canary's) served and broken), the tool-call error rates when it
+    would promote."""
+    design = Design.of(cfg)
+    n_a, n_b = seen.n_champion, seen.n_canary
+    mean_a, mean_b = seen.means
+    adjusted = f" ({seen.raw_difference:+.3f} unadjusted, variance -{100 * seen.variance_reduction:.0f} % by the " \
+        f"{cfg.covariate} covariate)" if seen.variance_reduction > 0.005 else ""
+    head = (f"online reward: canary {mean_b:+.3f} (n={n_b}) vs champion {mean_a:+.3f} (n={n_a}), difference "
+            f"{seen.difference:+.3f}{adjusted}")
+    if seen.verdict == PROMOTE:
+        why = (f"{head} >= {seen.promote_at:+.3f}, the sequential test's promotion boundary: not worse than "
+               f"-{cfg.margin:g} (at most {100 * design.alpha:g} % of canaries worse than that pass)")
+        value, limit = seen.difference, seen.promote_at
+    elif seen.verdict == WITHDRAW:
+        why = (f"{head} <= {seen.withdraw_at:+.3f}, the sequential test's futility boundary: not shown to be "
+               f"within -{cfg.margin:g} (a canary {cfg.effect:+g} better ends here at most "
+               f"{100 * design.beta:g} % of the time)")
+        value, limit = seen.difference, seen.withdraw_at
+    else:
+        why = (f"{head}: neither boundary (promoted at >= {seen.promote_at:+.3f}, withdrawn at <= "
+               f"{seen.withdraw_at:+.3f}) after rollout.max_requests ({cfg.max_requests}) a side: not shown to "
+               f"be within -{cfg.margin:g}")
+        value, limit = seen.difference, seen.promote_at
+    checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion episodes settled",
                     float(min(n_a, n_b)), float(cfg.min_requests)),
-              Check("online.reward", passed, detail, low, -cfg.margin)]
-    if tool_calls is not None and cfg.max_tool_error_increase is not None:
+              Check("online.reward", seen.verdict == PROMOTE, why, value, limit)]
+    if seen.verdict == PROMOTE and tool_calls is not None and cfg.max_tool_error_increase is not None:
+        z = NormalDist().inv_cdf(cfg.confidence)
         checks.append(tool_format_check(*tool_calls, cfg.max_tool_error_increase, z))
     return Decision(all(c.passed for c in checks), checks, first_deployment=False)
 
@@ -117,10 +134,9 @@ def tool_format_check(champion: Calls, canary: Calls, max_increase: float, z: fl
                  f"{'<=' if passed else '>'} {100 * max_increase:g} pp", low, max_increase)
 
 
-def too_little_traffic(champion: Side | None, canary: Side | None, cfg: RolloutConfig) -> Decision:
-    """max_wait passed without the requests the comparison needs: the canary is withdrawn."""
-    n_a, n_b = (champion or (0, 0.0, 0.0))[0], (canary or (0, 0.0, 0.0))[0]
-    detail = (f"online: only {n_b} canary and {n_a} champion requests settled within rollout.max_wait "
-              f"({cfg.max_wait}); {cfg.min_requests} each are needed -- raise rollout.share or max_wait")
-    return Decision(False, [Check("online.requests", False, detail, float(min(n_a, n_b)), float(cfg.min_requests))],
-                    first_deployment=False)
+def too_little_traffic(seen: Look, cfg: RolloutConfig) -> Decision:
+    """max_wait passed before the test decided: the canary is withdrawn."""
+    detail = (f"online: no decision within rollout.max_wait ({cfg.max_wait}): {seen.summary(Design.of(cfg))} "
+              "-- raise rollout.share or max_wait")
+    return Decision(False, [Check("online.requests", False, detail, float(min(seen.n_champion, seen.n_canary)),
+                                  float(cfg.min_requests))], first_deployment=False)

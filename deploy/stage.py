@@ -8,8 +8,8 @@
     promote     only on a passing decision (automatic), else the candidate stays a candidate
 
 With a staged rollout, a candidate that passed serves a share of live traffic as the canary;
-`online_decision` compares it with the champion on what each served (deploy/rollout.py) once
-both sides have enough settled outcomes, and records that decision beside the gate's.
+`online_decision` looks at the sequential test on what each side served (deploy/rollout.py) and
+records its decision beside the gate's once it meets a boundary.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from sqlalchemy import Engine
@@ -29,10 +29,11 @@ from deploy import rollout
 from deploy.evaluate import Evaluation, Runner, evaluate
 from deploy.gate import Decision, decide
 from deploy.registry import CANARY, CHAMPION, Registry, RegistryError, Version
+from deploy.sequential import CONTINUE, Design
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import GateConfig, RolloutConfig, TrainConfig, duration_s
 from pipeline.core.faults import pause_point
-from pipeline.core.store.deploys import last_move_to, latest_decision, online_rewards, tool_call_errors
+from pipeline.core.store.deploys import last_move_to, latest_decision, online_units, tool_call_errors
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.training import get_run, select_eval_episodes
 from pipeline.core.timing import Stopwatch
@@ -147,28 +148,39 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     return GateResult(version, champion, decision, evaluation, promoted, watch.parts)
 
 
+class OnlineCheck(NamedTuple):
+    """What a canary check found: decided (passed, and why), or still measuring (why: the
+    sequential test's progress, which the cycle shows in `rtrl status`)."""
+
+    decided: bool
+    passed: bool
+    why: str
+
+
 def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec_version: str, ripeness_s: float,
                     cycle_id: str, version: str, cycle_started: datetime,
-                    reward_window: Callable[[datetime], Any]) -> tuple[bool, str] | None:
-    """(passed, why) once canary `version`'s online comparison with the champion is made (or an
-    operator decided for it), None while it still needs traffic. `reward_window(since)` rewards
-    what was served since then (the reward stage, run by the caller's orchestration). The
-    decision is recorded once; a cycle resumed after a crash reads it back."""
+                    reward_window: Callable[[datetime], Any]) -> OnlineCheck:
+    """Canary `version`'s online test against the champion at this moment (deploy/rollout.py):
+    decided once it met a boundary (or an operator decided for it), else its progress.
+    `reward_window(since)` rewards what was served since then (the reward stage, run by the
+    caller's orchestration). The decision is recorded once; a cycle resumed after a crash reads
+    it back."""
     decision = latest_decision(engine, registry.name, version)
     if decision is not None and decision.stage == "online" and decision.cycle == cycle_id:
-        return decision.passed, decision.summary
+        return OnlineCheck(True, decision.passed, decision.summary)
     champion, canary = registry.alias(CHAMPION), registry.alias(CANARY)
     if champion is not None and champion.version == version:
-        return True, f"version {version} was promoted by an operator during its canary"
+        return OnlineCheck(True, True, f"version {version} was promoted by an operator during its canary")
     if canary is None or canary.version != version:
-        return False, f"the canary (version {version}) was withdrawn by an operator"
+        return OnlineCheck(True, False, f"the canary (version {version}) was withdrawn by an operator")
     gated_against = decision.champion_version if decision is not None else None
     now = champion.version if champion is not None else None
     if decision is not None and gated_against != now:
         # an operator's rollback or promotion during the canary wins: the candidate was gated
         # against another champion, and its online sides would straddle the move
-        return False, (f"the champion moved from {gated_against or 'the base'} to {now or 'the base'} during the "
-                       f"canary (an operator's move): version {version} is not promoted over it")
+        return OnlineCheck(True, False, f"the champion moved from {gated_against or 'the base'} to "
+                                        f"{now or 'the base'} during the canary (an operator's move): version "
+                                        f"{version} is not promoted over it")
     move = last_move_to(engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
     staged_at = move.at if move is not None else cycle_started
@@ -179,21 +191,27 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
     # terminal signal would otherwise over-represent the outcomes that arrive fast
     settled = utcnow() - timedelta(seconds=ripeness_s)
     serving = champion.version if champion else "base"
-    sides = online_rewards(engine, spec_version, [serving, version], staged_at, until=settled)
-    if rollout.ready(sides.get(serving), sides.get(version), cfg):
+    units = online_units(engine, spec_version, [serving, version], staged_at, until=settled,
+                         covariate=cfg.covariate, history=cfg.covariate_history)
+    seen = rollout.look(units.get(serving), units.get(version), cfg)
+    if seen.verdict != CONTINUE:
         calls = tool_call_errors(engine, [serving, version], staged_at, until=settled)
-        result = rollout.decide(sides[serving], sides[version], cfg,
-                                (calls.get(serving, (0, 0)), calls.get(version, (0, 0))))
+        result = rollout.decide(seen, cfg, (calls.get(serving, (0, 0)), calls.get(version, (0, 0))))
     elif (utcnow() - staged_at).total_seconds() > duration_s(cfg.max_wait):
-        result = rollout.too_little_traffic(sides.get(serving), sides.get(version), cfg)
+        result = rollout.too_little_traffic(seen, cfg)
     else:
-        log.info("canary still measuring", extra={"cycle": cycle_id, "version": version, "min_requests":
-                                                 cfg.min_requests, "rewarded": {v: s[0] for v, s in sides.items()}})
-        return None
+        progress = seen.summary(Design.of(cfg))
+        log.info("canary still measuring", extra={
+            "cycle": cycle_id, "version": version, "episodes": {serving: seen.n_champion, version: seen.n_canary},
+            "difference": seen.difference, "promote_at": seen.promote_at, "withdraw_at": seen.withdraw_at,
+            "expected_more": seen.expected_more[1]})
+        return OnlineCheck(False, False, f"canary v{version}: {progress}")
+    sides = {v: dict(zip(("n", "mean", "var"), u.summary())) for v, u in units.items()}
     registry.record_online(version, champion.version if champion else None, cycle_id, result,
-                           {v: {"n": s[0], "mean": s[1], "var": s[2]} for v, s in sides.items()})
+                           {**sides, "sequential": asdict(seen)})
     pause_point("canary.decided")  # crash tests kill the process here: a restart reuses the decision
-    return result.passed, "; ".join(c.detail for c in result.checks if result.passed or not c.passed)
+    return OnlineCheck(True, result.passed,
+                       "; ".join(c.detail for c in result.checks if result.passed or not c.passed))
 
 
 def withdraw_orphan_canary(registry: Registry) -> Version | None:

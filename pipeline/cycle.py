@@ -10,8 +10,9 @@ With a staged rollout (`[rollout] share` > 0) a candidate that passed the gate g
                                \\-> rejected (online worse than the champion, or too little traffic)
 
 `canary` waits for live traffic: the cycle returns and every later run (the daemon checks
-every `rollout.check_every`) resumes it, rewards what the canary served, and once both sides
-have enough requests lets deploy/rollout.py decide. No new candidate is trained meanwhile.
+every `rollout.check_every`) resumes it, rewards what the canary served and looks at the
+sequential test (deploy/rollout.py), until it decides; meanwhile the cycle's reason is the test's
+progress. No new candidate is trained meanwhile.
 
 Each state is written before its work starts, fenced by the daemon's lease (pipeline/core/store/
 leases.py): a daemon whose lease another took over stops at its next write or training step.
@@ -214,18 +215,20 @@ def _canary(c: _Cycle) -> CycleState | None:
             deps.engine, deps.registry, deps.config.rollout, deps.spec.version, deps.spec.ripeness.window_s,
             c.cycle_id, version, row.started_at,
             reward_window=lambda since: run_rewards(deps.engine, deps.spec, served_since=since)))
-        if verdict is not None and not verdict[0]:
+        if verdict.decided and not verdict.passed:
             c.timed("withdraw", lambda: deps.registry.withdraw_canary(
-                version, "automatic", f"canary rejected online: {verdict[1]}"))
+                version, "automatic", f"canary rejected online: {verdict.why}"))
     except Exception as exc:  # noqa: BLE001 - the canary keeps serving; failing here would orphan it
         log.warning("canary check failed; retried at the next check", extra={
             "cycle": c.cycle_id, "error": f"{type(exc).__name__}: {exc}"})
         c.enter(S.CANARY, reason=f"last check failed: {type(exc).__name__}: {exc}"[:2000])
         return None
-    if verdict is None:
-        c.enter(S.CANARY)  # still measuring (the row's updated_at says when it was last checked)
+    if not verdict.decided:
+        # still measuring: the test's progress is the cycle's reason (`rtrl status` shows it; the
+        # row's updated_at says when it was last checked)
+        c.enter(S.CANARY, reason=verdict.why)
         return None
-    passed, why = verdict
+    passed, why = verdict.passed, verdict.why
     if not passed:
         c.enter(S.REJECTED, promoted=0, reason=why)
         return None

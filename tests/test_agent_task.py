@@ -101,19 +101,21 @@ def test_the_base_is_warmed_up_on_both_steps_with_the_shares_the_docstring_names
 
 def test_the_online_tool_format_canary_refuses_a_canary_that_writes_broken_calls():
     cfg = RolloutConfig(share=0.5, min_requests=60, margin=0.05)
-    even = (2000, 0.0, 0.25)  # the rewards alone: no difference
-    hacked = rollout.decide(even, even, cfg, tool_calls=((300, 15), (300, 90)))
+    # the rewards alone: a canary the sequential test promotes
+    even = rollout.look(([0.5, -0.5] * 1000, [0.0] * 2000), ([0.6, -0.4] * 1000, [0.0] * 2000), cfg)
+    assert even.verdict == "promote"
+    hacked = rollout.decide(even, cfg, tool_calls=((300, 15), (300, 90)))
     assert not hacked.passed
     failing = [c for c in hacked.checks if not c.passed]
     assert [c.name for c in failing] == ["online.tool_format_error_rate"] and "30.0 % of 300" in failing[0].detail
-    assert rollout.decide(even, even, cfg, tool_calls=((300, 15), (300, 18))).passed  # noise is not refused
-    assert rollout.decide(even, even, cfg, tool_calls=((300, 0), (300, 0))).passed  # no tools at all
+    assert rollout.decide(even, cfg, tool_calls=((300, 15), (300, 18))).passed  # noise is not refused
+    assert rollout.decide(even, cfg, tool_calls=((300, 0), (300, 0))).passed  # no tools at all
     # a champion with no broken call among few is not certain of its 0 % (a demo run's v1 was
     # refused at 6 of 130 against 0 of 90 by the plain Wald bound); a clear increase still is refused
-    assert rollout.decide(even, even, cfg, tool_calls=((90, 0), (130, 6))).passed
-    assert not rollout.decide(even, even, cfg, tool_calls=((90, 0), (130, 20))).passed
+    assert rollout.decide(even, cfg, tool_calls=((90, 0), (130, 6))).passed
+    assert not rollout.decide(even, cfg, tool_calls=((90, 0), (130, 20))).passed
     off = RolloutConfig(share=0.5, min_requests=60, margin=0.05, max_tool_error_increase=None)
-    assert rollout.decide(even, even, off, tool_calls=((300, 15), (300, 90))).passed
+    assert rollout.decide(even, off, tool_calls=((300, 15), (300, 90))).passed
 
 
 def test_episodes_and_tool_errors_per_version_from_the_store(engine):
@@ -140,11 +142,16 @@ def test_episodes_and_tool_errors_per_version_from_the_store(engine):
 def test_each_demo_sizes_its_canary_for_its_own_traffic(tmp_path):
     """The agent demo's settings are the single-turn demo's with its own on top: a rollout size
     it does not set is inherited. The single-turn fleet settles ~12 requests a second a side, the
-    agent fleet ~2 episodes, so 200 a side -- the single-turn canary's -- would hold each agent
-    canary ~100 s (a fresh run's five cycles past the ten minutes)."""
+    agent fleet ~2 episodes: each demo's sequential test must be able to end undecided (at
+    max_requests) before its max_wait, and its fixed-size equivalent must fit below that."""
+    from deploy.sequential import Design, fixed_horizon_n
+    from pipeline.core.config import duration_s
     from pipeline.demo.config import demo_settings
 
     single = demo_settings(tmp_path, tmp_path / "demo", False, "45s", 0, "t")["rollout"]
     agent = demo_settings(tmp_path, tmp_path / "demo-agent", False, "45s", 0, "t", task="agent")["rollout"]
-    assert (single["min_requests"], single["margin"]) == (200, 0.05)
-    assert (agent["min_requests"], agent["margin"]) == (60, 0.15)
+    assert agent["max_wait"] == single["max_wait"] and agent["share"] == single["share"]  # inherited
+    for settings, per_second, sd in ((single, 12, 0.64), (agent, 2, 0.8)):
+        cfg = RolloutConfig(**settings)
+        assert cfg.max_requests / per_second < duration_s(cfg.max_wait)
+        assert fixed_horizon_n(sd, sd, Design.of(cfg)) < cfg.max_requests

@@ -32,8 +32,9 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     # start a second broker on 19092
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}, **local_kafka_env,
            "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "OMP_NUM_THREADS": "1",
-           # the demo's canary waits for 200 settled requests a side; one cycle here needs a decision, not its power
-           "RTRL_ROLLOUT__MIN_REQUESTS": "60"}
+           # the demo's sequential canary may run to 800 settled requests a side; one cycle here needs a
+           # decision, not its power
+           "RTRL_ROLLOUT__MIN_REQUESTS": "40", "RTRL_ROLLOUT__MAX_REQUESTS": "120"}
     # through `rtrl gateway` in front of `rtrl serve` (the plain demo is `make demo`'s): the gateway
     # captures every request and routes the canary's share
     done = rtrl(["demo", "--gateway", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"], env,
@@ -51,7 +52,7 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     settings = tomllib.loads((run_dir / "rtrl.toml").read_text())
     assert settings["kafka"]["port"] == int(local_kafka_env["RTRL_KAFKA__PORT"])
     assert settings["train"]["base_model"] == str(reverse_base)
-    assert settings["rollout"]["min_requests"] == 60
+    assert (settings["rollout"]["min_requests"], settings["rollout"]["max_requests"]) == (40, 120)
     assert '"logger"' in (run_dir / "demo.log").read_text()  # the structured logs went to the file
     assert (run_dir / "report" / "report.png").stat().st_size > 0
 

@@ -30,27 +30,31 @@ on_sqlite = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
 # --- the comparison and the routing ------------------------------------------------------
 
-def _side(values: list[float]) -> rollout.Side:
-    n, mean = len(values), sum(values) / len(values)
-    return n, mean, sum((v - mean) ** 2 for v in values) / (n - 1)
+def _units(values: list[float]) -> rollout.Units:
+    return values, [0.0] * len(values)
 
 
-def test_the_online_comparison_is_a_one_sided_non_inferiority_bound():
-    cfg = RolloutConfig(share=0.5, min_requests=100, margin=0.05, confidence=0.9)
+def test_the_online_test_promotes_withdraws_or_waits_and_says_why():
+    cfg = RolloutConfig(share=0.5, min_requests=100, margin=0.05, effect=0.05, confidence=0.95)
     rng = random.Random(0)
-    champion = _side([0.4 if rng.random() < 0.5 else -0.4 for _ in range(400)])
-    better = _side([0.4 if rng.random() < 0.7 else -0.4 for _ in range(400)])
-    worse = _side([0.4 if rng.random() < 0.3 else -0.4 for _ in range(400)])
-    assert rollout.decide(champion, better, cfg).passed
-    decision = rollout.decide(champion, worse, cfg)
-    assert not decision.passed and "lower bound" in decision.reasons[0]
-    # the same canary as the champion: passes only within the margin, so a noisy tie is not shipped
-    # on a handful of requests
-    tie = (100, champion[1], champion[2])
-    assert rollout.decide((100, champion[1], champion[2]), tie, cfg).passed is (
-        1.2816 * (2 * champion[2] / 100) ** 0.5 <= 0.05)
-    assert not rollout.ready(champion, (99, 0.0, 0.0), cfg) and rollout.ready(champion, better, cfg)
-    assert "max_wait" in rollout.too_little_traffic(None, (3, 0.1, 0.0), cfg).reasons[0]
+    champion = _units([0.4 if rng.random() < 0.5 else -0.4 for _ in range(400)])
+    better = _units([0.4 if rng.random() < 0.7 else -0.4 for _ in range(400)])
+    worse = _units([0.4 if rng.random() < 0.3 else -0.4 for _ in range(400)])
+    promoted = rollout.look(champion, better, cfg)
+    assert promoted.verdict == "promote" and rollout.decide(promoted, cfg).passed
+    withdrawn = rollout.look(champion, worse, cfg)
+    decision = rollout.decide(withdrawn, cfg)
+    assert not decision.passed and "futility boundary" in decision.reasons[0]
+    # the same canary as the champion on few requests: neither boundary yet -- the test waits
+    # (a fixed-size test would have had to decide on these)
+    tie = rollout.look(_units(champion[0][:100]), _units(champion[0][:100]), cfg)
+    assert tie.verdict == "continue" and tie.expected_more[1] > 0
+    assert rollout.look(champion, _units(better[0][:99]), cfg).verdict == "continue"  # before the first look
+    assert rollout.look(None, better, cfg).n_champion == 0
+    undecided = rollout.look(_units(champion[0][:100]), _units(champion[0][:100]), cfg.model_copy(
+        update={"max_requests": 100}))
+    assert undecided.verdict == "truncated" and "neither boundary" in rollout.decide(undecided, cfg).reasons[0]
+    assert "max_wait" in rollout.too_little_traffic(rollout.look(None, _units([0.1] * 3), cfg), cfg).reasons[0]
 
 
 def test_routing_sends_the_share_to_the_canary_and_a_request_always_the_same_way():
@@ -78,7 +82,8 @@ def deps(cfg, engine, reverse_base, tmp_path):
     spec = (REPO / "reward" / "default_spec.toml").read_text().replace("window_s = 3600", "window_s = 1")
     (tmp_path / "spec.toml").write_text(spec)
     d.spec = load_spec(tmp_path / "spec.toml")
-    d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h")
+    d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h",
+                                     covariate="prompt")
     d.config.gate.min_ess = 2  # these tests are about what happens after the gate passed
     d.config.gate.min_improvement = -1.0
     d.published = published
@@ -121,10 +126,12 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
     assert 'rtrl_policy_served{alias="champion"}' in metrics and 'alias="canary"' not in metrics, metrics
     done = get_cycle(engine, row.cycle_id)
     assert done.state == "done" and done.promoted == 1, done.reason
-    assert "online reward: canary" in done.reason and {"stage", "online", "promote"} <= set(done.timings)
+    assert "online reward: canary" in done.reason and "promotion boundary" in done.reason
+    assert {"stage", "online", "promote"} <= set(done.timings)
     assert deps.registry.alias(CHAMPION).version == version and deps.registry.alias(CANARY) is None
     decision = latest_decision(engine, "cycle-policy", version)
     assert decision.passed and decision.report["stage"] == "online" and decision.report["sides"][version]["n"] == 60
+    assert decision.report["sides"]["sequential"]["verdict"] == "promote"
     # serving hears the champion move, then the canary cleared
     assert [(e["alias"], e["version"]) for e in deps.published[-2:]] == [("champion", version), ("canary", None)]
     assert deps.registry.get(version).tags["online.passed"] == "true"
@@ -136,10 +143,11 @@ def test_a_canary_worse_online_is_withdrawn_and_the_champion_stays(
     row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "w", seed=12)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-base", "base", 60, good=0.6)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary", version, 30, good=0.2)
-    assert run_cycle(deps).state == "canary"  # 30 of the 40 canary requests the test is sized for
+    waiting = run_cycle(deps)  # 30 of the 40 canary requests the first look needs
+    assert waiting.state == "canary" and "the first look needs 40 a side" in waiting.reason, waiting.reason
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary2", version, 30, good=0.2)
     rejected = wait_for(lambda: (r := run_cycle(deps)).state != "canary" and r, 60, "the comparison", interval=0.5)
-    assert rejected.state == "rejected" and rejected.promoted == 0 and "lower bound" in rejected.reason
+    assert rejected.state == "rejected" and rejected.promoted == 0 and "futility boundary" in rejected.reason
     assert deps.registry.alias(CANARY) is None and deps.registry.alias(CHAMPION) is None
     assert deps.published[-1] == {**deps.published[-1], "alias": "canary", "version": None, "share": 0.0}
     assert not latest_decision(engine, "cycle-policy", version).passed
@@ -167,7 +175,7 @@ def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_i
         raise ConnectionError("the store went away")
 
     with monkeypatch.context() as m:  # the check fails: the canary keeps serving, the cycle waits
-        m.setattr(deploy_stage, "online_rewards", store_away)
+        m.setattr(deploy_stage, "online_units", store_away)
         again = run_cycle(deps)
     assert again.state == "canary" and "last check failed: ConnectionError" in again.reason
     assert deps.registry.alias(CANARY).version == version

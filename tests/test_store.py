@@ -15,7 +15,7 @@ from ingest.ndjson import export_events
 from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.core.config import Config
 from pipeline.core.store import db as store_db
-from pipeline.core.store.deploys import online_rewards, served_and_accepted
+from pipeline.core.store.deploys import online_units, served_and_accepted
 from pipeline.core.store.events import Rows, dead_letter_row, stored_offsets, table_counts, write_rows
 from pipeline.core.store.tables import dead_letters, feedback, interactions, metadata
 from pipeline.core.types import SourcePosition
@@ -191,6 +191,10 @@ def test_served_and_accepted_per_policy_version(engine):
     assert served_and_accepted(engine, []) == {}
 
 
+def online_rewards(engine, *args, **kwargs):
+    return {v: u.summary() for v, u in online_units(engine, *args, **kwargs).items()}
+
+
 def test_online_rewards_per_version_since_a_time(engine):
     """A canary's online comparison (pipeline.cycle): n, mean and sample variance of the rewards
     of the requests each version served from a given time on."""
@@ -216,7 +220,6 @@ def test_online_rewards_per_version_since_a_time(engine):
     assert got["1"][:2] == (2, 0.0) and got["2"][0] == 3 and abs(got["2"][1] - 2 / 3) < 1e-9
 
 
-
 def test_online_rewards_count_an_episode_once(engine):
     """An agent's episode is one unit of the online comparison: its calls' rewards averaged, so
     a version whose episodes make more calls does not weigh more (before, each call counted: a
@@ -237,6 +240,39 @@ def test_online_rewards_count_an_episode_once(engine):
     got = online_rewards(engine, "spec@1", ["1", "2"], BASE_TS.replace(tzinfo=None) - timedelta(seconds=1))
     assert got["1"][:2] == (2, 0.0) and abs(got["1"][2] - 2.0) < 1e-9  # per call it was (4, -0.5)
     assert got["2"][:2] == (2, 0.0)
+
+
+def test_an_episode_s_covariate_is_its_first_prompt_s_mean_reward_before_the_canary(engine):
+    """CUPED's covariate (deploy/sequential.py): what the history before the canary went live
+    earned on the prompt an episode began with (or its user) -- never a later call's prompt,
+    which holds the policy's own answers; the history's overall mean for a prompt it never saw."""
+    from datetime import timedelta
+
+    from pipeline.core.store.rewards import RewardRow, upsert_rewards
+    from tests.factories import BASE_TS
+
+    # (version, prompt, user, episode, step, reward); requests 0-3 before the canary, 4- after
+    rows = [("base", "p1", "u1", None, None, 1.0), ("base", "p1", "u2", None, None, 0.0),
+            ("base", "p2", "u1", None, None, -1.0), ("base", "p3", "u3", None, None, -0.5),
+            ("1", "p1", "u3", None, None, 0.2),  # p1 earned 0.5 before
+            ("1", "p9", "u1", None, None, 0.3),  # never seen: the overall mean, -0.125
+            ("base", "p2", "u2", "ep-x", 1, 0.0),  # an episode that began with p2, then p1
+            ("base", "p1", "u2", "ep-x", 2, 1.0)]
+    events = [interaction(i, policy_version=v, prompt=p, user_id=u, **({"episode_id": e, "step": s} if e else {}))
+              for i, (v, p, u, e, s, _) in enumerate(rows)]
+    write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
+    upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", r[0], r[5], {}, 1, 0) for i, r in enumerate(rows)])
+    since = (BASE_TS + timedelta(seconds=4)).replace(tzinfo=None)
+    got = online_units(engine, "spec@1", ["base", "1"], since, covariate="prompt", history=100)
+    assert sorted(zip(got["1"].rewards, got["1"].covariates)) == [(0.2, 0.5), (0.3, -0.125)]
+    assert got["base"].rewards == [0.5] and got["base"].covariates == [-1.0]  # ep-x: p2's
+    by_user = online_units(engine, "spec@1", ["1"], since, covariate="user", history=100)
+    assert sorted(zip(by_user["1"].rewards, by_user["1"].covariates)) == [(0.2, -0.5), (0.3, 0.0)]
+    # the history is the most recent calls only: the last two (p2 -1.0, p3 -0.5)
+    recent = online_units(engine, "spec@1", ["1"], since, covariate="prompt", history=2)
+    assert sorted(recent["1"].covariates) == [-0.75, -0.75]
+    assert online_units(engine, "spec@1", ["1"], since)["1"].covariates == [0.0, 0.0]
+
 
 TRAJECTORY = [
     {"role": "assistant", "content": "Let me look.",

@@ -156,7 +156,10 @@ def status(ctx: Context) -> None:
                            if held else " (no daemon holds the lease):"))
     for c in recent_cycles(engine, 5):
         candidate = f" v{c.candidate_version}" if c.candidate_version else ""
-        click.echo(f"  {c.started_at:%Y-%m-%d %H:%M:%S} {c.cycle_id} {c.state:<10}{candidate}  {c.reason or ''}"[:200])
+        line = f"  {c.started_at:%Y-%m-%d %H:%M:%S} {c.cycle_id} {c.state:<10}{candidate}  {c.reason or ''}"
+        # a canary's reason is its test's progress, read whole; an ended cycle's reason is cut
+        # to a line (`rtrl models show` has its decision)
+        click.echo(line if c.state == "canary" else line[:200])
     click.echo(f"lag for group {cfg.ingest.group_id} at {cfg.kafka_access.describe()}:")
     try:
         lags = partition_lag(cfg, engine, timeout_ms=5000)

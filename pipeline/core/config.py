@@ -167,24 +167,47 @@ class CycleConfig(_Section):
 
 class RolloutConfig(_Section):
     """Staged rollout: a candidate that passed the gate first serves a share of live requests
-    as the `canary`, and is promoted only if its online mean reward is not worse than the
-    champion's over the same period (the gate's off-policy estimate can be optimistic)."""
+    as the `canary`, and is promoted only if a sequential test on its online mean reward shows
+    it is not worse than the champion's by more than `margin`, over the same period
+    (deploy/sequential.py: valid however often it is looked at)."""
 
     share: float = Field(default=0.0, ge=0.0, lt=1.0, description="share of requests the canary serves; "
                          "0: no staged rollout, a candidate that passes the gate is promoted at once")
-    min_requests: int = Field(default=200, ge=10, description="rewarded requests each side needs before the "
-                              "comparison is made (once: a fixed-size test, no peeking); an agent's episode "
+    min_requests: int = Field(default=50, ge=10, description="rewarded episodes each side needs before the "
+                              "sequential test's first look (its normal approximation); an agent's episode "
                               "counts once")
+    max_requests: int = Field(default=2000, ge=10, description="episodes a side at which a test that met neither "
+                              "boundary stops: the canary is withdrawn, not shown to be within the margin")
     margin: float = Field(default=0.05, ge=0.0, description="how much lower (in reward) the canary's mean may "
-                          "be than the champion's and still pass")
-    confidence: float = Field(default=0.9, gt=0.5, lt=1.0, description="one-sided confidence of that bound")
+                          "be than the champion's and still pass: a canary worse by more is promoted with "
+                          "probability <= 1 - confidence")
+    effect: float = Field(default=0.05, description="the improvement (in reward) the test is sized for: a canary "
+                          "this much better is withdrawn with probability <= 1 - power; must exceed -margin")
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="1 - the probability of promoting a "
+                              "canary worse than the margin, however often the test is looked at")
+    power: float = Field(default=0.8, gt=0.0, lt=1.0, description="1 - the probability that the futility "
+                         "boundary withdraws a canary `effect` better")
+    covariate: Literal["prompt", "user", "none"] = Field(
+        default="prompt", description="the variance-reducing covariate of an episode (CUPED), fixed before it was "
+        "assigned: the mean reward, before the canary went live, of its first call's prompt, or of its user")
+    covariate_history: int = Field(default=5000, ge=0, description="most recent rewarded calls before the canary "
+                                   "went live that the covariate is computed from")
     max_tool_error_increase: float | None = Field(
         default=0.02, ge=0.0, description="how much higher the canary's share of served calls with a malformed tool "
-        "call may be than the champion's (the same one-sided confidence) -- the online tool-format canary; unset: "
-        "not checked")
-    max_wait: str = Field(default="24h", description="a canary without enough requests after this long is "
+        "call may be than the champion's (the same one-sided confidence), checked when the reward test decides "
+        "-- the online tool-format canary; unset: not checked")
+    max_wait: str = Field(default="24h", description="a canary without a decision after this long is "
                           "withdrawn (never promoted unmeasured): <n>s|m|h|d")
     check_every: str = Field(default="5m", description="how often the daemon checks a canary between cycles")
+
+    @model_validator(mode="after")
+    def _effect_above_the_margin(self) -> RolloutConfig:
+        if not self.effect > -self.margin:
+            raise ValueError(f"rollout.effect ({self.effect:g}) must exceed -rollout.margin ({-self.margin:g})")
+        if self.max_requests < self.min_requests:
+            raise ValueError(f"rollout.max_requests ({self.max_requests}) is below rollout.min_requests "
+                             f"({self.min_requests})")
+        return self
 
     @field_validator("max_wait", "check_every")
     @classmethod

@@ -53,11 +53,13 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
                  "bounds": {"smoke_latency_ms": {"max_rel_increase": 5.0}}},
         "cycle": {"every": every, "min_new_episodes": 80},
         # a staged rollout on the compressed clock: a candidate that passes the gate answers half
-        # of the requests until each side has 200 settled ones (~25 s at 24 tasks/s), then the
-        # online comparison decides (the gate's off-policy estimate can be optimistic). A request's
-        # reward spreads ~0.7, so at 200 a side the 90 % bound of a difference lies ~0.09 below it:
-        # a canary 10 pp of accepts better (+0.13) passes ~9 times in 10 (at 60-100 a side, 5-6 in 10)
-        "rollout": {"share": 0.5, "min_requests": 200, "margin": 0.05, "check_every": "5s", "max_wait": "3m"},
+        # of the requests while the sequential test (deploy/sequential.py) is looked at every 5 s,
+        # ~60 settled requests a side at 24 tasks/s. A request's reward spreads ~0.64: a canary 5
+        # points of accepts better (+0.067) is promoted ~9 times in 10, at a median ~290 a side
+        # (~25 s), 10 points better at ~200; one worse than the margin at most 5 % of the time
+        # (docs/benchmarks.md, "The canary's sequential test"). 800 a side (~70 s) ends a tie
+        "rollout": {"share": 0.5, "min_requests": 50, "max_requests": 800, "margin": 0.05, "effect": 0.05,
+                    "check_every": "5s", "max_wait": "3m"},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
     }
     if task == "agent":
@@ -84,11 +86,12 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
             # run, +3 to +5 pp); after a tool's result a call is never right here: 0.02
             "tool_format_error_rate": {"max": 0.3, "max_increase": 0.05},
             "tool_format_error_rate_after_result": {"max": 0.3, "max_increase": 0.02}})
-        # the online check at 60 episodes a side: an episode's reward spreads ~0.8, so the 90 % bound
-        # of a difference lies ~0.19 below it -- at a 0.05 margin a canary 0.08 better than the
-        # champion would be withdrawn two times in three (seed 1: +0.079, withdrawn); 0.15 withdraws one
-        # that is likely worse
-        settings["rollout"].update(max_tool_error_increase=0.02, margin=0.15, min_requests=60)
+        # the agent fleet settles ~2 episodes a second a side and an episode's reward spreads ~0.8:
+        # a 0.15 margin and a 0.1 effect size the test at ~130 episodes a side for the fixed-size
+        # test (the sequential one decides a candidate 0.1 better at ~90); 240 a side ends a tie
+        # within the run's minutes (a 0.05 margin would need ~450)
+        settings["rollout"].update(max_tool_error_increase=0.02, margin=0.15, effect=0.1, min_requests=40,
+                                   max_requests=240)
         # ~1.7 calls an episode at ~4 episodes/s: a cycle starts once 200 new calls are rewarded
         # (`--every` 10s only looks), so each trains on fresh data however long the last one took
         settings["cycle"]["min_new_episodes"] = 200

@@ -11,11 +11,13 @@ Each row's id is the move's sequence number: model-update events carry it as `se
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, and_, case, cast, exists, func, select, update
+import orjson
+from sqlalchemy import Engine, and_, case, cast, exists, func, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 
 from pipeline.core.store.episodes import wrote_malformed_call
@@ -213,32 +215,88 @@ def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> di
         return {version: (served, int(n)) for version, served, n in conn.execute(stmt)}
 
 
-def online_rewards(engine: Engine, spec_version: str, versions: list[str], since: datetime,
-                   until: datetime | None = None) -> dict[str, tuple[int, float, float]]:
-    """Per policy version: (n, mean, variance) over the episodes it served from `since` to
-    `until` of each episode's mean call reward under `spec_version` -- a staged rollout's online
-    comparison, both sides over the same period. An episode counts once whatever its number of
-    calls (an agent that calls a tool more does not weigh more, and calls of one episode are not
-    independent draws); a request without an episode id is its own. Only rewarded requests count;
-    versions with none are left out."""
+class OnlineUnits(NamedTuple):
+    """A version's settled episodes in a canary's window, aligned: each one's reward and the
+    covariate the sequential test adjusts it by (deploy/sequential.py)."""
+
+    rewards: list[float]
+    covariates: list[float]
+
+    def summary(self) -> tuple[int, float, float]:
+        """(n, mean, sample variance) of the rewards."""
+        n = len(self.rewards)
+        mean = sum(self.rewards) / n if n else 0.0
+        return n, mean, sum((v - mean) ** 2 for v in self.rewards) / max(n - 1, 1)
+
+
+def _prompt_key(body: str) -> str:
+    """A digest of an interaction's prompt (its body's `prompt`, whatever its shape); "" when the
+    body does not parse -- such a call gets the history's overall mean as its covariate."""
+    try:
+        prompt = orjson.loads(body).get("prompt")
+        return hashlib.blake2b(orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS), digest_size=12).hexdigest()
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, TypeError):
+        return ""
+
+
+def _episodes(rows: Any, covariate: str) -> dict[tuple[str, str, str], tuple[list[float], str]]:
+    """(version, tenant, unit) -> (its calls' rewards, the covariate key of its first call): rows
+    of (version, tenant, unit, step, ts, user_id, body, reward). The first call's prompt or user
+    is what the user brought before any answer: no later call's prompt (which holds the policy's
+    own answers) may be a covariate."""
+    out: dict[tuple[str, str, str], tuple[list[float], tuple[Any, ...], str]] = {}
+    for version, tenant, unit, step, ts, user, body, value in rows:
+        key = (version, tenant, unit)
+        order = (step is None, step or 0, ts)
+        rewards, first, first_key = out.get(key, ([], None, ""))
+        rewards.append(float(value))
+        if first is None or order < first:
+            first, first_key = order, (user if covariate == "user" else _prompt_key(body) if covariate == "prompt"
+                                       else "")
+        out[key] = (rewards, first, first_key)
+    return {k: (r, key) for k, (r, _, key) in out.items()}
+
+
+def online_units(engine: Engine, spec_version: str, versions: list[str], since: datetime,
+                 until: datetime | None = None, covariate: str = "none", history: int = 0) -> dict[str, OnlineUnits]:
+    """Per policy version: its episodes served from `since` to `until`, each one's mean call
+    reward under `spec_version` -- a staged rollout's online comparison, both sides over the same
+    period. An episode counts once whatever its number of calls (an agent that calls a tool more
+    does not weigh more, and calls of one episode are not independent draws); a request without
+    an episode id is its own. Only rewarded requests count; versions with none are left out.
+
+    `covariate` ("prompt", "user" or "none") and `history`: each episode's covariate is the mean
+    reward, among the `history` most recent rewarded calls served before `since` (whatever
+    served them: before the canary, so nothing it did), of the episodes that began with the same
+    prompt (or user) -- the overall mean of those for a key never seen, 0 without any."""
     window = [interactions.c.ts >= since] + ([interactions.c.ts <= until] if until is not None else [])
     # driven by the window (the ts index), each reward found by its request: the cost follows the
     # window, not the history (an index on the rewards' policy_version would make SQLite read
     # every reward the champion ever had; docs/benchmarks.md has the figures)
     unit = func.coalesce(interactions.c.episode_id, interactions.c.request_id)  # (an episode: of its tenant)
-    stmt = (select(rewards.c.policy_version, interactions.c.tenant, unit, func.avg(rewards.c.value))
-            .select_from(interactions.join(rewards, rewards.c.request_id == interactions.c.request_id))
-            .where(*window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
-            .group_by(rewards.c.policy_version, interactions.c.tenant, unit))
-    per_version: dict[str, list[float]] = {}
+    body = interactions.c.body if covariate == "prompt" else literal("")  # (prompts are most of a body)
+    columns = (rewards.c.policy_version, interactions.c.tenant, unit, interactions.c.step, interactions.c.ts,
+               interactions.c.user_id, body, rewards.c.value)
+    joined = interactions.join(rewards, rewards.c.request_id == interactions.c.request_id)
+    stmt = select(*columns).select_from(joined).where(
+        *window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
+    before = (select(*columns).select_from(joined)
+              .where(interactions.c.ts < since, rewards.c.spec_version == spec_version)
+              .order_by(interactions.c.ts.desc()).limit(history))
     with engine.connect() as conn:
-        for version, _, _, mean in conn.execute(stmt):
-            per_version.setdefault(version, []).append(float(mean))
-    out: dict[str, tuple[int, float, float]] = {}
-    for version, values in per_version.items():
-        n = len(values)
-        mean = sum(values) / n
-        out[version] = (n, mean, sum((v - mean) ** 2 for v in values) / max(n - 1, 1))  # unbiased
+        served = _episodes(conn.execute(stmt), covariate)
+        past = _episodes(conn.execute(before), covariate) if covariate != "none" and history > 0 else {}
+    by_key: dict[str, list[float]] = {}
+    for calls, key in past.values():
+        by_key.setdefault(key, []).append(sum(calls) / len(calls))
+    every = [v for values in by_key.values() for v in values]
+    overall = sum(every) / len(every) if every else 0.0
+    means = {key: sum(v) / len(v) for key, v in by_key.items() if key}
+    out: dict[str, OnlineUnits] = {}
+    for (version, _, _), (calls, key) in served.items():
+        units = out.setdefault(version, OnlineUnits([], []))
+        units.rewards.append(sum(calls) / len(calls))
+        units.covariates.append(means.get(key, overall))
     return out
 
 
