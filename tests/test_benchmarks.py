@@ -61,3 +61,8 @@ def test_store_costs():
 
 def test_the_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")]).returncode == 0
+
+
+def test_decisions():
+    out = bench("benchmarks/decisions.py", "--runs", "20", "--max-requests", "200")
+    assert "| A/A copy | +0.0000 |" in out and "fixed-size test's" in out
