@@ -3,7 +3,9 @@
 A candidate replaces the champion only if every check passes:
 
     smoke        the candidate loads and generates
-    ess          the off-policy reward estimate rests on enough effective samples
+    ess          the importance-sampling estimate rests on enough effective samples (when it is
+                 the estimator that decides; else recorded only)
+    estimator    the configured estimator decided, or the fallback and why (deploy/estimators.py)
     improvement  the lower confidence bound of (candidate - champion) reward > min_improvement
     regression   no regression-suite item that the champion passes fails for the candidate
     kl           KL(champion || candidate) per token within budget
@@ -51,8 +53,12 @@ class EvalReport:
 
 @dataclass
 class Comparison:
-    improvement: Estimate  # candidate - champion reward, paired bootstrap on the same episodes
+    improvement: Estimate  # candidate - champion reward, by `estimator` (deploy/estimators.py)
     kl: float  # KL(champion || candidate) per token on the eval prompts
+    estimator: str = "importance"  # which estimator `improvement` came from
+    note: str = ""  # why that one, when it is not the configured one (a fallback), or why none decided
+    estimates: dict[str, Any] = field(default_factory=dict)  # every estimator's improvement, or why none
+    refused: bool = False  # no estimator could decide under gate.fallback: the gate fails
 
 
 @dataclass(frozen=True)
@@ -125,11 +131,15 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
     """`champion` None: the first deployment without a baseline; `first` with a champion report:
     the first deployment compared with the base model (first_deployment = "base")."""
     first = first or champion is None
+    by_importance = comparison is None or comparison.estimator == "importance"
     checks = [
         Check("smoke", candidate.smoke_ok, "candidate loads and generates" if candidate.smoke_ok
               else f"candidate failed to load or generate: {candidate.smoke_error}"),
         Check("ess", candidate.ess >= cfg.min_ess,
-              f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})", candidate.ess, cfg.min_ess),
+              f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})", candidate.ess, cfg.min_ess)
+        if by_importance else
+        Check("ess", True, f"effective sample size {candidate.ess:.1f} of importance sampling, which does not decide "
+              f"({comparison.estimator} does)", candidate.ess, cfg.min_ess, applicable=False),
     ]
     if champion is None:
         checks.append(Check("first_deployment", cfg.first_deployment != "refuse",
@@ -150,10 +160,13 @@ def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Compa
         if comparison is None:
             checks.append(Check("improvement", False, "no comparison with the champion was measured"))
         else:
+            if comparison.note:  # a fallback (passes, and says so) or a refusal for want of an estimator
+                checks.append(Check("estimator", not comparison.refused, comparison.note))
             lcb = comparison.improvement.low
             checks.append(Check("improvement", lcb > cfg.min_improvement,
                                 f"reward improvement {comparison.improvement.value:+.4f}, lower bound {lcb:+.4f} "
-                                f"(must exceed {cfg.min_improvement:+.4f})", lcb, cfg.min_improvement))
+                                f"(must exceed {cfg.min_improvement:+.4f}; {comparison.estimator})", lcb,
+                                cfg.min_improvement))
             checks.append(Check("kl", comparison.kl <= cfg.max_kl,
                                 f"KL(champion || candidate) {comparison.kl:.4f} per token (max {cfg.max_kl:.4f})",
                                 comparison.kl, cfg.max_kl))

@@ -125,6 +125,17 @@ class GateConfig(_Section):
     tool_samples: int = Field(default=4, ge=0, description="answers each policy samples at the serving temperature "
                               "per such prompt: the tool-format canary (tool_format_error_rate, "
                               "tool_format_error_rate_after_result)")
+    estimator: Literal["direct", "doubly_robust", "importance"] = Field(
+        default="importance", description="what the improvement check reads (deploy/estimators.py): fresh answers "
+        "scored by the outcome model; that plus the importance-weighted residuals of the logged episodes; or "
+        "the logged episodes importance-weighted (the lower bound of SNIS and plain IS). Every decision records "
+        "all three")
+    fallback: Literal["importance", "refuse"] = Field(
+        default="importance", description="when the estimator needs the outcome model and it is missing or "
+        "unusable: decide by importance sampling (the decision says so), or refuse the candidate")
+    fresh_prompts: int = Field(default=64, ge=0, description="held-out prompts each policy answers afresh at "
+                               "serving's sampling settings, for the outcome model to score (0: none)")
+    fresh_samples: int = Field(default=4, ge=1, description="answers per such prompt and policy")
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
         default="base", description="with no champion: the base model (what serves until the first promotion) "
                                     "stands in for the champion in every check; or absolute bounds only; or refuse "
@@ -138,6 +149,31 @@ class GateConfig(_Section):
             defaults = {k: v.model_dump(exclude_none=True) for k, v in _default_bounds().items()}
             data = {**data, "bounds": {**defaults, **data["bounds"]}}
         return data
+
+
+class OutcomeConfig(_Section):
+    """The outcome model (train/outcome.py): predicts an answer's reward from its prompt and
+    text, for the gate's fresh answers. Learned from the training slice's rewarded episodes;
+    never a training reward."""
+
+    enabled: bool = Field(default=True, description="fit one (refreshed as rewards arrive); off: the gate decides "
+                          "by importance sampling only")
+    max_episodes: int = Field(default=4000, ge=50, description="most recent rewarded episodes of the training slice "
+                              "it learns from")
+    refresh_episodes: int = Field(default=500, ge=1, description="new rewarded episodes since the last fit after "
+                                  "which the next cycle fits it again")
+    min_episodes: int = Field(default=200, ge=8, description="episodes needed to fit (and a quarter of it each to "
+                              "calibrate and to check)")
+    check_percent: float = Field(default=30.0, gt=0, lt=100, description="share of tasks (by hash) kept out of "
+                                 "the fit: half calibrates, half measures the figures below")
+    min_auroc: float = Field(default=0.7, ge=0.5, le=1.0, description="a model that ranks the checked episodes' "
+                             "rewards worse than this is reported and not used")
+    max_calibration_error: float = Field(default=0.05, gt=0, le=1.0, description="the same for its expected "
+                                         "calibration error (rewards scaled to [0, 1])")
+    epochs: int = Field(default=3, ge=1, le=50, description="passes over the fit slice")
+    learning_rate: float = Field(default=1e-3, gt=0, description="AdamW, cosine to 0")
+    batch_size: int = Field(default=32, ge=1, description="episodes per step")
+    lora_r: int = Field(default=8, ge=1, description="rank of its LoRA adapter on the base model")
 
 
 DURATION = re.compile(r"\d+(\.\d+)?[smhd]")  # '30s', '15m', '4h', '1d' (cycle.every, rollout.*)
@@ -244,6 +280,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     mlflow: MlflowConfig = MlflowConfig()
     gate: GateConfig = GateConfig()
+    outcome: OutcomeConfig = OutcomeConfig()
     cycle: CycleConfig = CycleConfig()
     rollout: RolloutConfig = RolloutConfig()
     spool: SpoolConfig = SpoolConfig()

@@ -1,0 +1,99 @@
+"""Fresh answers for the gate: each policy answers held-out prompts now, the outcome model scores
+the answers, and the direct and doubly robust estimates are made of them (deploy/estimators.py).
+
+    prompts   up to `gate.fresh_prompts` distinct held-out prompts (a prompt with the tools it
+              offered), chosen by the hash that picks the canaries' sample (evaluate.py): a
+              uniform sample of the window that mostly stays the same from cycle to cycle
+    answers   `gate.fresh_samples` per prompt and policy, at the temperature and top-p each was
+              served with, one seed for both policies: the same random draws, so that their
+              difference is theirs and not the draws'
+    scores    the calibrated outcome model (train/outcome.py, passed in by the orchestration
+              layer: deploy loads no model); its prediction of each logged answer is the
+              doubly robust estimate's control variate
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import numpy as np
+
+from deploy.estimators import Estimated, direct, doubly_robust, prompt_means
+from pipeline.core.config import GateConfig
+from pipeline.core.types import LoggedEpisode
+
+
+class OutcomeScorer(Protocol):
+    usable: bool  # good enough for the gate to use (train/outcome.py judge())
+    why: str  # its figures, or why it is not usable
+
+    def score(self, episodes: list[LoggedEpisode]) -> list[float | None]: ...
+
+
+def prompt_id(e: LoggedEpisode) -> str:
+    return json.dumps([e.prompt, e.tools], sort_keys=True)
+
+
+def fresh_prompts(episodes: list[LoggedEpisode], n: int, order: Any) -> list[LoggedEpisode]:
+    """One episode per distinct prompt, the first `n` in `order` (a key on episodes)."""
+    out: dict[str, LoggedEpisode] = {}
+    for e in sorted(episodes, key=order):
+        out.setdefault(prompt_id(e), e)
+        if len(out) == n:
+            break
+    return list(out.values())
+
+
+def answer(runner: Any, name: str | None, prompts: list[LoggedEpisode], samples: int, max_new_tokens: int,
+           seed: int) -> list[list[LoggedEpisode]]:
+    """[P][K] each prompt's K fresh answers by policy `name`, as episodes to score."""
+    groups: dict[tuple[str, float, float], list[int]] = {}
+    for i, e in enumerate(prompts):
+        groups.setdefault((json.dumps(e.tools, sort_keys=True), e.temperature, e.top_p), []).append(i)
+    out: list[list[LoggedEpisode]] = [[] for _ in prompts]
+    for (_, temperature, top_p), idx in groups.items():
+        asked = [i for i in idx for _ in range(samples)]
+        gens = runner.generate(name, [prompts[i].prompt for i in asked], max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, seed=seed, batch_size=64,
+                               tools=prompts[idx[0]].tools)
+        for i, g in zip(asked, gens):
+            e = prompts[i]
+            out[i].append(LoggedEpisode(f"{e.request_id}/fresh", e.prompt, g.text, list(g.token_ids) or None,
+                                        temperature=e.temperature, tools=e.tools))
+    return out
+
+
+def _scored(outcome: OutcomeScorer, answers: list[list[LoggedEpisode]]) -> np.ndarray:
+    flat = [a for row in answers for a in row]
+    scores = outcome.score(flat)
+    rows, k = [], 0
+    for row in answers:
+        rows.append(scores[k:k + len(row)])
+        k += len(row)
+    return prompt_means(rows)  # [P]
+
+
+def estimates(runner: Any, outcome: OutcomeScorer, candidate: str, champion: str | None,
+              episodes: list[LoggedEpisode], logged: list[LoggedEpisode], candidate_logp: list[float],
+              champion_logp: list[float], cfg: GateConfig, order: Any, seed: int = 0) -> dict[str, Estimated]:
+    """The direct and doubly robust estimates. `episodes`: the held-out episodes whose prompts
+    may be answered; `logged`: those with both policies' log-probs of the logged answer
+    (aligned with `candidate_logp`, `champion_logp`)."""
+    prompts = fresh_prompts(episodes, cfg.fresh_prompts, order)
+    cand = _scored(outcome, answer(runner, candidate, prompts, cfg.fresh_samples, cfg.max_new_tokens, seed))
+    champ = _scored(outcome, answer(runner, champion, prompts, cfg.fresh_samples, cfg.max_new_tokens, seed))
+    found = {"direct": direct(cand, champ, cfg.bootstrap, cfg.confidence, seed)}
+    found["direct"].diagnostics["samples_per_prompt"] = float(cfg.fresh_samples)
+    at = {prompt_id(p): i for i, p in enumerate(prompts)}
+    index = [at.get(prompt_id(e), -1) for e in logged]
+    nan = float("nan")
+    q = outcome.score(logged)
+    v_c = np.array([cand[i] if i >= 0 else nan for i in index])
+    v_h = np.array([champ[i] if i >= 0 else nan for i in index])
+    found["doubly_robust"] = doubly_robust(
+        v_c, v_h, np.array([nan if v is None else v for v in q]), np.array([e.reward for e in logged]),
+        np.array(candidate_logp, dtype=float), np.array(champion_logp, dtype=float),
+        np.array([sum(e.behavior_logprobs or [nan]) for e in logged]), cfg.sequence_ratio_cap, cfg.bootstrap,
+        cfg.confidence, seed)
+    return found
