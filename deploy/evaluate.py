@@ -17,6 +17,10 @@
                         Apart, because a policy that learned to break its calls where it expects
                         to fail does so at one kind of step, which the other's mass would hide
     smoke               the candidate loads and generates; median latency per request
+    improvement         every estimator of (candidate - champion) reward (deploy/estimators.py):
+                        importance sampling on the held-out episodes; with a usable outcome
+                        model, the direct and doubly robust estimates on fresh answers
+                        (deploy/fresh.py); `gate.estimator` decides, `gate.fallback` without one
 
 The models come through a Runner (train.inference.PolicySet implements it; the orchestration
 layer passes it in): deploy never loads weights itself.
@@ -30,6 +34,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from deploy import fresh
+from deploy.estimators import NEEDS_OUTCOME_MODEL, Estimated, choose
 from deploy.gate import Comparison, Estimate, EvalReport
 from deploy.offpolicy import compare
 from deploy.suite import Suite
@@ -55,7 +61,7 @@ class Runner(Protocol):
                 max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]: ...
 
     def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
-                 seed: int | None = None, batch_size: int = 1, reuse: bool = False,
+                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1, reuse: bool = False,
                  tools: list[dict] | None = None) -> list[Any]: ...
 
 
@@ -116,11 +122,15 @@ def _generate(runner: Runner, name: str | None, episodes: list[LoggedEpisode], m
     return out
 
 
+def sample_order(e: LoggedEpisode) -> bytes:
+    return hashlib.blake2b(e.request_id.encode(), digest_size=8).digest()
+
+
 def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpisode]:
     """`n` held-out episodes chosen by a hash of their request id: a uniform sample of the
     window, and one that mostly stays the same as the window slides from cycle to cycle, so a
     policy's greedy answers to it are mostly reused (Runner.generate(reuse=True))."""
-    return sorted(episodes, key=lambda e: hashlib.blake2b(e.request_id.encode(), digest_size=8).digest())[:n]
+    return sorted(episodes, key=sample_order)[:n]
 
 
 def after_result(prompt: Any) -> bool:
@@ -174,12 +184,13 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
              cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
              max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None,
              champion_label: str | None = None, watch: Stopwatch | None = None,
-             max_seq_len: int | None = None) -> Evaluation:
+             max_seq_len: int | None = None, outcome: fresh.OutcomeScorer | None = None) -> Evaluation:
     """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
     `load_error`: the candidate's adapter did not load (the smoke check fails with it);
     `champion_label`: the champion's name in the report (default: its adapter name, or "base");
     `watch`: gets the seconds spent generating and computing log-probs; `max_seq_len`: held-out
-    episodes whose prompt alone is longer are left out (training skips them too)."""
+    episodes whose prompt alone is longer are left out (training skips them too); `outcome`: the
+    outcome model (None: there is none yet) for the direct and doubly robust estimates."""
     watch = watch or Stopwatch()
     excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0, "empty_prompts": 0,
                 "too_long": 0}
@@ -224,6 +235,19 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],
                                             cap=cfg.sequence_ratio_cap, resamples=cfg.bootstrap,
                                             confidence=cfg.confidence, seed=seed)
+    found = {"importance": Estimated("importance", gain, len(usable), {
+        "snis_candidate": cand_est.estimate.value, "snis_champion": champ_est.estimate.value,
+        "ess_candidate": cand_est.ess, "ess_champion": champ_est.ess,
+        "coverage_candidate": cand_est.coverage, "coverage_champion": champ_est.coverage})}
+    missing = "is missing (none fitted yet)" if outcome is None else ("" if outcome.usable else outcome.why)
+    if missing or not cfg.fresh_prompts:
+        why = f"the outcome model {missing}" if missing else "gate.fresh_prompts is 0"
+        found.update({name: Estimated(name, None, why_not=why) for name in NEEDS_OUTCOME_MODEL})
+    else:
+        with watch("fresh"):
+            found.update(fresh.estimates(runner, outcome, candidate, champion, episodes, usable, cand_lp, champ_lp,
+                                         cfg, sample_order, seed))
+    choice = choose(found, cfg.estimator, cfg.fallback, missing)
     cand_report.reward, cand_report.ess = cand_est.estimate, cand_est.ess
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
     # the reward is a metric too: [gate.bounds.reward] can set value and change limits on it
@@ -231,5 +255,7 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     # how much of each policy's probability the logged completions cover: below 1, mass the
     # estimate cannot see (see deploy/offpolicy.py); [gate.bounds.coverage] can require a minimum
     cand_report.metrics["coverage"], champ_report.metrics["coverage"] = cand_est.coverage, champ_est.coverage
-    return Evaluation(cand_report, champ_report, Comparison(gain, kl), len(usable), excluded,
+    comparison = Comparison(choice.improvement or NOT_MEASURED, kl, choice.estimator, choice.note,
+                            {name: e.to_dict() for name, e in found.items()}, choice.refused)
+    return Evaluation(cand_report, champ_report, comparison, len(usable), excluded,
                       {"candidate": cand_out, "champion": champ_out})

@@ -27,6 +27,7 @@ from sqlalchemy import Engine
 
 from deploy import rollout
 from deploy.evaluate import Evaluation, Runner, evaluate
+from deploy.fresh import OutcomeScorer
 from deploy.gate import Decision, decide
 from deploy.registry import CANARY, CHAMPION, Registry, RegistryError, Version
 from deploy.sequential import CONTINUE, Design
@@ -86,9 +87,11 @@ def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,
 def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
              train: TrainConfig, gate: GateConfig, suite: Suite = EMPTY, abstention_patterns: tuple[str, ...] = (),
              promote: bool = False, cycle_id: str | None = None,
-             production_canaries: dict[str, dict[str, float]] | None = None) -> GateResult:
+             production_canaries: dict[str, dict[str, float]] | None = None,
+             outcome: OutcomeScorer | None = None) -> GateResult:
     """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
-    (per policy version, from the reward stage's audit) are kept with the decision. Callers run
+    (per policy version, from the reward stage's audit) are kept with the decision; `outcome`:
+    the outcome model for the fresh-answer estimates (None: none; the gate says so). Callers run
     registry.repair() first (the cycle as it starts, the CLI as it opens the registry)."""
     watch = Stopwatch()  # where the seconds went: kept with the decision
     run = get_run(engine, run_id)
@@ -126,7 +129,7 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     evaluation = evaluate(runner, candidate_name, champion_name, episodes, suite, gate, abstention_patterns,
                           gate.generate_prompts, gate.max_new_tokens, load_error=load_error,
                           champion_label=f"v{champion.version}" if champion else "base", watch=watch,
-                          max_seq_len=train.max_seq_len)
+                          max_seq_len=train.max_seq_len, outcome=outcome)
     evaluation.excluded.update(unusable)
     if champion is None and gate.first_deployment == "base":
         # first deployment: the base model, which served until now, is the champion to beat
@@ -136,7 +139,10 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     else:
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
     report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version,
-                              "production_canaries": production_canaries or {}, "seconds": watch.parts}
+                              "production_canaries": production_canaries or {}, "seconds": watch.parts,
+                              "outcome_model": None if outcome is None else {
+                                  "usable": outcome.usable, "why": outcome.why,
+                                  "path": getattr(outcome, "manifest", {}).get("path")}}
     with watch("registry"):  # (the decision's own write is not in its report's seconds)
         registry.record_decision(version.version, champion.version if champion else None, run_id,
                                  decision, report)

@@ -59,6 +59,7 @@ from pipeline.core.store.leases import Fence, LeaseLost
 from pipeline.core.store.training import finish_run, get_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
+from train.outcome_stage import refresh as refresh_outcome
 from train.run import NothingToTrain, Parent, run_training, select, unseen_episodes
 from train.tracking import Tracker
 
@@ -184,10 +185,15 @@ def _evaluating(c: _Cycle) -> CycleState | None:
     c.enter(S.EVALUATING, run_id=c.run_id)
     stored = decision_for_run(deps.engine, c.run_id)  # decided before a crash: reused
     if stored is None:
+        config = deps.config
+        # the outcome model for the gate's fresh answers, fitted again once enough new rewards arrived
+        outcome = c.timed("outcome", lambda: refresh_outcome(
+            deps.engine, config.outcome, config.train, deps.spec.version, config.state_dir,
+            lambda: deps.make_tracker(f"{c.cycle_id}-outcome"))) if config.outcome.enabled else None
         result = c.timed("evaluate", lambda: gate_run(
             deps.engine, deps.registry, deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
-            c.run_id, deps.spec.version, deps.config.train, deps.config.gate, deps.suite,
-            deps.spec.guards.abstention.patterns, cycle_id=c.cycle_id))
+            c.run_id, deps.spec.version, config.train, config.gate, deps.suite,
+            deps.spec.guards.abstention.patterns, cycle_id=c.cycle_id, outcome=outcome))
         passed, version, reasons = result.decision.passed, result.version.version, result.decision.reasons
     else:
         passed, version, reasons = stored.passed, stored.candidate_version, stored.reasons

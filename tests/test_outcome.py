@@ -14,7 +14,7 @@ from train.outcome import OutcomeModel, fit, split_of
 
 TRAIN = TrainConfig(max_seq_len=32, seed=0)
 # ~160 checked episodes: a calibration error measured on 10 bins of 16 is noisy by ~0.03
-CFG = OutcomeConfig(min_episodes=100, epochs=6, learning_rate=3e-3, batch_size=32, max_calibration_error=0.1)
+CFG = OutcomeConfig(min_episodes=100, epochs=6, batch_size=32, max_calibration_error=0.1)
 
 
 def answers(prompts, rng, noise=False):

@@ -12,8 +12,12 @@
                on one side only, so the figures are for prompts the model never saw
     calibrate  isotonic regression of reward on score on the calibration slice
                (train/calibration.py); the check slice measures the calibrated predictions
-    usable     the check's AUROC >= min_auroc and its calibration error <= max_calibration_error,
-               on enough episodes; otherwise it is kept and reported but the gate does not use it
+    usable     the check's AUROC >= min_auroc, R2 >= min_r2 and calibration error <=
+               max_calibration_error; otherwise it is kept and reported but the gate does not use it.
+               Measured on a demo run's store (2,742 episodes, 8 epochs, 29 s on two cores): AUROC
+               0.72, R2 0.49, calibration error 0.034 -- against 0.72 / 0.84 / 0.021 for the
+               simulated users' exact expected reward (the ceiling: a graded reward's ties and
+               noise bound the AUROC)
 
 It predicts; it never rewards: training reads the spec's rewards, and this model is used only
 where a policy's answers have no outcome yet (the gate's fresh answers, deploy/estimators.py).
@@ -196,10 +200,11 @@ def fit(base_model: str | Path, episodes: Sequence[LoggedEpisode], tasks: Sequen
 
 def judge(quality: Quality, cfg: OutcomeConfig) -> tuple[bool, str]:
     """Whether the gate may use a model of this quality, and why (not)."""
-    figures = (f"AUROC {quality.auroc:.3f} (min {cfg.min_auroc:g}), calibration error "
-               f"{quality.calibration_error:.3f} (max {cfg.max_calibration_error:g}), on {quality.episodes} "
-               "checked episodes")
-    if not quality.auroc >= cfg.min_auroc:  # (nan: every checked reward the same -- nothing to rank)
+    figures = (f"AUROC {quality.auroc:.3f} (min {cfg.min_auroc:g}), R2 {quality.r2:.3f} (min {cfg.min_r2:g}), "
+               f"calibration error {quality.calibration_error:.3f} (max {cfg.max_calibration_error:g}), on "
+               f"{quality.episodes} checked episodes")
+    # (nan: every checked reward the same -- nothing to rank or explain)
+    if not (quality.auroc >= cfg.min_auroc and quality.r2 >= cfg.min_r2):
         return False, f"too weak: {figures}"
     if not quality.calibration_error <= cfg.max_calibration_error:
         return False, f"too poorly calibrated: {figures}"

@@ -166,12 +166,15 @@ class OutcomeConfig(_Section):
                               "calibrate and to check)")
     check_percent: float = Field(default=30.0, gt=0, lt=100, description="share of tasks (by hash) kept out of "
                                  "the fit: half calibrates, half measures the figures below")
-    min_auroc: float = Field(default=0.7, ge=0.5, le=1.0, description="a model that ranks the checked episodes' "
-                             "rewards worse than this is reported and not used")
+    min_auroc: float = Field(default=0.6, ge=0.5, le=1.0, description="a model that ranks the checked episodes' "
+                             "rewards worse than this is reported and not used (for a graded reward even the exact "
+                             "expected reward ranks far below 1: 0.72 on the demo's)")
+    min_r2: float = Field(default=0.2, ge=0.0, le=1.0, description="the same for the share of the checked rewards' "
+                          "variance it explains (1 - Brier / the Brier of predicting the mean)")
     max_calibration_error: float = Field(default=0.05, gt=0, le=1.0, description="the same for its expected "
                                          "calibration error (rewards scaled to [0, 1])")
-    epochs: int = Field(default=3, ge=1, le=50, description="passes over the fit slice")
-    learning_rate: float = Field(default=1e-3, gt=0, description="AdamW, cosine to 0")
+    epochs: int = Field(default=8, ge=1, le=50, description="passes over the fit slice")
+    learning_rate: float = Field(default=3e-3, gt=0, description="AdamW, cosine to 0")
     batch_size: int = Field(default=32, ge=1, description="episodes per step")
     lora_r: int = Field(default=8, ge=1, description="rank of its LoRA adapter on the base model")
 

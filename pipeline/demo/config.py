@@ -60,6 +60,9 @@ def demo_settings(state_dir: Path, run_dir: Path, naive: bool, every: str, seed:
         # (docs/benchmarks.md, "The canary's sequential test"). 800 a side (~70 s) ends a tie
         "rollout": {"share": 0.5, "min_requests": 50, "max_requests": 800, "margin": 0.05, "effect": 0.05,
                     "check_every": "5s", "max_wait": "3m"},
+        # the outcome model (~30 s a fit here) is fitted again every 1,500 new rewards: two or
+        # three times a run; the gate decides by importance sampling and records the others
+        "outcome": {"refresh_episodes": 1500},
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "experiment": "rtrl-demo"},
     }
     if task == "agent":
