@@ -100,7 +100,9 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
             make_tracker: Callable[[], Tracker] | None = None) -> Scorer | Unfitted:
     """The outcome model the gate should use now (see the module docstring); `make_tracker`
     opens the run a new fit is recorded in."""
-    base = str(Path(train.base_model).resolve()) if train.base_model else ""
+    if not train.base_model:
+        return Unfitted("is missing: train.base_model is not set (the outcome model is fitted on the policy's base)")
+    base = str(Path(train.base_model).resolve())
     selection = select_episodes(engine, spec_version, tenant=train.tenant, limit=cfg.max_episodes,
                                 holdout_percent=train.holdout_percent)
     last = latest(state_dir)
@@ -119,6 +121,9 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
     except ValueError as exc:  # too few episodes: the gate says so and falls back
         log.info("no outcome model yet", extra={"reason": str(exc)})
         return Unfitted(f"is missing: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a base it cannot fit on must not stop the cycle: the gate says why
+        log.error("could not fit the outcome model", extra={"error": f"{type(exc).__name__}: {exc}"})
+        return Unfitted(f"could not be fitted ({type(exc).__name__}: {exc})")
     (state_dir / "outcome" / LATEST).write_text(json.dumps({"path": str(out)}))
     log.info("outcome model fitted", extra={"path": str(out), "usable": fitted.usable, "why": fitted.why,
                                             "episodes": fitted.episodes, "seconds": fitted.seconds})
