@@ -21,7 +21,7 @@ COMMANDS = [
     ["db"], ["db", "upgrade"], ["db", "downgrade"], ["db", "current"],
     ["ingest"], ["replay"], ["export"], ["status"],
     ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
-    ["reward", "audit"], ["model"], ["model", "init-tiny"], ["model", "show"],
+    ["reward", "audit"], ["reward", "model"], ["reward", "model", "show"], ["reward", "model", "fit"], ["model"], ["model", "init-tiny"], ["model", "show"],
     ["train"], ["train", "run"], ["train", "show"],
     ["gate"], ["models"], ["models", "list"], ["models", "show"], ["promote"], ["rollback"], ["serve"],
     ["daemon"], ["demo"], ["sim"], ["gateway"],

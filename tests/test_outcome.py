@@ -1,16 +1,21 @@
 """The outcome model (train/outcome.py) on the reverse task: it learns which answers earn the
 reward, its calibrated predictions match the rewards of prompts it never saw, and a model of
-rewards that carry no signal is judged unusable."""
+rewards that carry no signal is judged unusable; the newest fit is what `rtrl reward model show`
+and `rtrl status` report."""
 
+import json
 import random
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from pipeline.cli import cli
 from pipeline.core.config import OutcomeConfig, TrainConfig
 from pipeline.core.types import LoggedEpisode, task_key
 from tests import reverse_task
 from train.outcome import OutcomeModel, fit, split_of
+from train.outcome_record import point_at
 
 TRAIN = TrainConfig(max_seq_len=32, seed=0)
 # ~160 checked episodes: a calibration error measured on 10 bins of 16 is noisy by ~0.03
@@ -73,3 +78,24 @@ def test_too_few_episodes_is_a_clear_error(reverse_base, tmp_path):
     episodes = answers(reverse_task.PROMPTS[:10], random.Random(2))
     with pytest.raises(ValueError, match="too few rewarded episodes.*outcome.min_episodes"):
         fit(reverse_base, episodes, [task_key(e.prompt) for e in episodes], tmp_path / "m", CFG, TRAIN)
+
+
+def test_the_newest_fit_is_shown_where_a_user_looks(fitted, tmp_path):
+    env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    runner = CliRunner()
+    none = runner.invoke(cli, ["reward", "model", "show"], env=env)
+    assert none.exit_code != 0 and "no outcome model under" in none.output, none.output
+    (tmp_path / "outcome").mkdir()
+    point_at(tmp_path, fitted.path)
+    shown = runner.invoke(cli, ["reward", "model", "show"], env=env)
+    assert shown.exit_code == 0, shown.output
+    q = fitted.quality
+    assert f"AUROC {q.auroc:.3f}" in shown.output and f"calibration error {q.calibration_error:.3f}" in shown.output
+    assert ("usable: " if fitted.usable else "NOT USED: ") + fitted.why in shown.output
+    assert f"fit {fitted.episodes['fit']}, calibrate {fitted.episodes['calibrate']}" in shown.output
+    as_json = json.loads(runner.invoke(cli, ["reward", "model", "show", "--json"], env=env).output)
+    assert as_json["path"] == str(fitted.path) and as_json["window"] == fitted.window
+    assert runner.invoke(cli, ["db", "upgrade"], env=env).exit_code == 0
+    status = runner.invoke(cli, ["status"], env=env)
+    assert f"outcome model: {'usable' if fitted.usable else 'NOT USED'}, AUROC {q.auroc:.3f}" in status.output, \
+        status.output

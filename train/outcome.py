@@ -32,6 +32,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,8 @@ from train.calibration import Isotonic, Quality
 from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, save_adapter
 from train.models import load_policy
+from train.outcome_record import MANIFEST
 
-MANIFEST = "outcome.json"
 
 
 def split_of(task: bytes, check_percent: float) -> str:
@@ -193,7 +194,8 @@ def fit(base_model: str | Path, episodes: Sequence[LoggedEpisode], tasks: Sequen
     torch.save(model.head.state_dict(), out / "head.pt")
     fitted = Fitted(out, str(base_model), counts, window or {}, model.reward_range, quality, usable, why,
                     round(time.perf_counter() - started, 3))
-    (out / MANIFEST).write_text(json.dumps({**fitted.to_dict(), "max_seq_len": train.max_seq_len, "calibration": {
+    (out / MANIFEST).write_text(json.dumps({**fitted.to_dict(), "fitted_at": datetime.now(timezone.utc).isoformat(
+        timespec="seconds"), "max_seq_len": train.max_seq_len, "calibration": {
         "x": list(model.calibration.x), "y": list(model.calibration.y)}}, indent=2))
     return fitted
 

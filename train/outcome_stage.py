@@ -29,11 +29,11 @@ from sqlalchemy import Engine
 from pipeline.core.config import OutcomeConfig, TrainConfig
 from pipeline.core.store.training import select_episodes
 from pipeline.core.types import LoggedEpisode, sampling_params
-from train.outcome import MANIFEST, Fitted, OutcomeModel, fit
+from train.outcome import Fitted, OutcomeModel, fit
+from train.outcome_record import MANIFEST, latest, point_at
 from train.tracking import Tracker
 
 log = logging.getLogger("rtrl.outcome")
-LATEST = "latest.json"
 
 
 @dataclass
@@ -67,15 +67,6 @@ class Unfitted:
 _LOADED: dict[str, Scorer] = {}  # path -> the model loaded from it: one at a time
 
 
-def latest(state_dir: Path) -> dict[str, Any] | None:
-    """The manifest of the newest fit (None: none yet)."""
-    pointer = state_dir / "outcome" / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(json.loads(pointer.read_text())["path"])
-    return json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
-
-
 def _load(manifest: dict[str, Any], device: str | None) -> Scorer:
     path = manifest["path"]
     if path not in _LOADED:
@@ -97,16 +88,16 @@ def _episode(row: Any) -> LoggedEpisode | None:
 
 
 def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version: str, state_dir: Path,
-            make_tracker: Callable[[], Tracker] | None = None) -> Scorer | Unfitted:
+            make_tracker: Callable[[], Tracker] | None = None, force: bool = False) -> Scorer | Unfitted:
     """The outcome model the gate should use now (see the module docstring); `make_tracker`
-    opens the run a new fit is recorded in."""
+    opens the run a new fit is recorded in; `force`: fit again whatever the last fit's window."""
     if not train.base_model:
         return Unfitted("is missing: train.base_model is not set (the outcome model is fitted on the policy's base)")
     base = str(Path(train.base_model).resolve())
     selection = select_episodes(engine, spec_version, tenant=train.tenant, limit=cfg.max_episodes,
                                 holdout_percent=train.holdout_percent)
     last = latest(state_dir)
-    if last is not None and last["base_model"] == base and last["window"].get("spec_version") == spec_version:
+    if not force and last is not None and last["base_model"] == base and last["window"].get("spec_version") == spec_version:
         newer = sum(1 for r in selection.rows if r.reward_id > last["window"]["to_reward_id"])
         if newer < cfg.refresh_episodes:
             return _load(last, train.torch_device)
@@ -124,7 +115,7 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
     except Exception as exc:  # noqa: BLE001 - a base it cannot fit on must not stop the cycle: the gate says why
         log.error("could not fit the outcome model", extra={"error": f"{type(exc).__name__}: {exc}"})
         return Unfitted(f"could not be fitted ({type(exc).__name__}: {exc})")
-    (state_dir / "outcome" / LATEST).write_text(json.dumps({"path": str(out)}))
+    point_at(state_dir, out)
     log.info("outcome model fitted", extra={"path": str(out), "usable": fitted.usable, "why": fitted.why,
                                             "episodes": fitted.episodes, "seconds": fitted.seconds})
     if make_tracker is not None:

@@ -6,7 +6,7 @@
     rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
     rtrl export                    write stored events out as NDJSON(.gz)
     rtrl status                    lag, table counts, dead letters
-    rtrl reward run|explain|diff|recompute|audit   rewards from delayed outcomes
+    rtrl reward run|explain|diff|recompute|audit|model   rewards from delayed outcomes
     rtrl model init-tiny|show      base models (local directories)
     rtrl train run|show            LoRA updates from rewarded episodes, tracked in MLflow
     rtrl gate [RUN]                register a run's adapter, evaluate it against the champion, decide

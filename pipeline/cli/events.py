@@ -16,8 +16,10 @@ from ingest.progress import IngestDisplay
 from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kafka
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.core.store.cycles import recent_cycles
+from pipeline.core.config import Config
 from pipeline.core.store.events import dead_letters_by_reason, table_counts, utcnow
 from pipeline.core.store.leases import holder
+from train.outcome_record import latest as latest_outcome_model
 
 
 def _stop_on_signals() -> threading.Event:
@@ -137,6 +139,19 @@ def export(ctx: Context, path: str) -> None:
         click.echo(f"exported {n} events to {path}")
 
 
+def _outcome_model_line(cfg: Config) -> str:
+    if not cfg.outcome.enabled:
+        return "outcome model: off (outcome.enabled = false): the gate decides by importance sampling"
+    m = latest_outcome_model(cfg.state_dir)
+    if m is None:
+        return (f"outcome model: none yet (a cycle fits one once {cfg.outcome.min_episodes} rewarded "
+                "episodes are stored)")
+    q = m["quality"]
+    return (f"outcome model: {'usable' if m['usable'] else 'NOT USED'}, AUROC {q['auroc']:.3f}, calibration "
+            f"error {q['calibration_error']:.3f}, fitted {m.get('fitted_at', '?')} on {sum(m['episodes'].values())} "
+            "episodes (`rtrl reward model show`)")
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
 @pass_ctx
 def status(ctx: Context) -> None:
@@ -160,6 +175,7 @@ def status(ctx: Context) -> None:
         # a canary's reason is its test's progress, read whole; an ended cycle's reason is cut
         # to a line (`rtrl models show` has its decision)
         click.echo(line if c.state == "canary" else line[:200])
+    click.echo(_outcome_model_line(cfg))
     click.echo(f"lag for group {cfg.ingest.group_id} at {cfg.kafka_access.describe()}:")
     try:
         lags = partition_lag(cfg, engine, timeout_ms=5000)

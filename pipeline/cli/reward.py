@@ -17,6 +17,7 @@ from reward.spec import RewardSpec, SpecError, load_spec
 from reward.stage import explain as explain_call
 from reward.stage import explain_episode as explain_calls
 from reward.stage import run_rewards
+from train.outcome_record import latest as latest_outcome_model
 
 SPEC_OPTION = click.option(
     "--spec", "spec_path", type=click.Path(dir_okay=False),
@@ -235,3 +236,63 @@ def audit(ctx: Context, spec_path: str | None) -> None:
         r = c.rates()
         click.echo(f"{version:<12}{c.episodes:>9}{r['abstention_rate']:>9.1%}{r['mean_length']:>9.0f}"
                    f"{r['tool_error_rate']:>9.1%}{r['accept_rate']:>9.1%}{r['followup_rate']:>9.1%}")
+
+
+@reward.group()
+def model() -> None:
+    """The outcome model the gate scores fresh answers with (train/outcome.py): a value head on
+    the policy's base, fitted on the training slice's rewards, calibrated and checked on tasks it
+    never saw. It never replaces real outcomes as the training reward."""
+
+
+def _print_outcome_model(m: dict) -> None:
+    q, w = m["quality"], m["window"]
+    click.echo(f"outcome model {m['path']}")
+    click.echo(f"  fitted     {m.get('fitted_at', '?')} in {m['seconds']:.0f} s on {m['base_model']}")
+    click.echo(f"  data       spec {w.get('spec_version', '?')}, rewards {w.get('from_reward_id', '?')}.."
+               f"{w.get('to_reward_id', '?')}, served {w.get('served_from', '?')} .. {w.get('served_to', '?')}")
+    click.echo("  episodes   " + ", ".join(f"{k} {v}" for k, v in m["episodes"].items())
+               + " (split by task: the check slice's tasks were never fitted on)")
+    click.echo(f"  check      AUROC {q['auroc']:.3f}, Brier {q['brier']:.4f} (predicting the mean: "
+               f"{q['brier_baseline']:.4f}), calibration error {q['calibration_error']:.3f}, R2 {q['r2']:.3f} "
+               f"on {q['episodes']} episodes")
+    click.echo(f"  gate       {'usable' if m['usable'] else 'NOT USED'}: {m['why']}")
+
+
+@model.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the model's manifest).")
+@pass_ctx
+def model_show(ctx: Context, as_json: bool) -> None:
+    """The newest outcome model: when and on which data it was fitted, its figures on the
+    check slice (AUROC, Brier against predicting the mean, calibration error, R2), and whether
+    the gate uses it and why (not)."""
+    found = latest_outcome_model(ctx.config.state_dir)
+    if found is None:
+        raise click.ClickException(
+            f"no outcome model under {ctx.config.state_dir / 'outcome'}: a cycle fits one once "
+            f"{ctx.config.outcome.min_episodes} rewarded episodes are stored (outcome.min_episodes), "
+            "or run `rtrl reward model fit`")
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in found.items() if k != "calibration"}, indent=2))
+        return
+    _print_outcome_model(found)
+
+
+@model.command("fit")
+@SPEC_OPTION
+@pass_ctx
+def model_fit(ctx: Context, spec_path: str | None) -> None:
+    """Fit the outcome model now on the training slice's latest rewards (as a cycle does when
+    `outcome.refresh_episodes` new ones have arrived) and show it; it is recorded in MLflow."""
+    from deploy.tracking import MlflowTracker
+    from train.outcome_stage import refresh
+
+    cfg = ctx.config
+    spec = reward_spec(ctx, spec_path)
+    found = refresh(ctx.engine(), cfg.outcome, cfg.train, spec.version, cfg.state_dir, force=True,
+                    make_tracker=lambda: MlflowTracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.artifact_root,
+                                                       run_name="outcome-model"))
+    manifest = getattr(found, "manifest", None)
+    if manifest is None:
+        raise click.ClickException(f"no outcome model: it {found.why}")
+    _print_outcome_model(manifest)
