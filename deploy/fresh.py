@@ -1,9 +1,12 @@
 """Fresh answers for the gate: each policy answers held-out prompts now, the outcome model scores
 the answers, and the direct and doubly robust estimates are made of them (deploy/estimators.py).
 
-    prompts   up to `gate.fresh_prompts` distinct held-out prompts (a prompt with the tools it
-              offered), chosen by the hash that picks the canaries' sample (evaluate.py): a
-              uniform sample of the window that mostly stays the same from cycle to cycle
+    prompts   the prompts (each with the tools it offered) of `gate.fresh_prompts` held-out
+              requests, chosen by the hash that picks the canaries' sample (evaluate.py): a
+              uniform sample of the window's requests that mostly stays the same from cycle to
+              cycle. Requests, not distinct prompts: a prompt asked often weighs as often as
+              users ask it (one per distinct prompt would over-weigh the rare ones -- the long,
+              hard tasks -- and bias both policies' values toward them)
     answers   `gate.fresh_samples` per prompt and policy, at the temperature and top-p each was
               served with, one seed for both policies: the same random draws, so that their
               difference is theirs and not the draws'
@@ -36,13 +39,9 @@ def prompt_id(e: LoggedEpisode) -> str:
 
 
 def fresh_prompts(episodes: list[LoggedEpisode], n: int, order: Any) -> list[LoggedEpisode]:
-    """One episode per distinct prompt, the first `n` in `order` (a key on episodes)."""
-    out: dict[str, LoggedEpisode] = {}
-    for e in sorted(episodes, key=order):
-        out.setdefault(prompt_id(e), e)
-        if len(out) == n:
-            break
-    return list(out.values())
+    """The first `n` episodes in `order` (a key on episodes): their prompts are answered afresh,
+    a prompt as many times as it was asked among them."""
+    return sorted(episodes, key=order)[:n]
 
 
 def answer(runner: Any, name: str | None, prompts: list[LoggedEpisode], samples: int, max_new_tokens: int,

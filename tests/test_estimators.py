@@ -1,12 +1,17 @@
 """deploy/estimators.py on synthetic logs whose true values are known exactly: prompts x, five
 kinds of answer a with a known mean reward m(x, a), a behaviour policy that logged mostly
-answers 0-2, and candidates that stay on or drift off those answers."""
+answers 0-2, and candidates that stay on or drift off those answers; and the sample of prompts
+the policies answer afresh."""
+
+import zlib
 
 import numpy as np
 import pytest
 
 from deploy.estimators import choose, direct, doubly_robust, prompt_means
+from deploy.fresh import fresh_prompts
 from deploy.offpolicy import compare
+from pipeline.core.types import LoggedEpisode
 
 P, N, K, A = 400, 4000, 4, 5
 RNG = np.random.default_rng(0)
@@ -116,3 +121,15 @@ def test_choose_says_which_estimator_decided_and_why():
     assert refused.refused and refused.improvement is None and "gate.fallback = 'refuse'" in refused.note
     est["direct"] = Estimated("direct", Estimate(0.05, 0.01, 0.09), 60)
     assert choose(est, "direct", "importance", "").note == ""
+
+
+def test_fresh_prompts_are_a_sample_of_requests_not_of_distinct_prompts():
+    """Users ask one easy prompt 90 % of the time and 200 rare ones once each: the prompts the
+    policies answer afresh must be asked as often as users ask them, else the direct estimate
+    values the policies on the rare prompts' mix."""
+    common = [LoggedEpisode(f"c{i}", "easy>", "") for i in range(1800)]
+    rare = [LoggedEpisode(f"r{i}", f"rare-{i}>", "") for i in range(200)]
+    chosen = fresh_prompts(common + rare, 100, lambda e: zlib.crc32(e.request_id.encode()))
+    assert len(chosen) == 100
+    share = sum(e.prompt == "easy>" for e in chosen) / len(chosen)
+    assert 0.8 <= share <= 0.97, share  # ~0.9 (one per distinct prompt: 1 in 100)

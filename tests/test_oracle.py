@@ -12,7 +12,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from pipeline.demo.oracle import T0, Oracle, Policy
+from pipeline.demo.oracle import T0, WRONG, Oracle, Policy
 from pipeline.demo.sim import Fleet, draw_task
 from reward.signals import Episode, Feedback
 
@@ -58,3 +58,23 @@ def test_a_shifted_policy_differs_from_the_base_by_what_it_changed(oracle):
     assert oracle.accept_rate(base.shifted(0.05)) - oracle.accept_rate(base) == pytest.approx(0.05)  # every length, six letters too
     assert oracle.expected(base.shifted(0.05)) > oracle.expected(base) > oracle.expected(base.shifted(-0.05))
     assert oracle.expected(base.abstaining(0.3)) < oracle.expected(base)  # the users pay nothing for "sorry"
+
+
+def test_an_answers_value_is_what_the_simulated_users_pay_for_it(oracle):
+    """Oracle.value (the truth benchmarks/offpolicy_vs_online.py values real versions' answers
+    by): the table's entries for right, abstaining and copied answers, and for any other wrong
+    answer the mean reward of the simulator's users' reactions to it."""
+    i = 7
+    task = oracle.tasks[i]
+    assert oracle.value(task, task.answer) == pytest.approx(oracle.table[i, 0])
+    assert oracle.value(task, "sorry, no") == pytest.approx(oracle.table[i, 1])
+    assert oracle.value(task, task.text) == pytest.approx(oracle.table[i, 2:] @ [p for _, _, p in WRONG])
+    fleet, values = Fleet("http://unused", lambda event: None, seed=5), []
+    for k in range(3000):
+        fleet._due.clear()
+        start = time.monotonic()
+        fleet._react(f"r{k}", task, "eeeeee")
+        feedback = tuple(Feedback(e["event_id"], e["kind"], float(e["value"]), T0 + timedelta(seconds=at - start),
+                                  e.get("payload")) for at, _, e in sorted(fleet._due))
+        values.append(oracle.scorer(Episode(f"r{k}", T0, "v", "eeeeee", feedback=feedback)).value)
+    assert abs(oracle.value(task, "eeeeee") - np.mean(values)) < 4 * np.std(values) / np.sqrt(len(values))

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.demo.sim import ALPHABET, LENGTHS, P_DECLINE, P_DECLINE_HARD, P_REVERSE, Task
+from pipeline.core.textchecks import is_abstention
+from pipeline.demo.sim import ABSTAIN_PATTERNS, ALPHABET, LENGTHS, P_DECLINE, P_DECLINE_HARD, P_REVERSE, Task
 from reward.compute import Scorer
 from reward.signals import Episode, Feedback
 from reward.spec import load_spec
@@ -83,11 +84,28 @@ class Oracle:
         # a task is drawn as sim.draw_task draws it: a length uniformly, then a string of it
         per_length = {n: int((self.length == n).sum()) for n in LENGTHS}
         self.p_task = np.array([1 / len(LENGTHS) / per_length[n] for n in self.length])
+        self._values: dict[tuple[str, str], float] = {}
 
     def _reward(self, task: Task, output: str, reactions: list[tuple[str, str | None]]) -> float:
         fb = tuple(Feedback(f"f{i}", kind, 1.0, T0 + timedelta(seconds=i + 1), {"text": text} if text else None)
                    for i, (kind, text) in enumerate(reactions))
         return self.scorer(Episode("r", T0, "v", output, feedback=fb)).value
+
+    def value(self, task: Task, output: str) -> float:
+        """The exact expected reward of `output` as an answer to `task`: the users react to it by
+        its kind (sim.Fleet._react) and the spec scores the reaction; only a wrong answer's
+        reaction is random (WRONG)."""
+        key = (task.text, output)
+        if key not in self._values:
+            if is_abstention(output, ABSTAIN_PATTERNS):
+                v = self._reward(task, output, [])
+            elif output.strip() == task.answer:
+                v = self._reward(task, output, [("accepted", None), ("persisted", None)])
+            else:
+                v = sum(p * self._reward(task, output, [(kind, task.answer)] + ([("followup", None)] if f else []))
+                        for kind, f, p in WRONG)
+            self._values[key] = v
+        return self._values[key]
 
     def probabilities(self, policy: Policy) -> np.ndarray:
         """[tasks, 6]: each reaction's probability per task (right, abstain, then WRONG's)."""
