@@ -66,3 +66,4 @@ def test_the_gpu_check_script_parses():
 def test_decisions():
     out = bench("benchmarks/decisions.py", "--runs", "20", "--max-requests", "200")
     assert "| A/A copy | +0.0000 |" in out and "fixed-size test's" in out
+    assert "gate, then canary, promote" in out and "the whole decision (gate, then canary) promotes: A/A copies" in out

@@ -107,7 +107,7 @@ def test_no_outcome_model_and_fallback_refuse_fails_the_gate_with_the_reason():
     assert not decision.passed
 
 
-def test_importance_stays_the_default_and_ignores_the_model_for_the_decision():
-    ev, _ = run(gate(), Outcome())
+def test_importance_decides_when_named_and_ignores_the_model_for_the_decision():
+    ev, _ = run(gate(estimator="importance"), Outcome())
     assert ev.comparison.estimator == "importance" and ev.comparison.note == ""
     assert ev.comparison.estimates["direct"]["improvement"]["value"] == pytest.approx(0.2, abs=0.05)

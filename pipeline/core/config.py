@@ -126,16 +126,17 @@ class GateConfig(_Section):
                               "per such prompt: the tool-format canary (tool_format_error_rate, "
                               "tool_format_error_rate_after_result)")
     estimator: Literal["direct", "doubly_robust", "importance"] = Field(
-        default="importance", description="what the improvement check reads (deploy/estimators.py): fresh answers "
+        default="direct", description="what the improvement check reads (deploy/estimators.py): fresh answers "
         "scored by the outcome model; that plus the importance-weighted residuals of the logged episodes; or "
         "the logged episodes importance-weighted (the lower bound of SNIS and plain IS). Every decision records "
-        "all three")
+        "all three. direct measured least biased against the truth (docs/benchmarks.md, \"The gate's estimators\")")
     fallback: Literal["importance", "refuse"] = Field(
         default="importance", description="when the estimator needs the outcome model and it is missing or "
         "unusable: decide by importance sampling (the decision says so), or refuse the candidate")
-    fresh_prompts: int = Field(default=64, ge=0, description="held-out prompts each policy answers afresh at "
-                               "serving's sampling settings, for the outcome model to score (0: none)")
-    fresh_samples: int = Field(default=4, ge=1, description="answers per such prompt and policy")
+    fresh_prompts: int = Field(default=256, ge=0, description="held-out requests whose prompts each policy "
+                               "answers afresh at serving's sampling settings, for the outcome model to score (0: none)")
+    fresh_samples: int = Field(default=2, ge=1, description="answers per such prompt and policy (more prompts "
+                               "narrow the interval more than more answers to each)")
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
         default="base", description="with no champion: the base model (what serves until the first promotion) "
                                     "stands in for the champion in every check; or absolute bounds only; or refuse "
