@@ -18,9 +18,11 @@ Prints, per candidate: its true difference, the share of runs promoted / withdra
 at max-requests, the median episodes a side to the decision, and the fixed-size test's episodes
 a side at the same error rates (one-sided alpha at -margin, power at the effect); then the
 rates the targets are stated in. The test's parameters are RolloutConfig's defaults unless
-given. Each run also goes through the gate first (GateConfig's defaults: its direct estimate on
-fresh answers, a perfect outcome model -- gate_passes): the share it passes, and the share the
-whole decision -- gate, then canary, on independent traffic -- promotes.
+given. Each run also goes through the gate's improvement check first (GateConfig's defaults: the
+direct estimate on fresh answers with a perfect outcome model, tasks drawn afresh and the two
+sides' answers drawn independently -- gate_passes; KL, the suite and the greedy canaries are
+left out, and only refuse more): the share it passes, and the share the whole decision -- that
+check, then the canary, on independent traffic -- promotes.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def gate_passes(oracle: Oracle, champion: Policy, candidate: Policy, gate: GateC
                 seed: int) -> np.ndarray:
     """[runs] whether the gate's direct estimate passes the candidate: `gate.fresh_prompts`
     requests' tasks, `gate.fresh_samples` answers a side each, every answer scored by the oracle's
-    exact value of its kind (a perfect outcome model; one that is off by a scale and a shift
-    decides the same, since the check reads the lower bound's sign), the improvement's lower
+    exact value of its kind (a perfect outcome model; one off by a shift or a positive scale
+    decides the same at min_improvement 0, since the check reads the lower bound's sign), the improvement's lower
     bound above `gate.min_improvement`. The bound is the normal one over prompts (the gate's
     percentile bootstrap of a mean of 256 paired differences agrees with it to the third digit)."""
     rng = np.random.default_rng(seed)

@@ -84,12 +84,19 @@ def estimates(runner: Any, outcome: OutcomeScorer, candidate: str, champion: str
     champ = _scored(outcome, answer(runner, champion, prompts, cfg.fresh_samples, cfg.max_new_tokens, seed))
     found = {"direct": direct(cand, champ, cfg.bootstrap, cfg.confidence, seed)}
     found["direct"].diagnostics["samples_per_prompt"] = float(cfg.fresh_samples)
-    at = {prompt_id(p): i for i, p in enumerate(prompts)}
-    index = [at.get(prompt_id(e), -1) for e in logged]
+    # a logged episode's direct value: its prompt's answers, over every time that prompt was drawn
+    at: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        at.setdefault(prompt_id(p), []).append(i)
     nan = float("nan")
+
+    def value(means: np.ndarray, e: LoggedEpisode) -> float:
+        idx = at.get(prompt_id(e))
+        return float(np.nanmean(means[idx])) if idx and not np.all(np.isnan(means[idx])) else nan
+
     q = outcome.score(logged)
-    v_c = np.array([cand[i] if i >= 0 else nan for i in index])
-    v_h = np.array([champ[i] if i >= 0 else nan for i in index])
+    v_c = np.array([value(cand, e) for e in logged])
+    v_h = np.array([value(champ, e) for e in logged])
     found["doubly_robust"] = doubly_robust(
         v_c, v_h, np.array([nan if v is None else v for v in q]), np.array([e.reward for e in logged]),
         np.array(candidate_logp, dtype=float), np.array(champion_logp, dtype=float),

@@ -189,7 +189,7 @@ def _evaluating(c: _Cycle) -> CycleState | None:
         # the outcome model for the gate's fresh answers, fitted again once enough new rewards arrived
         outcome = c.timed("outcome", lambda: refresh_outcome(
             deps.engine, config.outcome, config.train, deps.spec.version, config.state_dir,
-            lambda: deps.make_tracker(f"{c.cycle_id}-outcome"))) if config.outcome.enabled else None
+            lambda: deps.make_tracker(f"{c.cycle_id}-outcome")))
         result = c.timed("evaluate", lambda: gate_run(
             deps.engine, deps.registry, deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
             c.run_id, deps.spec.version, config.train, config.gate, deps.suite,

@@ -244,6 +244,8 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     gated = rtrl("gate", "--promote")
     failing = [line for line in gated.splitlines() if "FAIL" in line]
     assert "PASSED" in gated and "promoted v1 to champion" in gated and "first deployment" in gated, failing
+    # which estimator decided, and why the outcome model was (not) used: here too few episodes to fit one
+    assert "improvement by importance" in gated and "outcome model: not used: is missing: too few" in gated, gated
     assert "already" in rtrl("promote", "1")
     assert "no `previous` version" in rtrl("rollback", ok=False)
 

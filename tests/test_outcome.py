@@ -91,11 +91,15 @@ def test_the_newest_fit_is_shown_where_a_user_looks(fitted, tmp_path):
     assert shown.exit_code == 0, shown.output
     q = fitted.quality
     assert f"AUROC {q.auroc:.3f}" in shown.output and f"calibration error {q.calibration_error:.3f}" in shown.output
-    assert ("usable: " if fitted.usable else "NOT USED: ") + fitted.why in shown.output
+    assert ("usable: " if fitted.usable else "unusable: ") + fitted.why in shown.output
+    assert ("decides (direct)" if fitted.usable else "NOT USED: the gate falls back") in shown.output
     assert f"fit {fitted.episodes['fit']}, calibrate {fitted.episodes['calibrate']}" in shown.output
     as_json = json.loads(runner.invoke(cli, ["reward", "model", "show", "--json"], env=env).output)
     assert as_json["path"] == str(fitted.path) and as_json["window"] == fitted.window
     assert runner.invoke(cli, ["db", "upgrade"], env=env).exit_code == 0
     status = runner.invoke(cli, ["status"], env=env)
-    assert f"outcome model: {'usable' if fitted.usable else 'NOT USED'}, AUROC {q.auroc:.3f}" in status.output, \
-        status.output
+    used = "decides (direct)" if fitted.usable else "NOT USED: the gate falls back to importance sampling"
+    assert f"outcome model: {used}; AUROC {q.auroc:.3f}" in status.output, status.output
+    (tmp_path / "outcome" / "latest.json").write_text("{not json")  # a torn record: said, not a crash
+    broken = runner.invoke(cli, ["status"], env=env)
+    assert broken.exit_code == 0 and "cannot read the outcome model's record" in broken.output, broken.output

@@ -241,7 +241,7 @@ class PolicySet:
         with self._use(name):
             for i in range(0, len(todo), batch_size):
                 if seed is not None:
-                    torch.manual_seed(seed)
+                    torch.manual_seed(seed + i)  # each batch its own draws, the same for any policy
                 fresh += self._generate_batch([prompts[j] for j in todo[i:i + batch_size]], max_new_tokens,
                                               temperature, top_p, tools, on_token, stop)
         for i, g in zip(todo, fresh):

@@ -91,12 +91,18 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
             make_tracker: Callable[[], Tracker] | None = None, force: bool = False) -> Scorer | Unfitted:
     """The outcome model the gate should use now (see the module docstring); `make_tracker`
     opens the run a new fit is recorded in; `force`: fit again whatever the last fit's window."""
+    if not cfg.enabled:
+        return Unfitted("is off (outcome.enabled = false)")
     if not train.base_model:
         return Unfitted("is missing: train.base_model is not set (the outcome model is fitted on the policy's base)")
     base = str(Path(train.base_model).resolve())
     selection = select_episodes(engine, spec_version, tenant=train.tenant, limit=cfg.max_episodes,
                                 holdout_percent=train.holdout_percent)
-    last = latest(state_dir)
+    try:
+        last = latest(state_dir)
+    except ValueError as exc:  # an unreadable record: fitted again, and replaced
+        log.warning("fitting the outcome model again", extra={"reason": str(exc)})
+        last = None
     if not force and last is not None and last["base_model"] == base and last["window"].get("spec_version") == spec_version:
         newer = sum(1 for r in selection.rows if r.reward_id > last["window"]["to_reward_id"])
         if newer < cfg.refresh_episodes:

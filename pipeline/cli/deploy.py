@@ -51,11 +51,15 @@ def _registry(ctx: Context):
 def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spec_path: str | None) -> None:
     """Register a training run's adapter as a candidate and gate it against the champion.
 
-    Evaluates both on the held-out slice (off-policy reward with a bootstrap interval), the
-    regression suite, canaries, KL and a load-and-generate check; stores the decision with
-    every number and tags it on the model version. RUN_ID defaults to the latest finished run.
+    Evaluates both on the held-out slice (the improvement by gate.estimator: fresh answers
+    scored by the outcome model, fitted first if enough new rewards arrived; importance sampling
+    and the doubly robust estimate beside it), the regression suite, canaries, KL and a
+    load-and-generate check; stores the decision with every number and tags it on the model
+    version. RUN_ID defaults to the latest finished run.
     """
     from deploy.stage import gate_run
+    from deploy.tracking import MlflowTracker
+    from train.outcome_stage import refresh
     from deploy.suite import EMPTY, SuiteError, load_suite
     from train.inference import PolicySet
     from train.models import ModelError
@@ -75,19 +79,24 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     from reward.analysis import audit
 
     production = {version: c.rates() for version, c in audit(ctx.engine(), spec).items()}
+    outcome = refresh(ctx.engine(), config.outcome, config.train, spec.version, config.state_dir,
+                      lambda: MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root,
+                                            run_name="outcome-model"))
     with _registry(ctx) as registry:
         result = gate_run(ctx.engine(), registry, runner, run.run_id, spec.version, config.train, config.gate,
                           suite_obj, spec.guards.abstention.patterns, promote=promote,
-                          production_canaries=production)
+                          production_canaries=production, outcome=outcome)
     d, ev = result.decision, result.evaluation
     against = f"champion v{result.champion.version}" if result.champion else "the base model (first deployment)"
     click.echo(f"candidate v{result.version.version} (run {run.run_id}) against {against}: "
                f"{'PASSED' if d.passed else 'FAILED'}")
-    click.echo(f"  reward (off-policy, {ev.episodes} held-out episodes): candidate "
+    click.echo(f"  outcome model: {'usable' if outcome.usable else 'not used'}: {outcome.why}")
+    click.echo(f"  improvement by {ev.comparison.estimator}: {ev.comparison.improvement.value:+.4f} "
+               f"[{ev.comparison.improvement.low:+.4f}, {ev.comparison.improvement.high:+.4f}]"
+               + (f" ({ev.comparison.note})" if ev.comparison.note else ""))
+    click.echo(f"  reward (importance sampling, {ev.episodes} held-out episodes): candidate "
                f"{ev.candidate.reward.value:.4f} [{ev.candidate.reward.low:.4f}, {ev.candidate.reward.high:.4f}], "
-               f"{ev.champion.version} {ev.champion.reward.value:.4f}; improvement "
-               f"{ev.comparison.improvement.value:+.4f} [{ev.comparison.improvement.low:+.4f}, "
-               f"{ev.comparison.improvement.high:+.4f}]")
+               f"{ev.champion.version} {ev.champion.reward.value:.4f}")
     for c in d.checks:
         mark = "-" if not c.applicable else ("ok" if c.passed else "FAIL")
         click.echo(f"  [{mark:>4}] {c.name}: {c.detail}")

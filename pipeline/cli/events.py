@@ -19,6 +19,7 @@ from pipeline.core.store.cycles import recent_cycles
 from pipeline.core.config import Config
 from pipeline.core.store.events import dead_letters_by_reason, table_counts, utcnow
 from pipeline.core.store.leases import holder
+from train.outcome_record import gate_use
 from train.outcome_record import latest as latest_outcome_model
 
 
@@ -140,16 +141,20 @@ def export(ctx: Context, path: str) -> None:
 
 
 def _outcome_model_line(cfg: Config) -> str:
+    g = cfg.gate
     if not cfg.outcome.enabled:
-        return "outcome model: off (outcome.enabled = false): the gate decides by importance sampling"
-    m = latest_outcome_model(cfg.state_dir)
+        return f"outcome model: off (outcome.enabled = false); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}"
+    try:
+        m = latest_outcome_model(cfg.state_dir)
+    except ValueError as exc:
+        return f"outcome model: {exc}"
     if m is None:
-        return (f"outcome model: none yet (a cycle fits one once {cfg.outcome.min_episodes} rewarded "
-                "episodes are stored)")
+        return (f"outcome model: none yet (a cycle fits one once {cfg.outcome.min_episodes} rewarded episodes "
+                f"can be); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}")
     q = m["quality"]
-    return (f"outcome model: {'usable' if m['usable'] else 'NOT USED'}, AUROC {q['auroc']:.3f}, calibration "
-            f"error {q['calibration_error']:.3f}, fitted {m.get('fitted_at', '?')} on {sum(m['episodes'].values())} "
-            "episodes (`rtrl reward model show`)")
+    return (f"outcome model: {gate_use(m['usable'], g.estimator, g.fresh_prompts, g.fallback)}; AUROC "
+            f"{q['auroc']:.3f}, calibration error {q['calibration_error']:.3f}, fitted {m.get('fitted_at', '?')} on "
+            f"{sum(m['episodes'].values())} episodes (`rtrl reward model show`)")
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)

@@ -11,12 +11,14 @@ import click
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.core.config import GateConfig
 from reward.analysis import audit as audit_canaries
 from reward.analysis import diff_specs
 from reward.spec import RewardSpec, SpecError, load_spec
 from reward.stage import explain as explain_call
 from reward.stage import explain_episode as explain_calls
 from reward.stage import run_rewards
+from train.outcome_record import gate_use
 from train.outcome_record import latest as latest_outcome_model
 
 SPEC_OPTION = click.option(
@@ -245,7 +247,7 @@ def model() -> None:
     never saw. It never replaces real outcomes as the training reward."""
 
 
-def _print_outcome_model(m: dict) -> None:
+def _print_outcome_model(m: dict, gate: GateConfig) -> None:
     q, w = m["quality"], m["window"]
     click.echo(f"outcome model {m['path']}")
     click.echo(f"  fitted     {m.get('fitted_at', '?')} in {m['seconds']:.0f} s on {m['base_model']}")
@@ -256,7 +258,8 @@ def _print_outcome_model(m: dict) -> None:
     click.echo(f"  check      AUROC {q['auroc']:.3f}, Brier {q['brier']:.4f} (predicting the mean: "
                f"{q['brier_baseline']:.4f}), calibration error {q['calibration_error']:.3f}, R2 {q['r2']:.3f} "
                f"on {q['episodes']} episodes")
-    click.echo(f"  gate       {'usable' if m['usable'] else 'NOT USED'}: {m['why']}")
+    click.echo(f"  judged     {'usable' if m['usable'] else 'unusable'}: {m['why']}")
+    click.echo(f"  gate       {gate_use(m['usable'], gate.estimator, gate.fresh_prompts, gate.fallback)}")
 
 
 @model.command("show")
@@ -266,7 +269,10 @@ def model_show(ctx: Context, as_json: bool) -> None:
     """The newest outcome model: when and on which data it was fitted, its figures on the
     check slice (AUROC, Brier against predicting the mean, calibration error, R2), and whether
     the gate uses it and why (not)."""
-    found = latest_outcome_model(ctx.config.state_dir)
+    try:
+        found = latest_outcome_model(ctx.config.state_dir)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if found is None:
         raise click.ClickException(
             f"no outcome model under {ctx.config.state_dir / 'outcome'}: a cycle fits one once "
@@ -275,7 +281,7 @@ def model_show(ctx: Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({k: v for k, v in found.items() if k != "calibration"}, indent=2))
         return
-    _print_outcome_model(found)
+    _print_outcome_model(found, ctx.config.gate)
 
 
 @model.command("fit")
@@ -295,4 +301,4 @@ def model_fit(ctx: Context, spec_path: str | None) -> None:
     manifest = getattr(found, "manifest", None)
     if manifest is None:
         raise click.ClickException(f"no outcome model: it {found.why}")
-    _print_outcome_model(manifest)
+    _print_outcome_model(manifest, cfg.gate)

@@ -129,7 +129,8 @@ class GateConfig(_Section):
         default="direct", description="what the improvement check reads (deploy/estimators.py): fresh answers "
         "scored by the outcome model; that plus the importance-weighted residuals of the logged episodes; or "
         "the logged episodes importance-weighted (the lower bound of SNIS and plain IS). Every decision records "
-        "all three. direct measured least biased against the truth (docs/benchmarks.md, \"The gate's estimators\")")
+        "all three. direct measured with the smallest bias, toward refusing, against the truth (docs/benchmarks.md, "
+        "\"The gate's estimators\")")
     fallback: Literal["importance", "refuse"] = Field(
         default="importance", description="when the estimator needs the outcome model and it is missing or "
         "unusable: decide by importance sampling (the decision says so), or refuse the candidate")
