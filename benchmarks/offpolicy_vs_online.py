@@ -59,6 +59,8 @@ from train.outcome import OutcomeModel  # noqa: E402
 from train.outcome_record import MANIFEST, latest  # noqa: E402
 
 ESTIMATORS = ("importance", "snis", "ipw", "direct", "doubly_robust", "direct_oracle", "online")
+LABELS = {"importance": "IS (gate)", "snis": "SNIS", "ipw": "IPW", "direct": "direct", "doubly_robust": "DR",
+          "direct_oracle": "direct*", "online": "online"}  # direct*: the oracle as the outcome model
 
 
 class OracleScorer:
@@ -119,7 +121,7 @@ def summarise(rows: list[dict[str, float]], min_gap: float) -> None:
         for side in (-1, 1):  # truly worse candidates, then truly better ones (by at least min_gap)
             pairs = [r for r in have if side * r["truth"] >= (0 if side < 0 else min_gap) and f"{name}_low" in r]
             cells.append(f"{sum(r[f'{name}_low'] > 0 for r in pairs)}/{len(pairs)}" if pairs else "-")
-        print(f"{name:<15}{len(have):>6}{np.abs(err).mean():>11.4f}{err.mean():>+10.4f}"
+        print(f"{LABELS[name]:<15}{len(have):>6}{np.abs(err).mean():>11.4f}{err.mean():>+10.4f}"
               f"{f'{right}/{len(ranked)}':>13}{cells[0]:>13}{cells[1]:>14}")
 
 
@@ -153,20 +155,20 @@ def main() -> None:
                 for v, (n, _) in served.items() if n >= args.min_served and (v in adapters or v == "base")}
     manifest = (json.loads((args.outcome_model / MANIFEST).read_text()) if args.outcome_model
                 else latest(config.state_dir))
-    if manifest is None:
-        sys.exit(f"no outcome model under {config.state_dir / 'outcome'}: the demo fits one once enough rewards "
-                 "are stored")
-    print(f"outcome model: {manifest['why']}")
+    if manifest is None:  # (a short run): the other estimators are still measured
+        print(f"no outcome model under {config.state_dir / 'outcome'}: direct and doubly robust left out")
+    else:
+        print(f"outcome model: {manifest['why']}")
     policies = PolicySet.load(config.train.base_model)
     names: dict[str, str | None] = {"base": None} if "base" in served else {}
     for v in sorted(adapters, key=int):
         policies.add(f"v{v}", adapters[v])
         names[v] = f"v{v}"
-    model = Scorer(OutcomeModel.load(manifest["path"]), manifest)
+    model = Scorer(OutcomeModel.load(manifest["path"]), manifest) if manifest else None
     oracle = Oracle()
     true = truth(policies, oracle, names, args.truth_tasks, gate.max_new_tokens, args.seed)
     rows = []
-    print(f"\n{'cand':>5} {'champ':>6} {'n':>4} {'truth':>7} " + " ".join(f"{e[:8]:>9}" for e in ESTIMATORS)
+    print(f"\n{'cand':>5} {'champ':>6} {'n':>4} {'truth':>7} " + " ".join(f"{LABELS[e]:>9}" for e in ESTIMATORS)
           + "   (* the 95 % lower bound is above 0)")
     for target, behaviour in itertools.permutations(names, 2):
         if behaviour not in data:
@@ -187,6 +189,8 @@ def main() -> None:
             row.update({name: est.value, f"{name}_low": est.low})
         order = lambda e: e.request_id  # noqa: E731 - any fixed order: the held-out slice is already random
         for label, scorer in (("", model), ("_oracle", OracleScorer(oracle))):
+            if scorer is None:
+                continue
             found = estimates(policies, scorer, names[target], names[behaviour], eps, logged, c, h, gate, order,
                               args.seed)
             for name, est in found.items():

@@ -58,10 +58,11 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
 
     # the benchmark that reads a finished demo still reads this one (tests/test_benchmarks.py: the others)
     offpolicy = subprocess.run([sys.executable, "benchmarks/offpolicy_vs_online.py", "--state-dir",
-                                local_kafka_env["RTRL_STATE_DIR"], "--base", str(reverse_base), "--min-served", "1"],
+                                local_kafka_env["RTRL_STATE_DIR"], "--min-served", "1", "--truth-tasks", "20"],
                                cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                                timeout=300)
-    assert offpolicy.returncode == 0 and "SNIS" in offpolicy.stdout, offpolicy.stderr[-3000:]
+    assert offpolicy.returncode == 0 and "SNIS" in offpolicy.stdout and "direct*" in offpolicy.stdout, \
+        offpolicy.stderr[-3000:]
 
     commands = [shlex.split(line.strip()) for line in done.stdout[done.stdout.index("look around"):].splitlines()[1:]]
     names = [" ".join(c[3:5]) if c[0] == "rtrl" else c[0] for c in commands]
