@@ -23,8 +23,9 @@ Prints each pair's truth and estimates (point, and whether the gate's 95 % lower
 0), then per estimator: mean absolute error and mean signed bias of the improvement against the
 truth, ranking accuracy (the sign of the estimate agrees with the truth's, over pairs whose
 true difference is at least `--min-gap`), and how many truly worse candidates -- and truly
-better ones, by at least `--min-gap` -- the estimator's bound would have passed. `online` is the difference of the two versions' own served means
-(noisy: they served different, few requests), kept for reference.
+better ones, by at least `--min-gap` -- the estimator's bound would have passed. `online` is
+the difference of the two versions' own served means (noisy: they served different, few
+requests), kept for reference.
 """
 
 from __future__ import annotations

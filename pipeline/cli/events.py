@@ -15,8 +15,8 @@ from ingest.ndjson import export_events
 from ingest.progress import IngestDisplay
 from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kafka
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
-from pipeline.core.store.cycles import recent_cycles
 from pipeline.core.config import Config
+from pipeline.core.store.cycles import recent_cycles
 from pipeline.core.store.events import dead_letters_by_reason, table_counts, utcnow
 from pipeline.core.store.leases import holder
 from train.outcome_record import gate_use
@@ -143,7 +143,8 @@ def export(ctx: Context, path: str) -> None:
 def _outcome_model_line(cfg: Config) -> str:
     g = cfg.gate
     if not cfg.outcome.enabled:
-        return f"outcome model: off (outcome.enabled = false); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}"
+        return ("outcome model: off (outcome.enabled = false); "
+                f"{gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}")
     try:
         m = latest_outcome_model(cfg.state_dir)
     except ValueError as exc:
