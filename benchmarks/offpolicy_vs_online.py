@@ -43,9 +43,9 @@ from sqlalchemy import text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.fresh import estimates  # noqa: E402
-from deploy.offpolicy import _interval, clipped_weights, compare, ipw, snis  # noqa: E402
+from deploy.offpolicy import compare_each  # noqa: E402
 from deploy.stage import logged_episode  # noqa: E402
-from pipeline.core.config import GateConfig, load_config  # noqa: E402
+from pipeline.core.config import load_config  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
 from pipeline.core.store.training import is_held_out  # noqa: E402
 from pipeline.core.types import LoggedEpisode  # noqa: E402
@@ -181,12 +181,13 @@ def main() -> None:
         mu = [sum(e.behavior_logprobs) for e in logged]
         r = [e.reward for e in logged]
         c, h = [lp_c[i] for i in keep], [lp_h[i] for i in keep]
-        row = {"truth": true[target] - true[behaviour], "online": served[target][1] - served[behaviour][1]
-               if target in served else float("nan")}
-        cand, champ, gain = compare(c, h, mu, r, cap=gate.sequence_ratio_cap, resamples=gate.bootstrap)
-        row.update(importance=gain.value, importance_low=gain.low)
-        for name, snis_only in (("snis", True), ("ipw", False)):
-            est = estimates_is(c, h, mu, r, gate, snis_only)
+        row = {"truth": true[target] - true[behaviour]}
+        if target in served:
+            row["online"] = served[target][1] - served[behaviour][1]
+        cand, _, *gains = compare_each(c, h, mu, r, cap=gate.sequence_ratio_cap, resamples=gate.bootstrap,
+                                       confidence=gate.confidence)
+        gate_gain = min(gains, key=lambda g: g.low)  # what compare() gives the gate
+        for name, est in (("importance", gate_gain), ("snis", gains[0]), ("ipw", gains[1])):
             row.update({name: est.value, f"{name}_low": est.low})
         order = lambda e: e.request_id  # noqa: E731 - any fixed order: the held-out slice is already random
         for label, scorer in (("", model), ("_oracle", OracleScorer(oracle))):
@@ -197,24 +198,12 @@ def main() -> None:
             for name, est in found.items():
                 if est.improvement is not None and (label == "" or name == "direct"):
                     row.update({f"{name}{label}": est.improvement.value, f"{name}{label}_low": est.improvement.low})
-        if row["online"] != row["online"]:
-            del row["online"]
         rows.append(row)
         cells = " ".join(f"{row[e]:>+8.3f}{'*' if row.get(f'{e}_low', -1) > 0 else ' '}" if e in row else f"{'-':>9}"
                          for e in ESTIMATORS)
         print(f"{'v' + target:>5} {'v' + behaviour:>6} {len(logged):>4} {row['truth']:>+7.3f} {cells}  "
               f"coverage {cand.coverage:.2f}", flush=True)
     summarise(rows, args.min_gap)
-
-
-def estimates_is(c, h, mu, r, gate: GateConfig, snis_only: bool):
-    """SNIS's or plain IS's improvement alone (compare() returns the lower-bounded of the two)."""
-    w_c = clipped_weights(np.array(c), np.array(mu), gate.sequence_ratio_cap)
-    w_h = clipped_weights(np.array(h), np.array(mu), gate.sequence_ratio_cap)
-    rr = np.array(r)
-    f = snis if snis_only else ipw
-    idx = np.random.default_rng(0).integers(0, len(rr), size=(gate.bootstrap, len(rr)))
-    return _interval(f(w_c[idx], rr[idx]) - f(w_h[idx], rr[idx]), float(f(w_c, rr) - f(w_h, rr)), gate.confidence)
 
 
 if __name__ == "__main__":

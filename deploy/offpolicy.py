@@ -78,6 +78,15 @@ def compare(candidate_logp: Sequence[float], champion_logp: Sequence[float], beh
     """(candidate, champion, improvement = candidate - champion), each with a percentile
     bootstrap interval; sequence log-probs are sums over the completion's tokens. The policies'
     estimates are SNIS; the improvement is SNIS's or plain IS's, whichever bound is lower."""
+    cand, champ, gain_snis, gain_ipw = compare_each(candidate_logp, champion_logp, behavior_logp, rewards, cap,
+                                                    resamples, confidence, seed)
+    return cand, champ, min(gain_snis, gain_ipw, key=lambda g: g.low)
+
+
+def compare_each(candidate_logp: Sequence[float], champion_logp: Sequence[float], behavior_logp: Sequence[float],
+                 rewards: Sequence[float], cap: float = 20.0, resamples: int = 1000, confidence: float = 0.95,
+                 seed: int = 0) -> tuple[OffPolicy, OffPolicy, Estimate, Estimate]:
+    """compare()'s candidate and champion, with the improvement by SNIS and by plain IS apart."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(r) == 0:
         raise ValueError("no held-out episodes to evaluate on: ingest and reward more traffic, "
@@ -93,4 +102,4 @@ def compare(candidate_logp: Sequence[float], champion_logp: Sequence[float], beh
                          float(ipw(w_cand, r) - ipw(w_champ, r)), confidence)
     return (OffPolicy(_interval(boot_cand, v_cand, confidence), ess(w_cand), float(w_cand.mean())),
             OffPolicy(_interval(boot_champ, v_champ, confidence), ess(w_champ), float(w_champ.mean())),
-            min(gain_snis, gain_ipw, key=lambda g: g.low))
+            gain_snis, gain_ipw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import click
 from sqlalchemy import Engine
@@ -39,6 +40,18 @@ class Context:
 
 
 pass_ctx = click.make_pass_decorator(Context)
+
+
+def outcome_model(ctx: Context, spec_version: str, force: bool = False) -> Any:
+    """The outcome model a command's gate uses, as a cycle gets it (train.outcome_stage.refresh:
+    fitted again once enough new rewards arrived, or now with `force`; a new fit gets an MLflow run)."""
+    from deploy.tracking import MlflowTracker  # (torch and mlflow: only the commands that fit)
+    from train.outcome_stage import refresh
+
+    cfg = ctx.config
+    return refresh(ctx.engine(), cfg.outcome, cfg.train, spec_version, cfg.state_dir, force=force,
+                   make_tracker=lambda: MlflowTracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.artifact_root,
+                                                      run_name="outcome-model"))
 
 
 def kafka_failure(config: Config, exc: BaseException, doing: str) -> click.ClickException:

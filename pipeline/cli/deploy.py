@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, outcome_model, pass_ctx
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.store.deploys import latest_decision, moves
 from pipeline.core.store.training import get_run, latest_finished_run
@@ -58,8 +58,6 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     version. RUN_ID defaults to the latest finished run.
     """
     from deploy.stage import gate_run
-    from deploy.tracking import MlflowTracker
-    from train.outcome_stage import refresh
     from deploy.suite import EMPTY, SuiteError, load_suite
     from train.inference import PolicySet
     from train.models import ModelError
@@ -79,9 +77,7 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     from reward.analysis import audit
 
     production = {version: c.rates() for version, c in audit(ctx.engine(), spec).items()}
-    outcome = refresh(ctx.engine(), config.outcome, config.train, spec.version, config.state_dir,
-                      lambda: MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root,
-                                            run_name="outcome-model"))
+    outcome = outcome_model(ctx, spec.version)
     with _registry(ctx) as registry:
         result = gate_run(ctx.engine(), registry, runner, run.run_id, spec.version, config.train, config.gate,
                           suite_obj, spec.guards.abstention.patterns, promote=promote,

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 import click
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from pipeline.cli.common import CONTEXT_SETTINGS, Context, pass_ctx
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, outcome_model, pass_ctx
 from pipeline.core.config import GateConfig
 from reward.analysis import audit as audit_canaries
 from reward.analysis import diff_specs
@@ -290,15 +290,8 @@ def model_show(ctx: Context, as_json: bool) -> None:
 def model_fit(ctx: Context, spec_path: str | None) -> None:
     """Fit the outcome model now on the training slice's latest rewards (as a cycle does when
     `outcome.refresh_episodes` new ones have arrived) and show it; it is recorded in MLflow."""
-    from deploy.tracking import MlflowTracker
-    from train.outcome_stage import refresh
-
-    cfg = ctx.config
-    spec = reward_spec(ctx, spec_path)
-    found = refresh(ctx.engine(), cfg.outcome, cfg.train, spec.version, cfg.state_dir, force=True,
-                    make_tracker=lambda: MlflowTracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.artifact_root,
-                                                       run_name="outcome-model"))
+    found = outcome_model(ctx, reward_spec(ctx, spec_path).version, force=True)
     manifest = getattr(found, "manifest", None)
     if manifest is None:
         raise click.ClickException(f"no outcome model: it {found.why}")
-    _print_outcome_model(manifest, cfg.gate)
+    _print_outcome_model(manifest, ctx.config.gate)
