@@ -53,7 +53,8 @@ from deploy.registry import ANY, CHAMPION, Registry, Superseded
 from deploy.stage import gate_run, online_decision, withdraw_orphan_canary
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import Config
-from pipeline.core.store.cycles import CycleState, create_cycle, get_cycle, set_cycle, unfinished_cycle
+from pipeline.core.store.cycles import (CycleRecord, CycleState, create_cycle, get_cycle, set_cycle,
+                                        unfinished_cycle)
 from pipeline.core.store.deploys import decision_for_run, latest_decision
 from pipeline.core.store.leases import Fence, LeaseLost
 from pipeline.core.store.training import finish_run, get_run
@@ -125,7 +126,7 @@ class _Cycle:
     """One call of run_cycle on one cycle row: what its handlers share (the deps, the row's ids)
     and the bookkeeping of where its seconds went."""
 
-    def __init__(self, deps: CycleDeps, row: Any) -> None:
+    def __init__(self, deps: CycleDeps, row: CycleRecord) -> None:
         self.deps, self.cycle_id, self.run_id = deps, row.cycle_id, row.run_id
         self.timings = dict(row.timings or {})
         self.started = time.perf_counter()
@@ -151,8 +152,11 @@ class _Cycle:
             self.timed_s, self.stage_started = self.timed_s + seconds, None
             self.timings[stage] = round(self.timings.get(stage, 0.0) + seconds, 3)
 
-    def row(self) -> Any:
-        return get_cycle(self.deps.engine, self.cycle_id)
+    def row(self) -> CycleRecord:
+        row = get_cycle(self.deps.engine, self.cycle_id)
+        if row is None:  # cycles are never deleted: a store that lost one is not this daemon's to repair
+            raise LookupError(f"cycle {self.cycle_id} is no longer in the store")
+        return row
 
 
 # One handler per non-terminal state. Each does its state's work and returns the state to run
@@ -265,7 +269,7 @@ HANDLERS: dict[CycleState, Callable[[_Cycle], CycleState | None]] = {
 }
 
 
-def run_cycle(deps: CycleDeps) -> Any:
+def run_cycle(deps: CycleDeps) -> CycleRecord | None:
     """Run one cycle, or finish the one a crash interrupted; returns its row (None if the lease
     was lost: the row is the new holder's). Never raises for a failing stage: the cycle ends
     `failed` with the reason; a lost lease stops it where it is, for the new holder to resume."""
@@ -279,6 +283,8 @@ def run_cycle(deps: CycleDeps) -> Any:
             log.warning("cycle not started: the lease is lost", extra={"error": str(exc)})
             return None
         row = get_cycle(deps.engine, cycle_id)
+        if row is None:  # committed just above: a store that does not return it is broken
+            raise LookupError(f"cycle {cycle_id} was created but cannot be read back")
     elif row.state != S.CANARY:  # a canary waiting on traffic is not an interruption
         log.info("resuming an interrupted cycle", extra={"cycle": row.cycle_id, "state": row.state})
     c = _Cycle(deps, row)

@@ -167,7 +167,7 @@ class ServeProcess:
 
         try:
             return requests.get(f"{self.url}/health", timeout=2).json()
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # a server still loading may accept, then not answer
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             return None
 

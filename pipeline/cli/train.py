@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from contextlib import contextmanager
@@ -134,7 +135,7 @@ def show(ctx: Context, run_id: str | None, show_episodes: bool) -> None:
     if row is None:
         raise click.ClickException(f"no training run {run_id or '(finished)'} in the store; "
                                    "start one with `rtrl train run`")
-    for key, value in row._mapping.items():
+    for key, value in dataclasses.asdict(row).items():
         click.echo(f"{key}: {json.dumps(value, default=str) if isinstance(value, dict) else value}")
     if show_episodes:
         for request_id, reward, outcome in lineage(engine, row.run_id):

@@ -97,6 +97,30 @@ def decision_for_run(engine: Engine, run_id: str) -> StoredDecision | None:
     return StoredDecision.from_row(row) if row is not None else None
 
 
+@dataclass(frozen=True)
+class MoveRecord:
+    """One move of a registry alias as the audit table keeps it: written `pending` before the
+    registry call and `done` after it, so a crash in between is found and repaired."""
+
+    id: int
+    model_name: str
+    alias: str  # champion | canary | ...
+    from_version: str | None
+    to_version: str | None  # None: the alias was cleared (a canary withdrawn)
+    reason: str
+    actor: str  # "automatic" or a named operator
+    at: datetime
+    status: str  # pending | done | not_applied
+    published_at: datetime | None  # when the model-update event went to Kafka
+    share: float | None  # `canary` moves: the share of requests the canary serves
+    kind: str | None  # promote | rollback | stage | withdraw (None: written before migration 0009)
+
+    @classmethod
+    def from_row(cls, row: Any) -> "MoveRecord":
+        return cls(row.id, row.model_name, row.alias, row.from_version, row.to_version, row.reason, row.actor,
+                   row.at, row.status, row.published_at, row.share, row.kind)
+
+
 def all_decisions(engine: Engine) -> list[StoredDecision]:
     """Every decision, oldest first."""
     with engine.connect() as conn:
@@ -129,7 +153,7 @@ def promoted_from(engine: Engine, model_name: str, version: str) -> str | None:
         )).order_by(alias_moves.c.id.desc()).limit(1)).scalar()
 
 
-def rolled_back(engine: Engine, model_name: str, version: str) -> Any | None:
+def rolled_back(engine: Engine, model_name: str, version: str) -> MoveRecord | None:
     """The rollback that took `version` off `champion`, if that is the last thing that happened
     to it as champion (a later promotion, forced, makes it a champion again); else None."""
     with engine.connect() as conn:
@@ -138,10 +162,11 @@ def rolled_back(engine: Engine, model_name: str, version: str) -> Any | None:
             alias_moves.c.status == "done",
             (alias_moves.c.from_version == version) | (alias_moves.c.to_version == version),
         )).order_by(alias_moves.c.id.desc()).limit(1)).first()
-    return row if row is not None and row.kind == "rollback" and row.from_version == version else None
+    return MoveRecord.from_row(row) if row is not None and row.kind == "rollback" and row.from_version == version \
+        else None
 
 
-def superseded_by(engine: Engine, move: Any) -> int | None:
+def superseded_by(engine: Engine, move: MoveRecord) -> int | None:
     """The id of a newer applied move of the same alias, if any: `move`'s event would be stale."""
     with engine.connect() as conn:
         return conn.execute(select(func.max(alias_moves.c.id)).where(and_(
@@ -150,13 +175,14 @@ def superseded_by(engine: Engine, move: Any) -> int | None:
         ))).scalar()
 
 
-def last_move_to(engine: Engine, model_name: str, alias: str, version: str) -> Any | None:
+def last_move_to(engine: Engine, model_name: str, alias: str, version: str) -> MoveRecord | None:
     """The latest applied move of `alias` to `version` (when a canary went live)."""
     with engine.connect() as conn:
-        return conn.execute(select(alias_moves).where(and_(
+        row = conn.execute(select(alias_moves).where(and_(
             alias_moves.c.model_name == model_name, alias_moves.c.alias == alias,
             alias_moves.c.to_version == version, alias_moves.c.status == "done",
         )).order_by(alias_moves.c.id.desc()).limit(1)).first()
+    return MoveRecord.from_row(row) if row is not None else None
 
 
 def complete_move(engine: Engine, move_id: int, status: str = "done") -> None:
@@ -169,19 +195,22 @@ def mark_published(engine: Engine, move_id: int) -> None:
         conn.execute(update(alias_moves).where(alias_moves.c.id == move_id).values(published_at=utcnow()))
 
 
-def unfinished_moves(engine: Engine, model_name: str) -> list[Any]:
+def unfinished_moves(engine: Engine, model_name: str) -> list[MoveRecord]:
     """Pending moves, and done moves whose event was never published, oldest first."""
     with engine.connect() as conn:
-        return conn.execute(select(alias_moves).where(and_(
+        rows = conn.execute(select(alias_moves).where(and_(
             alias_moves.c.model_name == model_name,
             (alias_moves.c.status == "pending") | ((alias_moves.c.status == "done") & alias_moves.c.published_at.is_(None)),
         )).order_by(alias_moves.c.id)).all()
+    return [MoveRecord.from_row(r) for r in rows]
 
 
-def moves(engine: Engine, model_name: str, limit: int = 50) -> list[Any]:
+def moves(engine: Engine, model_name: str, limit: int = 50) -> list[MoveRecord]:
+    """The newest moves first."""
     with engine.connect() as conn:
-        return conn.execute(select(alias_moves).where(alias_moves.c.model_name == model_name)
+        rows = conn.execute(select(alias_moves).where(alias_moves.c.model_name == model_name)
                             .order_by(alias_moves.c.id.desc()).limit(limit)).all()
+    return [MoveRecord.from_row(r) for r in rows]
 
 
 def _accepted() -> Any:

@@ -23,7 +23,7 @@ more than the ttl would otherwise both see the lease as theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, or_, select, update
@@ -74,9 +74,22 @@ def release(engine: Engine, name: str, owner: str) -> None:
                      .values(expires_at=db_now(engine.dialect.name)))
 
 
-def holder(engine: Engine, name: str) -> Any | None:
+@dataclass(frozen=True)
+class LeaseRecord:
+    """Who holds (or last held) a lease, until when, under which fencing generation."""
+
+    name: str
+    owner: str
+    expires_at: datetime  # the database's clock
+    heartbeat_at: datetime
+    generation: int  # grows whenever the lease changes hands or is re-taken after expiring
+
+
+def holder(engine: Engine, name: str) -> LeaseRecord | None:
     with engine.connect() as conn:
-        return conn.execute(select(leases).where(leases.c.name == name)).first()
+        row = conn.execute(select(leases).where(leases.c.name == name)).first()
+    return LeaseRecord(row.name, row.owner, row.expires_at, row.heartbeat_at, row.generation) if row is not None \
+        else None
 
 
 @dataclass(frozen=True)

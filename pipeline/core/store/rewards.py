@@ -249,11 +249,33 @@ def upsert_rewards(engine: Engine, spec_version: str, rows: Sequence[RewardRow])
         ])
 
 
-def stored_reward(engine: Engine, request_id: str, spec_version: str) -> Any | None:
+@dataclass(frozen=True)
+class StoredReward:
+    """An episode's reward under one spec version, as the reward stage last wrote it."""
+
+    id: int  # grows as episodes ripen: training's watermark
+    request_id: str
+    spec_version: str
+    policy_version: str
+    value: float
+    components: dict[str, float]  # "signal.accepted": 0.5, "guard.abstention": -0.6
+    feedback_count: int  # the feedback (and outcome events and calls of its episode) it reflects
+    last_feedback_id: int
+    computed_at: datetime
+    outcome: dict[str, Any] | None  # a call of an agent episode: {"episode_id", "events", "credit"}
+
+    @classmethod
+    def from_row(cls, row: Any) -> "StoredReward":
+        return cls(row.id, row.request_id, row.spec_version, row.policy_version, row.value, row.components,
+                   row.feedback_count, row.last_feedback_id, row.computed_at, row.outcome)
+
+
+def stored_reward(engine: Engine, request_id: str, spec_version: str) -> StoredReward | None:
     with engine.connect() as conn:
-        return conn.execute(
+        row = conn.execute(
             select(rewards).where(and_(rewards.c.request_id == request_id, rewards.c.spec_version == spec_version))
         ).first()
+    return StoredReward.from_row(row) if row is not None else None
 
 
 def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | None = None) -> int:

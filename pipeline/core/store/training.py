@@ -40,6 +40,35 @@ from pipeline.core.store.tables import cycles, interactions, rewards, training_e
 from pipeline.core.types import is_our_version, task_key
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """A training run as the store keeps it (one row of `training_runs`): what the cycle, the
+    gate's staging, the CLI and the demo read back."""
+
+    run_id: str
+    tracking_run_id: str | None  # the MLflow run
+    status: str  # running | finished | failed
+    spec_version: str
+    loss: str
+    base_model: str  # the base's path as the run loaded it
+    base_revision: str
+    parent_run_id: str | None  # the run whose adapter this one continued
+    watermark_from: int
+    watermark_to: int
+    episodes: int
+    adapter_path: str | None
+    summary: dict[str, Any] | None  # final metrics and selection counts
+    error: str | None
+    started_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> "RunRecord":
+        return cls(row.run_id, row.tracking_run_id, row.status, row.spec_version, row.loss, row.base_model,
+                   row.base_revision, row.parent_run_id, row.watermark_from, row.watermark_to, row.episodes,
+                   row.adapter_path, row.summary, row.error, row.started_at, row.finished_at)
+
+
 @dataclass
 class Selection:
     rows: list[Any]  # reward_id, request_id, reward, event_id, policy_version, tenant, ts, body
@@ -208,13 +237,14 @@ def finish_run(engine: Engine, run_id: str, status: str, **values: Any) -> None:
                      .values(status=status, finished_at=utcnow(), **values))
 
 
-def get_run(engine: Engine, run_id: str) -> Any | None:
+def get_run(engine: Engine, run_id: str) -> RunRecord | None:
     with engine.connect() as conn:
-        return conn.execute(select(training_runs).where(training_runs.c.run_id == run_id)).first()
+        row = conn.execute(select(training_runs).where(training_runs.c.run_id == run_id)).first()
+    return RunRecord.from_row(row) if row is not None else None
 
 
 def latest_finished_run(engine: Engine, spec_version: str | None = None,
-                        watermark_from: int | None = None, skip_failed_cycles: bool = False) -> Any | None:
+                        watermark_from: int | None = None, skip_failed_cycles: bool = False) -> RunRecord | None:
     """The newest finished run, optionally of one spec and trained from one watermark (that is,
     continued from the same champion). With `skip_failed_cycles`, not a run whose cycle failed:
     its candidate was never judged or never promoted (say the registry was away), so it says
@@ -227,8 +257,9 @@ def latest_finished_run(engine: Engine, spec_version: str | None = None,
     if watermark_from is not None:
         where.append(training_runs.c.watermark_from == watermark_from)
     with engine.connect() as conn:
-        return conn.execute(select(training_runs).where(and_(*where))
-                            .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
+        row = conn.execute(select(training_runs).where(and_(*where))
+                           .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
+    return RunRecord.from_row(row) if row is not None else None
 
 
 def record_lineage(engine: Engine, run_id: str, spec_version: str,
