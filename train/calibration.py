@@ -13,8 +13,15 @@ The figures, on a slice neither the model nor the calibration saw, with rewards 
     auroc              P(pred_i > pred_j | r_i > r_j) over pairs of different rewards (ties 1/2):
                        the AUROC for 0/1 rewards, Harrell's concordance for graded ones
     brier              mean (pred - r)^2; `brier_baseline` is that of predicting the mean reward
-    calibration_error  expected calibration error: sum over 10 equal-count bins of predictions of
-                       (bin share) |mean pred - mean r| (Naeini et al. 2015)
+    calibration_error  the debiased L2 calibration error over 10 equal-count bins of predictions
+                       (Kumar, Liang & Ma 2019, "Verified Uncertainty Calibration"): the square
+                       root of sum (bin share) [(mean pred - mean r)^2 - var(r - pred) / n_bin],
+                       0 when that is negative. The plain binned error, sum (bin share)
+                       |mean pred - mean r| (Naeini et al. 2015), counts each bin's sampling noise
+                       as miscalibration: on a check slice of ~160 episodes it averages ~0.06 for
+                       a model calibrated by construction, so a limit of 0.05 refuses most good
+                       models on a small store; the debiased error subtracts that noise's
+                       expectation and measures what is systematic.
     r2                 1 - brier / brier_baseline: the share of the reward's variance explained
 """
 
@@ -88,13 +95,19 @@ def auroc(pred: np.ndarray, target: np.ndarray) -> float:
 
 
 def calibration_error(pred: np.ndarray, target: np.ndarray, bins: int = 10) -> float:
+    """The debiased L2 calibration error (see the module's docstring); nan with fewer than two
+    predictions a bin."""
     pred, target = np.asarray(pred, float), np.asarray(target, float)
+    if len(pred) < 2:
+        return float("nan")
     order = np.argsort(pred, kind="stable")
-    err = 0.0
-    for chunk in np.array_split(order, min(bins, len(order))):
-        if len(chunk):
-            err += len(chunk) / len(order) * abs(pred[chunk].mean() - target[chunk].mean())
-    return float(err)
+    squared = 0.0
+    for chunk in np.array_split(order, min(bins, len(order) // 2)):
+        # the bin's mean residual squared overstates its square by the mean's variance,
+        # var(residual) / n: subtract the unbiased estimate of that
+        residual = target[chunk] - pred[chunk]
+        squared += len(chunk) / len(order) * (residual.mean() ** 2 - residual.var(ddof=1) / len(chunk))
+    return float(np.sqrt(max(squared, 0.0)))
 
 
 @dataclass(frozen=True)

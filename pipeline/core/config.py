@@ -175,8 +175,9 @@ class OutcomeConfig(_Section):
                              "expected reward ranks far below 1: 0.72 on the demo's)")
     min_r2: float = Field(default=0.2, ge=0.0, le=1.0, description="the same for the share of the checked rewards' "
                           "variance it explains (1 - Brier / the Brier of predicting the mean)")
-    max_calibration_error: float = Field(default=0.05, gt=0, le=1.0, description="the same for its expected "
-                                         "calibration error (rewards scaled to [0, 1])")
+    max_calibration_error: float = Field(default=0.05, gt=0, le=1.0, description="the same for its "
+                                         "calibration error (debiased: a bin's sampling noise is not counted; "
+                                         "rewards scaled to [0, 1]; train/calibration.py)")
     epochs: int = Field(default=8, ge=1, le=50, description="passes over the fit slice")
     learning_rate: float = Field(default=3e-3, gt=0, description="AdamW, cosine to 0")
     batch_size: int = Field(default=32, ge=1, description="episodes per step")
