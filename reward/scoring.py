@@ -13,7 +13,7 @@ run's lineage (training_episodes) keeps the value it trained on, and the change 
 
 Throughput (benchmarks/reward.py): an episode comes back as one row, its feedback aggregated
 into a JSON array by the database and what the policy wrote from the columns ingest filled (the
-body, mostly prompt, is read only for a judge); rows are read positionally, a Scorer holds the
+body, mostly prompt, is read only for a judge); rows come as named tuples, a Scorer holds the
 spec's lookups, rewards are upserted through the driver, and the cyclic garbage collector is
 paused while chunks are scored (a chunk allocates ~100k short-lived objects and no cycles; the
 collector's passes over them were a third of the run). A chunk's upsert runs on a writer
@@ -37,6 +37,7 @@ from sqlalchemy import Engine
 
 from pipeline.core.store import db as store_db
 from pipeline.core.store.rewards import (
+    EpisodeRow,
     RewardRow,
     episode_rows,
     feedback_rows,
@@ -62,25 +63,25 @@ def prompt_text(prompt: Any) -> str:
     return "\n".join(lines)
 
 
-def read_episode(row: Any) -> tuple[int, Episode]:
+def read_episode(row: EpisodeRow) -> tuple[int, Episode]:
     """A chunk's row (see iter_episode_chunks) as (the newest feedback id it reflects, 0 when
-    none; the episode): positional, because this runs once per episode and a row's attribute
-    lookup costs more than the rest of it. The prompt is rendered only when the row has the
-    body (a judge reads it; rules never do)."""
+    none; the episode). The prompt is rendered only when the row has the body (a judge reads
+    it; rules never do)."""
     newest, feedback = feedback_rows(row)
-    _, request_id, ts, policy_version, text, calls, expects, _, _, body, episode_id, _, _ = row
-    if isinstance(ts, str):  # SQLite's text (see iter_episode_chunks)
-        ts = datetime.fromisoformat(ts)
-    prompt = prompt_text(orjson.loads(body).get("prompt", "")) if body is not None else ""
-    episode = Episode(request_id, ts, policy_version, text, tuple(orjson.loads(calls)) if calls else (),
-                      _feedback(feedback), bool(expects), prompt)
-    if episode_id is None:
+    ts = datetime.fromisoformat(row.ts) if isinstance(row.ts, str) else row.ts  # SQLite's text
+    prompt = prompt_text(orjson.loads(row.body).get("prompt", "")) if row.body is not None else ""
+    calls = row.output_tool_calls
+    episode = Episode(row.request_id, ts, row.policy_version, row.output_text,
+                      tuple(orjson.loads(calls)) if calls else (), _feedback(feedback), bool(row.expects_attempt),
+                      prompt)
+    in_episode = episode_rows(row)
+    if row.episode_id is None or in_episode is None:
         return newest, episode
-    outcome_newest, outcome, episode_calls = episode_rows(row)
-    return max(newest, outcome_newest), _in_episode(episode, episode_id, outcome, episode_calls)
+    outcome_newest, outcome, episode_calls = in_episode
+    return max(newest, outcome_newest), _in_episode(episode, row.episode_id, outcome, episode_calls)
 
 
-def build_episode(row: Any) -> Episode:
+def build_episode(row: EpisodeRow) -> Episode:
     return read_episode(row)[1]
 
 
@@ -246,12 +247,12 @@ def score_part(
                 except (ValueError, TypeError):  # orjson's decode error is a ValueError: one episode, not the run
                     unusable += 1
                     if settling is not None:
-                        settling.unusable.append((row[0], row[8] is not None))
+                        settling.unusable.append((row.id, row.stored is not None))
                     continue
-                if ripe(ep):  # row[8]: the last feedback id of the stored reward (None: none yet)
-                    todo.append((ep, newest, row[8] is None))
+                if ripe(ep):  # no stored reward yet: its first time
+                    todo.append((ep, newest, row.stored is None))
                 elif settling is not None:
-                    settling.unripe.append((row[0], row[1]))
+                    settling.unripe.append((row.id, row.request_id))
             report.unusable += unusable
             report.unripe += len(chunk.interactions) - unusable - len(todo)
             scores: dict[str, float] = {}

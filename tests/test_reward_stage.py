@@ -288,7 +288,7 @@ def test_an_incremental_run_reads_only_episodes_whose_reward_is_stale(engine):
 
     def stale():
         chunks = list(iter_episode_chunks(engine, SPEC.version, only_stale=True))
-        return [r[1] for c in chunks for r in c.interactions], sum(c.current for c in chunks)
+        return [r.request_id for c in chunks for r in c.interactions], sum(c.current for c in chunks)
 
     # 502 has no feedback: ripe by the window, rewarded, current; its second interaction is not an episode
     assert stale() == ([], 3)

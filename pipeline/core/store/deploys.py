@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy import Engine, and_, case, cast, exists, func, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.sql.selectable import Exists
 
 from pipeline.core.store.episodes import wrote_malformed_call
 from pipeline.core.store.events import utcnow
@@ -213,7 +214,7 @@ def moves(engine: Engine, model_name: str, limit: int = 50) -> list[MoveRecord]:
     return [MoveRecord.from_row(r) for r in rows]
 
 
-def _accepted() -> Any:
+def _accepted() -> Exists:
     """Whether an interaction was accepted: at least one `accepted` event with a positive value."""
     return exists().where(and_(feedback.c.request_id == interactions.c.request_id,
                                feedback.c.kind == "accepted", feedback.c.value > 0))

@@ -27,6 +27,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, or_, select, update
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import Exists
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -37,7 +39,7 @@ class LeaseLost(RuntimeError):
     """This daemon's lease was taken over (or expired): its cycle stops; the holder resumes it."""
 
 
-def db_now(dialect: str, plus_s: float = 0.0) -> Any:
+def db_now(dialect: str, plus_s: float = 0.0) -> ColumnElement[Any]:
     """The database's current UTC time (+ `plus_s`), as the store's naive-UTC DateTime columns
     hold it (SQLite: text with microseconds, so that it compares with what SQLAlchemy wrote)."""
     if dialect == "sqlite":
@@ -100,7 +102,7 @@ class Fence:
     owner: str
     generation: int
 
-    def held(self, dialect: str) -> Any:
+    def held(self, dialect: str) -> Exists:
         """A condition for a write's WHERE: the lease is still ours, this generation, not expired."""
         return exists().where(and_(leases.c.name == self.name, leases.c.owner == self.owner,
                                    leases.c.generation == self.generation,

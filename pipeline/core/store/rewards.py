@@ -19,14 +19,29 @@ from pipeline.core.store.events import insert_ignore, utcnow
 from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, same_episode, training_episodes
 
 
+class EpisodeRow(NamedTuple):
+    """One episode as iter_episode_chunks reads it: the interaction's columns, its feedback and
+    its stored reward's mark, as the driver hands them over (no SQLAlchemy type processing: this
+    is read once per episode of every reward run)."""
+
+    id: int
+    request_id: str
+    ts: datetime | str  # SQLite hands over ISO text (see iter_episode_chunks)
+    policy_version: str
+    output_text: str | None
+    output_tool_calls: str | None  # JSON text of the calls the policy wrote, None without
+    expects_attempt: bool | int | None
+    feedback: str | list[Any]  # JSON (text on SQLite, parsed on PostgreSQL): read it with feedback_rows
+    stored: int | None  # the last_feedback_id of the episode's reward under the spec; None: no reward yet
+    body: str | None  # the interaction's body (its prompt), None unless asked for
+    episode_id: str | None
+    outcome: str | list[Any] | None  # the agent episode's outcome, JSON: read it and `calls` with episode_rows
+    calls: str | list[Any] | None  # None for a call that is its own episode
+
+
 @dataclass
 class EpisodeChunk:
-    # rows, read by position: id, request_id, ts (a datetime, or ISO text on SQLite), policy_version,
-    # output_text, output_tool_calls (JSON text or None), expects_attempt, feedback (read it with
-    # feedback_rows: the newest id and the events), stored (the last_feedback_id of the episode's
-    # reward under the spec; None: no reward yet), body (None unless asked for), episode_id, and
-    # the agent episode's outcome and calls (read them with episode_rows; None without an episode)
-    interactions: list[Any]
+    interactions: list[EpisodeRow]
     duplicates: int = 0  # further interactions for a request_id: only the first one is an episode
     current: int = 0  # with only_stale: episodes left out because their reward is up to date
     span: tuple[int, int] | None = None  # the ids (lo, hi] the chunk covers; None when read by ids
@@ -40,11 +55,11 @@ def interaction_id_span(engine: Engine) -> int:
     return 0 if first is None else last - first + 1
 
 
-def feedback_rows(row: Any) -> tuple[int, list[list[Any]]]:
+def feedback_rows(row: EpisodeRow) -> tuple[int, list[list[Any]]]:
     """An episode row's feedback: (the newest feedback id, 0 when none; the events as [id,
     event_id, kind, value, ts (ISO text), body or None] each). SQLite hands the JSON over as
     text, PostgreSQL's driver parses it (and gives None for an empty aggregate)."""
-    found = row[7]
+    found = row.feedback
     newest, events = orjson.loads(found) if isinstance(found, str) else found
     return newest or 0, events or []
 
@@ -80,13 +95,13 @@ def _episode_json(dialect: str, payload_kinds: Sequence[str] | None):
     return case((alone, null()), else_=outcome), case((alone, null()), else_=siblings)
 
 
-def episode_rows(row: Any) -> tuple[int, list[list[Any]], list[list[Any]]] | None:
+def episode_rows(row: EpisodeRow) -> tuple[int, list[list[Any]], list[list[Any]]] | None:
     """A chunk row's agent episode: (the newest outcome feedback id, 0 when none; the outcome's
     events as feedback_rows gives them; the episode's calls as [request_id, step, ts (ISO
     text)]), None for a call that is its own episode."""
-    if row[10] is None:
+    if row.episode_id is None:
         return None
-    found, calls = row[11], row[12]
+    found, calls = row.outcome, row.calls
     newest, events = (orjson.loads(found) if isinstance(found, str) else found) or (None, None)
     return newest or 0, events or [], orjson.loads(calls) if isinstance(calls, str) else calls
 
@@ -159,12 +174,13 @@ def iter_episode_chunks(
     stale = or_(stored_count.is_(None), count + in_episode != stored_count)
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
-    columns = (interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String).label("ts"),
-               interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
-               interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds).label("feedback"),
-               stored.label("stored"),
-               interactions.c.body if with_body else null().label("body"),
-               interactions.c.episode_id, *_episode_json(engine.dialect.name, payload_kinds))
+    # in EpisodeRow's order, each labelled with its field's name
+    columns = [c.label(name) for name, c in zip(EpisodeRow._fields, (
+        interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String),
+        interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
+        interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds), stored,
+        interactions.c.body if with_body else null(),
+        interactions.c.episode_id, *_episode_json(engine.dialect.name, payload_kinds)), strict=True)]
     if ids is not None:
         for i in range(k * chunk, len(ids), n * chunk):
             batch = list(ids[i:i + chunk])
@@ -172,7 +188,8 @@ def iter_episode_chunks(
                 if conn.dialect.name == "postgresql":
                     conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL jit = off")  # see above
                 wanted = and_(interactions.c.id.in_(batch), stale if only_stale else true())
-                rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
+                found = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
+                rows = [EpisodeRow._make(r) for r in found]
             yield EpisodeChunk(rows, current=len(batch) - len(rows) if only_stale else 0)
         return
     if span is not None:
@@ -199,7 +216,8 @@ def iter_episode_chunks(
             # `first` costs an index probe per row: only a chunk with duplicates needs it again.
             # stale first: in an incremental run most episodes are up to date, and `first` is skipped
             wanted = and_(rng, stale if only_stale else true(), first if duplicates else true())
-            rows = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
+            found = conn.execute(select(*columns).where(wanted).order_by(interactions.c.id)).all()
+            rows = [EpisodeRow._make(r) for r in found]
         # the first interactions not read are the up-to-date ones (a count for the report: a write
         # between the two queries can shift it by that write, never change a reward)
         up_to_date = total - duplicates - len(rows) if only_stale else 0

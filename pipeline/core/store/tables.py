@@ -10,8 +10,6 @@ Timestamps are stored as naive UTC (`DateTime` without zone) so SQLite and Postg
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -30,6 +28,8 @@ from sqlalchemy import (
     and_,
     or_,
 )
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import FromClause
 
 # Deterministic constraint names, so autogenerate and both dialects agree.
 metadata = MetaData(
@@ -296,7 +296,8 @@ Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)
 EVENT_TABLES = {"interaction": interactions, "feedback": feedback}
 
 
-def same_episode(calls: Any, other: Any, any_tenant: Any = None) -> Any:
+def same_episode(calls: FromClause, other: FromClause,
+                 any_tenant: ColumnElement[bool] | None = None) -> ColumnElement[bool]:
     """`calls` (interactions) and `other` (interactions, or feedback naming an episode) are of one
     agent episode: the same episode id of the same tenant -- episode ids are the applications',
     and two tenants may both have a "task-7". `any_tenant`: a condition on `other` under which
