@@ -55,9 +55,9 @@ from pipeline.demo.sim import LENGTHS, Task, draw_task  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
 from train.inference import PolicySet  # noqa: E402
-from train.outcome_stage import Scorer  # noqa: E402
 from train.outcome import OutcomeModel  # noqa: E402
 from train.outcome_record import MANIFEST, latest  # noqa: E402
+from train.outcome_stage import Scorer  # noqa: E402
 
 ESTIMATORS = ("importance", "snis", "ipw", "direct", "doubly_robust", "direct_oracle", "online")
 LABELS = {"importance": "IS (gate)", "snis": "SNIS", "ipw": "IPW", "direct": "direct", "doubly_robust": "DR",

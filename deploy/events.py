@@ -85,7 +85,7 @@ class EventSender:
     def _send(self, topic: str, key: bytes | None, value: bytes) -> None:
         self._in_flight(topic, key, value).get()
 
-    def _in_flight(self, topic: str, key: bytes | None, value: bytes) -> "_Ack":
+    def _in_flight(self, topic: str, key: bytes | None, value: bytes) -> _Ack:
         """The record sent, not yet acknowledged: `.get()` waits for the broker's ack."""
         if self.producer is None:
             ms = int(self.timeout_s * 1000)

@@ -67,7 +67,7 @@ class Follower:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="model-updates", daemon=True)
 
-    def start(self) -> "Follower":
+    def start(self) -> Follower:
         self.thread.start()
         return self
 

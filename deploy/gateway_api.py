@@ -9,7 +9,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -61,7 +61,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             metadata["upstream_error"] = str(error.get("message"))[:500]
         return InteractionEvent(
             schema_version=SCHEMA_VERSION, event_id=new_id("gw"), type="interaction",
-            ts=datetime.now(timezone.utc), request_id=request_id,
+            ts=datetime.now(UTC), request_id=request_id,
             session_id=header_id(headers, "x-session-id") or request_id, user_id=str(body.get("user") or "anonymous"),
             tenant=header_id(headers, "x-tenant") or gw.default_tenant, policy_version=version,
             prompt=body["messages"] if "messages" in body else body.get("prompt", ""), completion=record.completion,
@@ -116,7 +116,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 headers={"X-Request-Id": request_id, "Content-Type": "application/json", "X-Rtrl-Routed": routed,
                          "X-Rtrl-Routed-Signature": routing_signature(gw.routing_secret, request_id, routed,
                                                                       up.get("model"))})
-        except asyncio.TimeoutError:
+        except TimeoutError:
             gw.requests.labels(endpoint, "upstream_timeout").inc()
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not answer in "
                                                       f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
@@ -146,7 +146,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 data = orjson.loads(await answer.read())
             if not isinstance(data, dict):
                 raise ValueError(f"a JSON {type(data).__name__}, not an object")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             gw.requests.labels(endpoint, "upstream_timeout").inc()
             return JSONResponse({"error": {"message": f"the upstream {gw.upstream} did not finish its answer in "
                                                       f"{gw.timeout_s:g} s", "type": "upstream_timeout"}}, 504)
@@ -286,7 +286,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         try:
             ev = FeedbackEvent.model_validate({
                 "schema_version": SCHEMA_VERSION, "event_id": body.get("event_id") or new_id("gwf"),
-                "type": "feedback", "ts": body.get("ts") or datetime.now(timezone.utc), **{
+                "type": "feedback", "ts": body.get("ts") or datetime.now(UTC), **{
                     k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")},
                 # whose episode: the body's tenant, else X-Tenant (the header the calls carried); neither:
                 # not named, as over Kafka -- the episode id in every tenant

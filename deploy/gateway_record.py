@@ -103,7 +103,7 @@ class ChoiceRecord:
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     @classmethod
-    def of_choice(cls, choice: dict[str, Any], chat: bool) -> "ChoiceRecord":
+    def of_choice(cls, choice: dict[str, Any], chat: bool) -> ChoiceRecord:
         """A whole (unstreamed) choice."""
         record = cls(choice_index(choice), finish_reason=choice.get("finish_reason"), ids=_ints(choice.get("token_ids")))
         if chat:

@@ -35,7 +35,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,7 @@ class PolicyServer:
         try:
             event = InteractionEvent(
                 schema_version=SCHEMA_VERSION, event_id=f"srv-{uuid.uuid4().hex}", type="interaction",
-                ts=datetime.now(timezone.utc), request_id=a.request_id,
+                ts=datetime.now(UTC), request_id=a.request_id,
                 session_id=header_id(headers, "x-session-id") or a.request_id, user_id=req.user or "anonymous",
                 tenant=header_id(headers, "x-tenant") or self.default_tenant, policy_version=a.version,
                 prompt=prompt, completion=a.gen.text, completion_token_ids=a.gen.token_ids,

@@ -103,7 +103,7 @@ class _Sampling(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _checked(self) -> "_Sampling":
+    def _checked(self) -> _Sampling:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         if self.stream and self.n > 1:
@@ -124,7 +124,7 @@ class Message(BaseModel):
     tool_call_id: str | None = None  # a tool result's call
 
     @model_validator(mode="after")
-    def _content(self) -> "Message":
+    def _content(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may stand alone)")
         return self

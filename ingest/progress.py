@@ -17,7 +17,7 @@ class IngestDisplay:
         self.enabled = enabled
         self._live: Live | None = None
 
-    def __enter__(self) -> "IngestDisplay":
+    def __enter__(self) -> IngestDisplay:
         if self.enabled:
             self._live = Live(Text("waiting for records ..."), refresh_per_second=4, transient=False)
             self._live.__enter__()

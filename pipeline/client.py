@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,7 +108,7 @@ class Rtrl:
         request_id = request_id or f"app-{uuid.uuid4().hex}"
         event = _valid(InteractionEvent, {
             "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-i-{uuid.uuid4().hex}",
-            "type": "interaction", "ts": ts or datetime.now(timezone.utc), "request_id": request_id,
+            "type": "interaction", "ts": ts or datetime.now(UTC), "request_id": request_id,
             "session_id": session_id or request_id, "user_id": user_id, "tenant": tenant or self.tenant or "default",
             "policy_version": policy_version, "prompt": prompt, "completion": completion,
             "episode_id": episode_id, "step": step, "completion_token_ids": completion_token_ids,
@@ -124,7 +124,7 @@ class Rtrl:
         if self.http is not None:
             self.http.close()
 
-    def __enter__(self) -> "Rtrl":
+    def __enter__(self) -> Rtrl:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,7 +134,7 @@ class Rtrl:
                   event_id: str | None, tenant: str | None) -> str:
         event = _valid(FeedbackEvent, {
             "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-f-{uuid.uuid4().hex}",
-            "type": "feedback", "ts": ts or datetime.now(timezone.utc), **subject, "kind": kind, "value": value,
+            "type": "feedback", "ts": ts or datetime.now(UTC), **subject, "kind": kind, "value": value,
             "payload": payload, "tenant": tenant})
         self._send("feedback", event.to_wire())
         return event.event_id

@@ -53,8 +53,7 @@ from deploy.registry import ANY, CHAMPION, Registry, Superseded
 from deploy.stage import gate_run, online_decision, withdraw_orphan_canary
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import Config
-from pipeline.core.store.cycles import (CycleRecord, CycleState, create_cycle, get_cycle, set_cycle,
-                                        unfinished_cycle)
+from pipeline.core.store.cycles import CycleRecord, CycleState, create_cycle, get_cycle, set_cycle, unfinished_cycle
 from pipeline.core.store.deploys import decision_for_run, latest_decision
 from pipeline.core.store.leases import Fence, LeaseLost
 from pipeline.core.store.training import finish_run, get_run

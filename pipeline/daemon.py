@@ -36,8 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ingest.consumer import IngestStats, run_ingest
 from pipeline.core.config import DURATION, Config, duration_s
-from pipeline.core.store.cycles import CycleState, cycle_split, unfinished_cycle
 from pipeline.core.store.accept_tally import AcceptTally
+from pipeline.core.store.cycles import CycleState, cycle_split, unfinished_cycle
 from pipeline.core.store.leases import Fence, acquire, release
 from pipeline.core.store.training import get_run
 from pipeline.cycle import CycleDeps, run_cycle

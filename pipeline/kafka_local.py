@@ -54,7 +54,7 @@ class LocalBroker:
     partitions: int
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "LocalBroker":
+    def from_config(cls, cfg: Config) -> LocalBroker:
         k = cfg.kafka
         return cls(
             state=cfg.state_dir / "kafka",

@@ -146,7 +146,7 @@ class Scorer:
             name, weight, combine, fn = sig
             if combine is None:
                 # "last" reads only the newest event: an edit superseded by a later one costs nothing
-                for newest in events:
+                for newest in events:  # noqa: B007 -- exhausting the group leaves its newest in `newest`
                     pass
                 value = fn(newest, ep)
             else:

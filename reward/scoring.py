@@ -137,7 +137,7 @@ class RewardRunReport:
     value_sum: float = 0.0
     ignored_kinds: dict[str, int] = field(default_factory=dict)
 
-    def add(self, other: "RewardRunReport") -> None:
+    def add(self, other: RewardRunReport) -> None:
         """Count another part of the same run (a worker's) into this report."""
         for name in ("episodes", "computed", "updated", "unchanged", "unripe", "judge_deferred",
                      "changed_after_training", "duplicate_interactions", "unusable", "unfinished_episodes",
@@ -173,7 +173,7 @@ class Settling:
     unusable: list[tuple[int, bool]] = field(default_factory=list)  # (interaction id, had a stored reward)
     chunks: list[tuple[int, int, int, int]] = field(default_factory=list)  # (lo, hi, episodes, duplicates): ids (lo, hi]
 
-    def add(self, other: "Settling") -> None:
+    def add(self, other: Settling) -> None:
         self.unripe += other.unripe
         self.unusable += other.unusable
         self.chunks += other.chunks

@@ -162,7 +162,7 @@ class RewardSpec(_Strict):
     episode: EpisodeCredit | None = None  # None: equal credit, ripe ripeness.window_s after the last call
 
     @model_validator(mode="after")
-    def _clip_ordered(self) -> "RewardSpec":
+    def _clip_ordered(self) -> RewardSpec:
         if self.clip.min >= self.clip.max:
             raise ValueError("clip.min must be below clip.max")
         return self

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
-BASE_TS = datetime(2026, 11, 1, tzinfo=timezone.utc)
+BASE_TS = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def interaction(i: int, *, prefix: str = "ev", size: int = 0, rng: random.Random | None = None, **over) -> dict:
@@ -62,7 +62,7 @@ def served_now(prefix: str, version: str, n: int, good: float) -> list[dict]:
     (persisted, a terminal signal: rewarded at once) and the rest reverted -- a canary's or a
     champion's live traffic."""
     rng = random.Random(prefix)
-    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
     events = []
     for i in range(n):
         events.append(interaction(i, prefix=prefix, policy_version=version, ts=now))

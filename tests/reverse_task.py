@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import torch
@@ -115,4 +115,4 @@ def as_events(episodes: list[dict], prefix: str, start: datetime, tenants: tuple
 
 
 def _rfc3339(ts: datetime) -> str:
-    return ts.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+    return ts.astimezone(UTC).isoformat().replace("+00:00", "Z")

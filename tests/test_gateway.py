@@ -22,7 +22,6 @@ from tests.test_serve_agents import ASK, LOOKUP, Scripted
 from tests.vllm_stub import VllmStub
 from train.inference import PolicySet
 
-
 TOKEN = "ingest-secret"
 
 

@@ -14,7 +14,7 @@ import os
 import threading
 import uuid
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import openai
 import orjson
@@ -97,7 +97,7 @@ def test_bpe_model_served_trained_gated_promoted_and_served_again(cfg, cfg_env, 
             served[answer.id] = ([c.token_id for c in answer.choices[0].logprobs.content],
                                  answer.choices[0].message.content or "")
         # the users' outcomes, a while after serving: kept or reverted (terminal: rewarded at once)
-        now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
         outcomes = [feedback(i, prefix="bpe", request_id=rid, event_id=f"bpe-f-{i}", kind="persisted",
                              value=good(*answer), ts=now) for i, (rid, answer) in enumerate(served.items())]
         produce_events(kafka_bootstrap, topics, outcomes)

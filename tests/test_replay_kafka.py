@@ -3,7 +3,7 @@ to the live consumer group."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +20,7 @@ from tests.test_store import _event_rows
 
 pytestmark = pytest.mark.kafka
 
-T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
 
 def _produce_at(bootstrap, topic, items):

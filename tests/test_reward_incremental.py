@@ -196,7 +196,7 @@ _KINDS = ["accepted", "persisted", "thumbs", "rejected"]
 
 
 @st.composite
-def _event(draw, counter=itertools.count()):
+def _event(draw, counter=itertools.count()):  # noqa: B008 -- one counter shared by every draw: unique ids
     n = next(counter)
     i = draw(st.integers(0, 7))  # a request, or a call of one of two agent episodes
     at = draw(st.integers(0, 300))

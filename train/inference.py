@@ -72,7 +72,7 @@ class PolicySet:
         self._greedy: dict[tuple, Generation] = {}
 
     @classmethod
-    def load(cls, base: str | Path, device: str | None = None) -> "PolicySet":
+    def load(cls, base: str | Path, device: str | None = None) -> PolicySet:
         return cls(load_policy(base, device=device))
 
     @property

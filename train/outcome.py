@@ -32,7 +32,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from train.data import TokenizedEpisode, tokenize_episode
 from train.lora import attach_adapter, load_adapter, save_adapter
 from train.models import load_policy
 from train.outcome_record import MANIFEST
-
 
 
 def split_of(task: bytes, check_percent: float) -> str:
@@ -85,7 +84,7 @@ class OutcomeModel:
         self.reward_range, self.max_seq_len = reward_range, max_seq_len
 
     @classmethod
-    def load(cls, path: str | Path, device: str | None = None) -> "OutcomeModel":
+    def load(cls, path: str | Path, device: str | None = None) -> OutcomeModel:
         path = Path(path)
         manifest = json.loads((path / MANIFEST).read_text())
         policy = load_policy(manifest["base_model"], device=device)
@@ -194,7 +193,7 @@ def fit(base_model: str | Path, episodes: Sequence[LoggedEpisode], tasks: Sequen
     torch.save(model.head.state_dict(), out / "head.pt")
     fitted = Fitted(out, str(base_model), counts, window or {}, model.reward_range, quality, usable, why,
                     round(time.perf_counter() - started, 3))
-    (out / MANIFEST).write_text(json.dumps({**fitted.to_dict(), "fitted_at": datetime.now(timezone.utc).isoformat(
+    (out / MANIFEST).write_text(json.dumps({**fitted.to_dict(), "fitted_at": datetime.now(UTC).isoformat(
         timespec="seconds"), "max_seq_len": train.max_seq_len, "calibration": {
         "x": list(model.calibration.x), "y": list(model.calibration.y)}}, indent=2))
     return fitted

@@ -63,7 +63,7 @@ class Parent:
     watermark: int
 
     @classmethod
-    def from_adapter(cls, path: str | Path) -> "Parent":
+    def from_adapter(cls, path: str | Path) -> Parent:
         path = Path(path)
         if not (path / "adapter_config.json").is_file():
             raise ModelError(f"no adapter at {path}: expected adapter_config.json and adapter_model.safetensors")

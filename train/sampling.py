@@ -74,13 +74,13 @@ class SamplingRows:
     top_k: torch.Tensor  # long, 0: off
 
     @classmethod
-    def of(cls, episodes: list, device: str | torch.device = "cpu") -> "SamplingRows":
+    def of(cls, episodes: list, device: str | torch.device = "cpu") -> SamplingRows:
         """From episodes that have .temperature, .top_p, .top_k (TokenizedEpisode, LoggedEpisode)."""
         return cls(torch.tensor([e.temperature for e in episodes], dtype=torch.float32, device=device),
                    torch.tensor([e.top_p for e in episodes], dtype=torch.float32, device=device),
                    torch.tensor([e.top_k for e in episodes], dtype=torch.long, device=device))
 
-    def __getitem__(self, index: torch.Tensor) -> "SamplingRows":
+    def __getitem__(self, index: torch.Tensor) -> SamplingRows:
         return SamplingRows(self.temperature[index], self.top_p[index], self.top_k[index])
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,19 @@
 """initial schema: events, dead letters, offsets, rewards, lineage, judge scores, leases, alias moves
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-30
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
-from alembic import op
 import sqlalchemy as sa
 
+from alembic import op
 
 revision: str = '0001'
-down_revision: Union[str, None] = None
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | None = None
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -8,18 +8,18 @@ Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-02 00:40:00
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import orjson
 import sqlalchemy as sa
-from alembic import op
 
+from alembic import op
 from pipeline.core.store.events import output_columns
 
 revision: str = '0008'
-down_revision: Union[str, None] = '0007'
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | None = '0007'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 _BATCH = 5000
 

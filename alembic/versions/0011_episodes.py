@@ -9,16 +9,17 @@ Revision ID: 0011
 Revises: 0010
 Create Date: 2026-12-02 17:30:00
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import orjson
 import sqlalchemy as sa
+
 from alembic import op
 
 revision: str = '0011'
-down_revision: Union[str, None] = '0010'
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | None = '0010'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 _BATCH = 5000
 

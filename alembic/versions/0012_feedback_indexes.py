@@ -6,14 +6,14 @@ Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-03 12:15:00
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from alembic import op
 
 revision: str = '0012'
-down_revision: Union[str, None] = '0011'
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | None = '0011'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

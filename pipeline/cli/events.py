@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import click
 
@@ -77,7 +77,7 @@ def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, until
 def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)

@@ -43,8 +43,8 @@ def gateway(ctx: Context, upstream: str, host: str, port: int, tenant: str, time
     from deploy.gateway import Gateway
     from deploy.gateway_api import create_gateway_app
     from deploy.gateway_sampling import LOGPROBS_FLAG
-    from pipeline.core.logs import mask
     from deploy.registry import Registry
+    from pipeline.core.logs import mask
     from pipeline.core.spool import Spool
 
     config = ctx.config

@@ -86,7 +86,7 @@ class Bound(_Section):
     max_rel_decrease: float | None = Field(default=None, ge=0, description="fraction of the champion's value")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "Bound":
+    def _ordered(self) -> Bound:
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
         return self

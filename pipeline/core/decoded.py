@@ -33,7 +33,7 @@ Only ingest uses these; the rest of the code base speaks the pydantic models.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from pydantic import TypeAdapter
@@ -84,8 +84,8 @@ class DecodedInteraction(msgspec.Struct, tag_field="type", tag="interaction"):
     user_id: Id
     tenant: Id
     policy_version: Id
-    prompt: Union[str, list[dict[str, Any]]]
-    completion: Union[str, list[dict[str, Any]]]
+    prompt: str | list[dict[str, Any]]
+    completion: str | list[dict[str, Any]]
     completion_token_ids: list[Int64] | None = None
     behavior_logprobs: list[float] | None = None
     sampling: DecodedSampling | None = None
@@ -114,10 +114,10 @@ class DecodedFeedback(msgspec.Struct, tag_field="type", tag="feedback"):
     event_id: Id
     ts: Any
     kind: Id
-    value: Union[bool, int, float]
+    value: bool | int | float
     request_id: Id | None = None
     episode_id: Id | None = None
-    payload: Union[dict[str, Any], str, None] = None
+    payload: dict[str, Any] | str | None = None
     tenant: Id | None = None  # whose episode (episode ids are the applications'); None: not named
 
     type = "feedback"
@@ -131,7 +131,7 @@ class DecodedFeedback(msgspec.Struct, tag_field="type", tag="feedback"):
             raise ValueError("value must be at most 1e15 in magnitude")
 
 
-DecodedEvent = Union[DecodedInteraction, DecodedFeedback]
+DecodedEvent = DecodedInteraction | DecodedFeedback
 
 FAST_DECODER = msgspec.json.Decoder(DecodedEvent)
 """bytes -> DecodedInteraction | DecodedFeedback; raises msgspec.DecodeError / ValidationError

@@ -202,7 +202,7 @@ def _tls_problem(access: KafkaAccess, sock: socket.socket, host: str, timeout: f
             tls.settimeout(0.5)
             try:
                 tls.recv(1)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 pass
             except ssl.SSLError as exc:
                 if "CERTIFICATE_REQUIRED" in str(exc).upper() or "BAD_CERTIFICATE" in str(exc).upper():

@@ -58,7 +58,7 @@ class KafkaSecurityConfig(_Section):
         return self.protocol.startswith("SASL_")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "KafkaSecurityConfig":
+    def _consistent(self) -> KafkaSecurityConfig:
         for name in ("ca_file", "cert_file", "key_file", "password_file"):
             path = getattr(self, name)
             if path is not None and not path.is_file():
@@ -101,7 +101,7 @@ class KafkaConfig(_Section):
     security: KafkaSecurityConfig = KafkaSecurityConfig()
 
     @model_validator(mode="after")
-    def _ports_differ(self) -> "KafkaConfig":
+    def _ports_differ(self) -> KafkaConfig:
         if self.port == self.controller_port:
             raise ValueError("kafka.port and kafka.controller_port must differ")
         return self
@@ -121,7 +121,7 @@ class KafkaAccess:
     max_message_bytes: int = 1 << 20  # kafka.max_message_bytes: producers' max_request_size, topics' max.message.bytes
 
     @classmethod
-    def of(cls, access: "KafkaAccess | str") -> "KafkaAccess":
+    def of(cls, access: KafkaAccess | str) -> KafkaAccess:
         """A bare "host:port" means a plaintext broker (the local one, tests, benchmarks)."""
         return access if isinstance(access, KafkaAccess) else cls(access)
 

@@ -89,7 +89,7 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=0, ge=0, description="optimizer steps between checkpoints (0: end only)")
 
     @model_validator(mode="after")
-    def _coherent(self) -> "TrainConfig":
+    def _coherent(self) -> TrainConfig:
         if self.sequence_mask is not None and not self.sequence_mask[0] < 1 < self.sequence_mask[1]:
             raise ValueError(f"train.sequence_mask must bracket 1 (lo < 1 < hi), got {self.sequence_mask}")
         if self.max_seq_len > self.batch_tokens:

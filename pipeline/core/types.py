@@ -22,8 +22,8 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Union
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -69,7 +69,7 @@ def _utc(value: datetime) -> datetime:
     # RFC 3339 requires an offset; a naive timestamp is ambiguous, so it is refused.
     if value.tzinfo is None:
         raise ValueError("must carry a UTC offset (RFC 3339), e.g. 2026-01-01T12:00:00Z")
-    return value.astimezone(timezone.utc)
+    return value.astimezone(UTC)
 
 
 Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_identifier)]
@@ -152,8 +152,8 @@ class InteractionEvent(_Envelope):
     user_id: Identifier
     tenant: Identifier
     policy_version: Identifier
-    prompt: Union[str, list[ChatMessage]]
-    completion: Union[str, list[ChatMessage]]
+    prompt: str | list[ChatMessage]
+    completion: str | list[ChatMessage]
     completion_token_ids: list[StrictInt] | None = None
     behavior_logprobs: list[FiniteFloat] | None = None
     sampling: Sampling | None = None
@@ -190,7 +190,7 @@ class FeedbackEvent(_Envelope):
     request_id: Identifier | None = None
     episode_id: Identifier | None = None
     kind: Identifier
-    value: Annotated[Union[StrictBool, StrictInt, FiniteFloat], AfterValidator(_feedback_value)]
+    value: Annotated[StrictBool | StrictInt | FiniteFloat, AfterValidator(_feedback_value)]
     payload: dict[str, Any] | str | None = None
     # the tenant whose episode `episode_id` names (the interactions' `tenant`): two tenants' "task-7"
     # are two episodes. None: not named -- the outcome of that episode id in every tenant, as
@@ -199,7 +199,7 @@ class FeedbackEvent(_Envelope):
     tenant: Identifier | None = None
 
     @model_validator(mode="after")
-    def _one_subject(self) -> "FeedbackEvent":
+    def _one_subject(self) -> FeedbackEvent:
         # both would be ambiguous: an outcome of the call, or of its whole episode?
         if (self.request_id is None) == (self.episode_id is None):
             raise ValueError("name exactly one of request_id (an outcome of one call) and episode_id "
@@ -207,7 +207,7 @@ class FeedbackEvent(_Envelope):
         return self
 
 
-Event = Annotated[Union[InteractionEvent, FeedbackEvent], Field(discriminator="type")]
+Event = Annotated[InteractionEvent | FeedbackEvent, Field(discriminator="type")]
 
 
 def first_violation(exc: ValidationError) -> tuple[str, str]:
@@ -329,7 +329,7 @@ class ModelUpdate:
                 "base_model": self.base_model, "run_id": self.run_id, "at": self.at}
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "ModelUpdate":
+    def from_json(cls, raw: bytes | str) -> ModelUpdate:
         """ValueError when `raw` is no model-update event (what a follower skips and logs)."""
         event = json.loads(raw)
         if not isinstance(event, dict) or event.get("type", "model_update") != "model_update":

@@ -33,9 +33,20 @@ from typing import Any
 
 import torch
 
-from pipeline.demo.agent import (AGENT_TEMPLATE, KEYS, TEMPERATURE, TOOLS, AgentTask, answer_behaviour,
-                                 base_behaviour, call_text, draw_agent_task, format_behaviour, messages_after_call,
-                                 render)
+from pipeline.demo.agent import (
+    AGENT_TEMPLATE,
+    KEYS,
+    TEMPERATURE,
+    TOOLS,
+    AgentTask,
+    answer_behaviour,
+    base_behaviour,
+    call_text,
+    draw_agent_task,
+    format_behaviour,
+    messages_after_call,
+    render,
+)
 
 TARGET = (0.08, 0.16)  # episode success of the base, as the fleet would measure it
 FORMAT_MAX = 0.15  # of its first calls, the share broken: ~ what step 1 teaches (0.05 of 0.35)

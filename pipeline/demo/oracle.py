@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ from reward.signals import Episode, Feedback
 from reward.spec import load_spec
 
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 # the users' reactions to a wrong answer and their probabilities (sim.Fleet._react)
 WRONG = (("rejected", False, 0.6 * 2 / 3), ("rejected", True, 0.6 / 3), ("edited", False, 0.4 * 2 / 3),
          ("edited", True, 0.4 / 3))

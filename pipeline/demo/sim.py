@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import requests
 
@@ -129,7 +129,7 @@ class Fleet:
         now = time.monotonic()
         while self._due and self._due[0][0] <= now:
             _, _, event = heapq.heappop(self._due)
-            event["ts"] = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+            event["ts"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
             self.send(event)
             self.stats.feedback += 1
 

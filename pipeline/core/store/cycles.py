@@ -57,7 +57,7 @@ class CycleRecord:
     finished_at: datetime | None
 
     @classmethod
-    def from_row(cls, row: Any) -> "CycleRecord":
+    def from_row(cls, row: Any) -> CycleRecord:
         return cls(row.cycle_id, row.state, row.reason, row.run_id, row.candidate_version, row.promoted,
                    row.timings or {}, row.owner, row.started_at, row.updated_at, row.finished_at)
 

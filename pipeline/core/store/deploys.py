@@ -54,7 +54,7 @@ class StoredDecision:
     decided_at: datetime
 
     @classmethod
-    def from_row(cls, row: Any) -> "StoredDecision":
+    def from_row(cls, row: Any) -> StoredDecision:
         return cls(row.id, row.model_name, row.candidate_version, row.champion_version, row.run_id,
                    bool(row.passed), row.report, row.decided_at)
 
@@ -117,7 +117,7 @@ class MoveRecord:
     kind: str | None  # promote | rollback | stage | withdraw (None: written before migration 0009)
 
     @classmethod
-    def from_row(cls, row: Any) -> "MoveRecord":
+    def from_row(cls, row: Any) -> MoveRecord:
         return cls(row.id, row.model_name, row.alias, row.from_version, row.to_version, row.reason, row.actor,
                    row.at, row.status, row.published_at, row.share, row.kind)
 

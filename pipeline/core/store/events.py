@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -54,7 +54,7 @@ log = logging.getLogger("rtrl.store")
 
 def utcnow() -> datetime:
     """Naive UTC, the store's timestamp convention."""
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+    return datetime.now(UTC).replace(tzinfo=None)
 
 
 @dataclass

@@ -27,10 +27,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, or_, select, update
-from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.selectable import Exists
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import Exists
 
 from pipeline.core.store.tables import leases
 

@@ -283,7 +283,7 @@ class StoredReward:
     outcome: dict[str, Any] | None  # a call of an agent episode: {"episode_id", "events", "credit"}
 
     @classmethod
-    def from_row(cls, row: Any) -> "StoredReward":
+    def from_row(cls, row: Any) -> StoredReward:
         return cls(row.id, row.request_id, row.spec_version, row.policy_version, row.value, row.components,
                    row.feedback_count, row.last_feedback_id, row.computed_at, row.outcome)
 

@@ -63,7 +63,7 @@ class RunRecord:
     finished_at: datetime | None
 
     @classmethod
-    def from_row(cls, row: Any) -> "RunRecord":
+    def from_row(cls, row: Any) -> RunRecord:
         return cls(row.run_id, row.tracking_run_id, row.status, row.spec_version, row.loss, row.base_model,
                    row.base_revision, row.parent_run_id, row.watermark_from, row.watermark_to, row.episodes,
                    row.adapter_path, row.summary, row.error, row.started_at, row.finished_at)
