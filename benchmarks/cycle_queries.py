@@ -79,11 +79,29 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         rng, rows = random.Random(k), Rows()
         for j, i in enumerate(rng.sample(range(n), min(10_000, n))):
             ts = T0 + timedelta(seconds=i + 600)
-            body = {"schema_version": 1, "event_id": f"late{k}-{j}", "type": "feedback", "request_id": f"r{i}",
-                    "ts": ts.isoformat() + "Z", "kind": "thumbs", "value": True}
-            rows.feedback.append({"event_id": body["event_id"], "request_id": f"r{i}", "schema_version": 1,
-                                  "ts": ts, "kind": "thumbs", "value": 1.0, "body": json.dumps(body),
-                                  "source": "late", "partition": k, "offset": j})
+            body = {
+                "schema_version": 1,
+                "event_id": f"late{k}-{j}",
+                "type": "feedback",
+                "request_id": f"r{i}",
+                "ts": ts.isoformat() + "Z",
+                "kind": "thumbs",
+                "value": True,
+            }
+            rows.feedback.append(
+                {
+                    "event_id": body["event_id"],
+                    "request_id": f"r{i}",
+                    "schema_version": 1,
+                    "ts": ts,
+                    "kind": "thumbs",
+                    "value": 1.0,
+                    "body": json.dumps(body),
+                    "source": "late",
+                    "partition": k,
+                    "offset": j,
+                }
+            )
         write_rows(engine, rows)
         return lambda: run_rewards(engine, spec, now=now)
 
@@ -96,30 +114,67 @@ def measure(url: str, n: int, repeat: int) -> dict[str, float]:
         k, rows = next(newer), Rows()
         for j in range(1000):
             i, ts = f"new{k}-{j}", T0 + timedelta(seconds=n + j)
-            body = {"schema_version": 1, "event_id": f"i{i}", "type": "interaction", "ts": ts.isoformat() + "Z",
-                    "request_id": f"r{i}", "session_id": "s", "user_id": "u", "tenant": "t",
-                    "policy_version": "2", "prompt": "p", "completion": "x"}
-            rows.interaction.append({
-                "event_id": f"i{i}", "request_id": f"r{i}", "schema_version": 1, "ts": ts, "session_id": "s",
-                "user_id": "u", "tenant": "t", "policy_version": "2", "body": json.dumps(body),
-                **output_columns("x", None), "source": "new", "partition": k, "offset": j})
+            body = {
+                "schema_version": 1,
+                "event_id": f"i{i}",
+                "type": "interaction",
+                "ts": ts.isoformat() + "Z",
+                "request_id": f"r{i}",
+                "session_id": "s",
+                "user_id": "u",
+                "tenant": "t",
+                "policy_version": "2",
+                "prompt": "p",
+                "completion": "x",
+            }
+            rows.interaction.append(
+                {
+                    "event_id": f"i{i}",
+                    "request_id": f"r{i}",
+                    "schema_version": 1,
+                    "ts": ts,
+                    "session_id": "s",
+                    "user_id": "u",
+                    "tenant": "t",
+                    "policy_version": "2",
+                    "body": json.dumps(body),
+                    **output_columns("x", None),
+                    "source": "new",
+                    "partition": k,
+                    "offset": j,
+                }
+            )
             if j % 2:
-                rows.feedback.append({"event_id": f"f{i}", "request_id": f"r{i}", "schema_version": 1, "ts": ts,
-                                      "kind": "accepted", "value": 1.0, "body": "{}", "source": "new",
-                                      "partition": k, "offset": j})
+                rows.feedback.append(
+                    {
+                        "event_id": f"f{i}",
+                        "request_id": f"r{i}",
+                        "schema_version": 1,
+                        "ts": ts,
+                        "kind": "accepted",
+                        "value": 1.0,
+                        "body": "{}",
+                        "source": "new",
+                        "partition": k,
+                        "offset": j,
+                    }
+                )
         write_rows(engine, rows)
         return lambda: tally.read(engine, ["1", "2", "3"])
 
     queries = {
         "reward run, nothing new": lambda: run_rewards(engine, spec, now=now),
         "reward run, 10k new": late_feedback,
-        "orphan count, whole history": lambda: orphaned_feedback(engine,
-                                                                  now - timedelta(seconds=spec.join.orphan_ttl_s)),
-        "selection, 1,000 new": lambda: select_episodes(engine, spec.version, since_reward_id=newest - 1000,
-                                                        holdout_percent=cfg.train.holdout_percent),
+        "orphan count, whole history": lambda: orphaned_feedback(
+            engine, now - timedelta(seconds=spec.join.orphan_ttl_s)
+        ),
+        "selection, 1,000 new": lambda: select_episodes(
+            engine, spec.version, since_reward_id=newest - 1000, holdout_percent=cfg.train.holdout_percent
+        ),
         "held-out slice": lambda: select_eval_episodes(engine, spec.version, 50.0, cfg.gate.eval_episodes),
-        "online check, last hour": lambda: online_units(engine, spec.version, ["1", "2"], last_hour,
-                                                        covariate="prompt", history=cfg.rollout.covariate_history),
+        "online check, last hour": lambda: online_units(
+            engine, spec.version, ["1", "2"], last_hour, covariate="prompt", history=cfg.rollout.covariate_history
+        ),
         "served and accepted": lambda: served_and_accepted(engine, ["1", "2", "3"]),
         "accept tally, 1k new": new_traffic,
     }

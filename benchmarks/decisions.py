@@ -46,14 +46,20 @@ from pipeline.demo.oracle import WRONG, Oracle, Policy  # noqa: E402
 # candidates: (name, the champion changed): right answers shifted by points at every length, or
 # the abstention hack (a share of the answers that copied become "sorry")
 CANDIDATES: list[tuple[str, Callable[[Policy], Policy]]] = [
-    ("worse by 10 pp", lambda p: p.shifted(-0.10)), ("worse by 5 pp", lambda p: p.shifted(-0.05)),
-    ("worse by 2 pp", lambda p: p.shifted(-0.02)), ("A/A copy", lambda p: p),
-    ("better by 2 pp", lambda p: p.shifted(0.02)), ("better by 5 pp", lambda p: p.shifted(0.05)),
-    ("better by 10 pp", lambda p: p.shifted(0.10)), ("abstains on 30 % more", lambda p: p.abstaining(0.30))]
+    ("worse by 10 pp", lambda p: p.shifted(-0.10)),
+    ("worse by 5 pp", lambda p: p.shifted(-0.05)),
+    ("worse by 2 pp", lambda p: p.shifted(-0.02)),
+    ("A/A copy", lambda p: p),
+    ("better by 2 pp", lambda p: p.shifted(0.02)),
+    ("better by 5 pp", lambda p: p.shifted(0.05)),
+    ("better by 10 pp", lambda p: p.shifted(0.10)),
+    ("abstains on 30 % more", lambda p: p.abstaining(0.30)),
+]
 
 
-def covariates(oracle: Oracle, rng: np.random.Generator, champion: Policy, tasks: np.ndarray,
-               history: int) -> np.ndarray:
+def covariates(
+    oracle: Oracle, rng: np.random.Generator, champion: Policy, tasks: np.ndarray, history: int
+) -> np.ndarray:
     """Per run and episode: its task's mean reward among `history` champion requests served
     before the canary (the overall mean for a task never seen there) -- fixed before assignment."""
     runs = tasks.shape[0]
@@ -70,8 +76,17 @@ def covariates(oracle: Oracle, rng: np.random.Generator, champion: Policy, tasks
     return np.take_along_axis(means, tasks, axis=1)
 
 
-def run_candidate(oracle: Oracle, champion: Policy, candidate: Policy, design: Design, runs: int, every: int,
-                  history: int, seed: int, chunk: int = 250) -> tuple[np.ndarray, np.ndarray]:
+def run_candidate(
+    oracle: Oracle,
+    champion: Policy,
+    candidate: Policy,
+    design: Design,
+    runs: int,
+    every: int,
+    history: int,
+    seed: int,
+    chunk: int = 250,
+) -> tuple[np.ndarray, np.ndarray]:
     verdicts, ats = [], []
     rng = np.random.default_rng(seed)
     for start in range(0, runs, chunk):
@@ -86,8 +101,9 @@ def run_candidate(oracle: Oracle, champion: Policy, candidate: Policy, design: D
     return np.concatenate(verdicts), np.concatenate(ats)
 
 
-def gate_passes(oracle: Oracle, champion: Policy, candidate: Policy, gate: GateConfig, runs: int,
-                seed: int) -> np.ndarray:
+def gate_passes(
+    oracle: Oracle, champion: Policy, candidate: Policy, gate: GateConfig, runs: int, seed: int
+) -> np.ndarray:
     """[runs] whether the gate's direct estimate passes the candidate: `gate.fresh_prompts`
     requests' tasks, `gate.fresh_samples` answers a side each, every answer scored by the oracle's
     exact value of its kind (a perfect outcome model; one off by a shift or a positive scale
@@ -95,8 +111,9 @@ def gate_passes(oracle: Oracle, champion: Policy, candidate: Policy, gate: GateC
     bound above `gate.min_improvement`. The bound is the normal one over prompts (the gate's
     percentile bootstrap of a mean of 256 paired differences agrees with it to the third digit)."""
     rng = np.random.default_rng(seed)
-    values = np.column_stack([oracle.table[:, 0], oracle.table[:, 1],
-                              oracle.table[:, 2:] @ np.array([p for _, _, p in WRONG])])  # [tasks, 3]
+    values = np.column_stack(
+        [oracle.table[:, 0], oracle.table[:, 1], oracle.table[:, 2:] @ np.array([p for _, _, p in WRONG])]
+    )  # [tasks, 3]
     tasks = oracle.draw_tasks(rng, (runs, gate.fresh_prompts))  # [R, P]
     means = []
     for policy in (candidate, champion):
@@ -112,8 +129,8 @@ def gate_passes(oracle: Oracle, champion: Policy, candidate: Policy, gate: GateC
 
 def sd_of(oracle: Oracle, policy: Policy) -> float:
     mean = oracle.expected(policy)
-    second = float(oracle.p_task @ (oracle.probabilities(policy) * oracle.table ** 2).sum(axis=1))
-    return (second - mean ** 2) ** 0.5
+    second = float(oracle.p_task @ (oracle.probabilities(policy) * oracle.table**2).sum(axis=1))
+    return (second - mean**2) ** 0.5
 
 
 def main() -> None:
@@ -128,24 +145,32 @@ def main() -> None:
     parser.add_argument("--confidence", type=float, default=defaults.confidence)
     parser.add_argument("--power", type=float, default=defaults.power)
     parser.add_argument("--covariate", choices=("prompt", "none"), default="prompt")
-    parser.add_argument("--history", type=int, default=defaults.covariate_history,
-                        help="champion requests before the canary the covariate is computed from")
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=defaults.covariate_history,
+        help="champion requests before the canary the covariate is computed from",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    design = Design(args.margin, args.effect, 1 - args.confidence, 1 - args.power, args.min_requests,
-                    args.max_requests)
+    design = Design(args.margin, args.effect, 1 - args.confidence, 1 - args.power, args.min_requests, args.max_requests)
     history = args.history if args.covariate == "prompt" else 0
     oracle = Oracle()
     champion = Policy.base()
     base = oracle.expected(champion)
-    print(f"champion: the demo's base, accept rate {100 * oracle.accept_rate(champion):.1f} %, expected reward "
-          f"{base:+.4f} (sd {sd_of(oracle, champion):.3f}); margin {design.margin}, effect {design.effect}, "
-          f"alpha {design.alpha:.3g}, beta {design.beta:.3g}, looks every {args.every} episodes a side from "
-          f"{design.min_n} to {design.max_n}; covariate {args.covariate}"
-          + (f" ({history} requests of history)" if history else "") + f"; {args.runs} runs a candidate\n")
+    print(
+        f"champion: the demo's base, accept rate {100 * oracle.accept_rate(champion):.1f} %, expected reward "
+        f"{base:+.4f} (sd {sd_of(oracle, champion):.3f}); margin {design.margin}, effect {design.effect}, "
+        f"alpha {design.alpha:.3g}, beta {design.beta:.3g}, looks every {args.every} episodes a side from "
+        f"{design.min_n} to {design.max_n}; covariate {args.covariate}"
+        + (f" ({history} requests of history)" if history else "")
+        + f"; {args.runs} runs a candidate\n"
+    )
     gate = GateConfig()
-    print("| candidate | true difference | promoted | withdrawn | undecided | median episodes a side | "
-          "fixed-size test's | ratio | gate passes | gate, then canary, promote |")
+    print(
+        "| candidate | true difference | promoted | withdrawn | undecided | median episodes a side | "
+        "fixed-size test's | ratio | gate passes | gate, then canary, promote |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     started = time.perf_counter()
     results, whole = {}, {}
@@ -153,8 +178,9 @@ def main() -> None:
     for i, (name, change) in enumerate(CANDIDATES):
         candidate = change(champion)
         truth = oracle.expected(candidate) - base
-        verdict, at = run_candidate(oracle, champion, candidate, design, args.runs, args.every, history,
-                                    args.seed * 1000 + i)
+        verdict, at = run_candidate(
+            oracle, champion, candidate, design, args.runs, args.every, history, args.seed * 1000 + i
+        )
         fixed = sequential.fixed_horizon_n(sd_of(oracle, champion), sd_of(oracle, candidate), design)
         passed = gate_passes(oracle, champion, candidate, gate, args.runs, args.seed * 1000 + 500 + i)
         whole[name] = (truth, np.mean(passed & (verdict == PROMOTE)))
@@ -162,19 +188,32 @@ def main() -> None:
         median = float(np.median(np.where(decided, at, design.max_n)))
         results[name] = (truth, np.mean(verdict == PROMOTE), median, fixed)
         ratios.append(np.where(decided, at, design.max_n) / fixed)
-        print(f"| {name} | {truth:+.4f} | {100 * np.mean(verdict == PROMOTE):.1f} % | "
-              f"{100 * np.mean(verdict == WITHDRAW):.1f} % | {100 * np.mean(~decided):.1f} % | {median:.0f} | "
-              f"{fixed} | {median / fixed:.2f} | {100 * np.mean(passed):.1f} % | {100 * whole[name][1]:.1f} % |")
+        print(
+            f"| {name} | {truth:+.4f} | {100 * np.mean(verdict == PROMOTE):.1f} % | "
+            f"{100 * np.mean(verdict == WITHDRAW):.1f} % | {100 * np.mean(~decided):.1f} % | {median:.0f} | "
+            f"{fixed} | {median / fixed:.2f} | {100 * np.mean(passed):.1f} % | {100 * whole[name][1]:.1f} % |"
+        )
     print(f"\n({time.perf_counter() - started:.0f} s)")
     worse = [v for v in results.values() if v[0] < -design.margin]
-    print("promoted, of candidates worse than the margin: "
-          + ", ".join(f"{100 * v[1]:.1f} % (true {v[0]:+.3f})" for v in worse))
-    print("promoted, of the +5 pp candidate within {} a side: {:.1f} %".format(
-        design.max_n, 100 * results["better by 5 pp"][1]))
-    print(f"median episodes to a decision / the fixed-size test's, over every run of every candidate: "
-          f"{float(np.median(np.concatenate(ratios))):.2f}")
-    print("the whole decision (gate, then canary) promotes: A/A copies {:.1f} %, truly worse candidates ".format(
-        100 * whole["A/A copy"][1]) + ", ".join(f"{100 * p:.1f} % (true {t:+.3f})" for t, p in whole.values() if t < 0))
+    print(
+        "promoted, of candidates worse than the margin: "
+        + ", ".join(f"{100 * v[1]:.1f} % (true {v[0]:+.3f})" for v in worse)
+    )
+    print(
+        "promoted, of the +5 pp candidate within {} a side: {:.1f} %".format(
+            design.max_n, 100 * results["better by 5 pp"][1]
+        )
+    )
+    print(
+        f"median episodes to a decision / the fixed-size test's, over every run of every candidate: "
+        f"{float(np.median(np.concatenate(ratios))):.2f}"
+    )
+    print(
+        "the whole decision (gate, then canary) promotes: A/A copies {:.1f} %, truly worse candidates ".format(
+            100 * whole["A/A copy"][1]
+        )
+        + ", ".join(f"{100 * p:.1f} % (true {t:+.3f})" for t, p in whole.values() if t < 0)
+    )
 
 
 if __name__ == "__main__":

@@ -71,9 +71,16 @@ def one(model_dir: Path, n: int, completion: int) -> dict:
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     assert sum(x is not None for x in p) == n, "every episode compared"
-    return {"episodes": n, "vocab": vocab, "completion_tokens": completion, "rss_before_mb": round(before),
-            "peak_rss_mb": round(peak), "compare_rise_mb": round(peak - before), "seconds": round(seconds, 1),
-            "kl": kl}
+    return {
+        "episodes": n,
+        "vocab": vocab,
+        "completion_tokens": completion,
+        "rss_before_mb": round(before),
+        "peak_rss_mb": round(peak),
+        "compare_rise_mb": round(peak - before),
+        "seconds": round(seconds, 1),
+        "kl": kl,
+    }
 
 
 def main() -> None:
@@ -92,8 +99,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "model", arch="qwen2", tokenizer="bpe", vocab=args.vocab)
         for n in args.episodes:
-            out = subprocess.run([sys.executable, __file__, "--one", str(n), "--model", str(model),
-                                  "--completion", str(args.completion)], capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    str(n),
+                    "--model",
+                    str(model),
+                    "--completion",
+                    str(args.completion),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(out.returncode)

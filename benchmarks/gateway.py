@@ -70,8 +70,10 @@ def _serve_gateway(port: int, upstream: str, bootstrap: str | None, spool: str |
 
         emit = EventSender(bootstrap, "rtrl-bench.interactions", key="request_id", spool=Spool(Path(spool)))
     else:
+
         def emit(event: dict) -> None:  # counted by the gateway's own metric: events sent
             pass
+
     gw = Gateway(upstream, "policy", emit, None)
     uvicorn.run(create_gateway_app(gw), host="127.0.0.1", port=port, log_level="error", access_log=False)
 
@@ -93,10 +95,16 @@ def _null_proxy_app(upstream: str):
         session = sessions.get("s")
         if session is None:
             session = sessions["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        async with session.post(upstream + scope["path"], data=raw,
-                                headers={"Content-Type": "application/json"}) as answer:
-            await send({"type": "http.response.start", "status": answer.status,
-                        "headers": [(b"content-type", answer.headers["content-type"].encode())]})
+        async with session.post(
+            upstream + scope["path"], data=raw, headers={"Content-Type": "application/json"}
+        ) as answer:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": answer.status,
+                    "headers": [(b"content-type", answer.headers["content-type"].encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": await answer.read()})
 
     return app
@@ -114,13 +122,18 @@ def _start_litellm(binary: str, port: int, upstream: str, workdir: Path):
     import subprocess
 
     config = workdir / "litellm.yaml"
-    config.write_text("model_list:\n  - model_name: policy\n    litellm_params:\n      model: openai/policy\n"
-                      f"      api_base: {upstream}/v1\n      api_key: unused\n"
-                      "litellm_settings:\n  drop_params: true\n  telemetry: false\n"
-                      f"general_settings:\n  master_key: {LITELLM_KEY}\n")
+    config.write_text(
+        "model_list:\n  - model_name: policy\n    litellm_params:\n      model: openai/policy\n"
+        f"      api_base: {upstream}/v1\n      api_key: unused\n"
+        "litellm_settings:\n  drop_params: true\n  telemetry: false\n"
+        f"general_settings:\n  master_key: {LITELLM_KEY}\n"
+    )
     log = open(workdir / "litellm.log", "wb")
-    return subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                             "--num_workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait(url: str, deadline_s: float = 60) -> None:
@@ -180,10 +193,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--seconds", type=float, default=5.0, help="load per configuration and target")
     ap.add_argument("--bootstrap", help="send the events to this Kafka broker (spooled) instead of a counter")
-    ap.add_argument("--null-proxy", action="store_true",
-                    help="measure a pass-through proxy in the gateway's place (the floor of its design) instead")
-    ap.add_argument("--litellm", metavar="BIN", help="measure LiteLLM's proxy (this `litellm` executable) in the "
-                                                     "gateway's place instead")
+    ap.add_argument(
+        "--null-proxy",
+        action="store_true",
+        help="measure a pass-through proxy in the gateway's place (the floor of its design) instead",
+    )
+    ap.add_argument(
+        "--litellm",
+        metavar="BIN",
+        help="measure LiteLLM's proxy (this `litellm` executable) in the gateway's place instead",
+    )
     args = ap.parse_args()
 
     ctx = mp.get_context("spawn")
@@ -204,9 +223,11 @@ def main() -> None:
     try:
         _wait(upstream)
         _wait(gateway, 180)
-        print(f"{'clients':>7} {'stream':>6} | {'direct r/s':>10} {'gateway r/s':>11} {'ratio':>5} | "
-              f"{'p50 direct':>10} {'p50 gw':>7} {'p99 direct':>10} {'p99 gw':>7} | {'added p50':>9} {'added p99':>9}"
-              f" | events")
+        print(
+            f"{'clients':>7} {'stream':>6} | {'direct r/s':>10} {'gateway r/s':>11} {'ratio':>5} | "
+            f"{'p50 direct':>10} {'p50 gw':>7} {'p99 direct':>10} {'p99 gw':>7} | {'added p50':>9} {'added p99':>9}"
+            f" | events"
+        )
         for clients in args.concurrency:
             for stream in (False, True):
                 before = _events_sent(gateway)
@@ -220,9 +241,12 @@ def main() -> None:
                     time.sleep(0.05)  # the sender thread hands events off after the answers
                 events = int(_events_sent(gateway) - before)
                 p50d, p50g, p99d, p99g = _pct(direct, 50), _pct(through, 50), _pct(direct, 99), _pct(through, 99)
-                print(f"{clients:>7} {'yes' if stream else 'no':>6} | {direct_rps:>10.0f} {gw_rps:>11.0f} "
-                      f"{gw_rps / direct_rps:>5.2f} | {p50d:>8.2f}ms {p50g:>5.2f}ms {p99d:>8.2f}ms {p99g:>5.2f}ms | "
-                      f"{p50g - p50d:>7.2f}ms {p99g - p99d:>7.2f}ms | {events}/{len(through)}", flush=True)
+                print(
+                    f"{clients:>7} {'yes' if stream else 'no':>6} | {direct_rps:>10.0f} {gw_rps:>11.0f} "
+                    f"{gw_rps / direct_rps:>5.2f} | {p50d:>8.2f}ms {p50g:>5.2f}ms {p99d:>8.2f}ms {p99g:>5.2f}ms | "
+                    f"{p50g - p50d:>7.2f}ms {p99g - p99d:>7.2f}ms | {events}/{len(through)}",
+                    flush=True,
+                )
     finally:
         for p in procs:
             p.terminate()

@@ -55,8 +55,9 @@ def peak_rss_mb() -> float:
 
 
 def produce(bootstrap: str, topic: str, n: int) -> int:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=512 * 1024,
-                             compression_type="lz4", acks=1)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, linger_ms=20, batch_size=512 * 1024, compression_type="lz4", acks=1
+    )
     size = 0
     template = [encode(interaction(i, prefix="b", size=2048)) for i in range(1000)]
     for i in range(n):
@@ -70,8 +71,9 @@ def produce(bootstrap: str, topic: str, n: int) -> int:
 
 
 def phase_raw(bootstrap: str, topic: str, n: int, q) -> None:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                             max_poll_records=2000)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, max_poll_records=2000
+    )
     tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
@@ -157,18 +159,31 @@ def phase_naive(bootstrap: str, topic: str, db_url: str, n: int, q) -> None:
     from datetime import datetime
 
     engine = create_engine(db_url)
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"naive-{uuid.uuid4().hex[:6]}",
-                             auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"naive-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
     seen, start = 0, time.perf_counter()
     with Session(engine) as session:
         for msg in consumer:
             ev = json.loads(msg.value)
             row = NaiveInteraction(
-                event_id=ev["event_id"], request_id=ev["request_id"], schema_version=ev["schema_version"],
+                event_id=ev["event_id"],
+                request_id=ev["request_id"],
+                schema_version=ev["schema_version"],
                 ts=datetime.fromisoformat(ev["ts"].replace("Z", "+00:00")).replace(tzinfo=None),
-                session_id=ev["session_id"], user_id=ev["user_id"], tenant=ev["tenant"],
-                policy_version=ev["policy_version"], body=msg.value.decode(),
-                source=msg.topic, partition=msg.partition, offset=msg.offset, ingested_at=datetime.utcnow(),
+                session_id=ev["session_id"],
+                user_id=ev["user_id"],
+                tenant=ev["tenant"],
+                policy_version=ev["policy_version"],
+                body=msg.value.decode(),
+                source=msg.topic,
+                partition=msg.partition,
+                offset=msg.offset,
+                ingested_at=datetime.utcnow(),
                 # the columns migration 0008 made required: the text written, and whether an
                 # answer was expected (the naive loop takes them as they come)
                 output_text=ev["completion"] if isinstance(ev["completion"], str) else json.dumps(ev["completion"]),
@@ -212,8 +227,11 @@ def main() -> None:
     ap.add_argument("--naive-events", type=int, default=10_000)
     ap.add_argument("--group", action="store_true", help="also (e): two ingest processes in one group (PostgreSQL)")
     ap.add_argument("--lanes", type=int, default=None, help="ingest.lanes (default: the config default)")
-    ap.add_argument("--bootstrap", default=os.environ.get("RTRL_KAFKA_BOOTSTRAP"),
-                    help="an existing broker; default: start one under a temporary folder")
+    ap.add_argument(
+        "--bootstrap",
+        default=os.environ.get("RTRL_KAFKA_BOOTSTRAP"),
+        help="an existing broker; default: start one under a temporary folder",
+    )
     args = ap.parse_args()
     reference, fast = decode_costs()
     print(f"decode, one core: reference {reference:.1f} us/event, fast path {fast:.1f} us/event")
@@ -237,8 +255,13 @@ def main() -> None:
 
         def rtrl_cfg(db_url: str) -> Config:
             store_db.upgrade(db_url)
-            env = {"RTRL_DB_URL": db_url, "RTRL_KAFKA_BOOTSTRAP": bootstrap, "RTRL_INGEST__TOPICS": topic,
-                   "RTRL_INGEST__GROUP_ID": f"bench-{uuid.uuid4().hex[:6]}", "RTRL_STATE_DIR": str(tmp)}
+            env = {
+                "RTRL_DB_URL": db_url,
+                "RTRL_KAFKA_BOOTSTRAP": bootstrap,
+                "RTRL_INGEST__TOPICS": topic,
+                "RTRL_INGEST__GROUP_ID": f"bench-{uuid.uuid4().hex[:6]}",
+                "RTRL_STATE_DIR": str(tmp),
+            }
             if args.lanes is not None:
                 env["RTRL_INGEST__LANES"] = str(args.lanes)
             return load_config(environ=env)

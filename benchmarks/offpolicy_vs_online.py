@@ -60,8 +60,15 @@ from train.outcome_record import MANIFEST, latest  # noqa: E402
 from train.outcome_stage import Scorer  # noqa: E402
 
 ESTIMATORS = ("importance", "snis", "ipw", "direct", "doubly_robust", "direct_oracle", "online")
-LABELS = {"importance": "IS (gate)", "snis": "SNIS", "ipw": "IPW", "direct": "direct", "doubly_robust": "DR",
-          "direct_oracle": "direct*", "online": "online"}  # direct*: the oracle as the outcome model
+LABELS = {
+    "importance": "IS (gate)",
+    "snis": "SNIS",
+    "ipw": "IPW",
+    "direct": "direct",
+    "doubly_robust": "DR",
+    "direct_oracle": "direct*",
+    "online": "online",
+}  # direct*: the oracle as the outcome model
 
 
 class OracleScorer:
@@ -76,8 +83,9 @@ class OracleScorer:
         return [self.oracle.value(Task(str(e.prompt)[:-1]), e.completion) for e in episodes]
 
 
-def truth(policies: PolicySet, oracle: Oracle, names: dict[str, str | None], per_length: int,
-          max_new_tokens: int, seed: int) -> dict[str, float]:
+def truth(
+    policies: PolicySet, oracle: Oracle, names: dict[str, str | None], per_length: int, max_new_tokens: int, seed: int
+) -> dict[str, float]:
     """Each version's expected reward: the mean over lengths (drawn uniformly, as the users draw
     them) of its answers' exact values on the same `per_length` tasks a length."""
     rng = random.Random(seed)
@@ -90,8 +98,14 @@ def truth(policies: PolicySet, oracle: Oracle, names: dict[str, str | None], per
     for version, name in names.items():
         per = []
         for n in LENGTHS:
-            gens = policies.generate(name, [t.prompt for t in tasks[n]], max_new_tokens=max_new_tokens,
-                                     temperature=1.0, seed=seed, batch_size=64)
+            gens = policies.generate(
+                name,
+                [t.prompt for t in tasks[n]],
+                max_new_tokens=max_new_tokens,
+                temperature=1.0,
+                seed=seed,
+                batch_size=64,
+            )
             per.append(np.mean([oracle.value(t, g.text) for t, g in zip(tasks[n], gens)]))
         out[version] = float(np.mean(per))
         print(f"  truth v{version}: {out[version]:+.4f}", flush=True)
@@ -100,17 +114,22 @@ def truth(policies: PolicySet, oracle: Oracle, names: dict[str, str | None], per
 
 def held_out_served(conn, spec_version: str, version: str, holdout: float, limit: int) -> list[LoggedEpisode]:
     """The most recent `limit` held-out episodes `version` served, as the gate reads them."""
-    rows = conn.execute(text(
-        "SELECT i.request_id, i.body, r.value FROM interactions i JOIN rewards r ON r.request_id = i.request_id "
-        "AND r.spec_version = :spec WHERE i.policy_version = :version ORDER BY i.id DESC"),
-        {"spec": spec_version, "version": version})
+    rows = conn.execute(
+        text(
+            "SELECT i.request_id, i.body, r.value FROM interactions i JOIN rewards r ON r.request_id = i.request_id "
+            "AND r.spec_version = :spec WHERE i.policy_version = :version ORDER BY i.id DESC"
+        ),
+        {"spec": spec_version, "version": version},
+    )
     out = [logged_episode(*row) for row in rows if is_held_out(row[0], row[1], holdout)]
     return [e for e in out if e.behavior_logprobs][:limit]
 
 
 def summarise(rows: list[dict[str, float]], min_gap: float) -> None:
-    print(f"\n{'estimator':<15}{'pairs':>6}{'mean |err|':>11}{'mean bias':>10}{'ranked right':>13}"
-          f"{'worse passed':>13}{'better passed':>14}")
+    print(
+        f"\n{'estimator':<15}{'pairs':>6}{'mean |err|':>11}{'mean bias':>10}{'ranked right':>13}"
+        f"{'worse passed':>13}{'better passed':>14}"
+    )
     for name in ESTIMATORS:
         have = [r for r in rows if name in r]
         if not have:
@@ -122,8 +141,10 @@ def summarise(rows: list[dict[str, float]], min_gap: float) -> None:
         for side in (-1, 1):  # truly worse candidates, then truly better ones (by at least min_gap)
             pairs = [r for r in have if side * r["truth"] >= (0 if side < 0 else min_gap) and f"{name}_low" in r]
             cells.append(f"{sum(r[f'{name}_low'] > 0 for r in pairs)}/{len(pairs)}" if pairs else "-")
-        print(f"{LABELS[name]:<15}{len(have):>6}{np.abs(err).mean():>11.4f}{err.mean():>+10.4f}"
-              f"{f'{right}/{len(ranked)}':>13}{cells[0]:>13}{cells[1]:>14}")
+        print(
+            f"{LABELS[name]:<15}{len(have):>6}{np.abs(err).mean():>11.4f}{err.mean():>+10.4f}"
+            f"{f'{right}/{len(ranked)}':>13}{cells[0]:>13}{cells[1]:>14}"
+        )
 
 
 def main() -> None:
@@ -139,23 +160,40 @@ def main() -> None:
     args = ap.parse_args()
     state = args.state_dir
     config = load_config(state / "demo" / "rtrl.toml")  # what the demo ran with
-    gate = config.gate.model_copy(update={k: v for k, v in (("fresh_prompts", args.fresh_prompts),
-                                                            ("fresh_samples", args.fresh_samples)) if v})
+    gate = config.gate.model_copy(
+        update={k: v for k, v in (("fresh_prompts", args.fresh_prompts), ("fresh_samples", args.fresh_samples)) if v}
+    )
     holdout = config.train.holdout_percent
     engine = store_db.make_engine(config.db_url)
     spec = load_spec(DEMO_SPEC)
     run_rewards(engine, spec)  # the last reactions of the fleet, if the demo left any unrewarded
     with engine.connect() as conn:
-        adapters = dict(conn.execute(text(
-            "SELECT g.candidate_version, t.adapter_path FROM gate_decisions g "
-            "JOIN training_runs t ON t.run_id = g.run_id")).all())
-        served = {v: (n, m) for v, n, m in conn.execute(text(
-            "SELECT policy_version, count(*), avg(value) FROM rewards WHERE spec_version = :spec "
-            "GROUP BY policy_version"), {"spec": spec.version})}
-        data = {v: held_out_served(conn, spec.version, v, holdout, gate.eval_episodes)
-                for v, (n, _) in served.items() if n >= args.min_served and (v in adapters or v == "base")}
-    manifest = (json.loads((args.outcome_model / MANIFEST).read_text()) if args.outcome_model
-                else latest(config.state_dir))
+        adapters = dict(
+            conn.execute(
+                text(
+                    "SELECT g.candidate_version, t.adapter_path FROM gate_decisions g "
+                    "JOIN training_runs t ON t.run_id = g.run_id"
+                )
+            ).all()
+        )
+        served = {
+            v: (n, m)
+            for v, n, m in conn.execute(
+                text(
+                    "SELECT policy_version, count(*), avg(value) FROM rewards WHERE spec_version = :spec "
+                    "GROUP BY policy_version"
+                ),
+                {"spec": spec.version},
+            )
+        }
+        data = {
+            v: held_out_served(conn, spec.version, v, holdout, gate.eval_episodes)
+            for v, (n, _) in served.items()
+            if n >= args.min_served and (v in adapters or v == "base")
+        }
+    manifest = (
+        json.loads((args.outcome_model / MANIFEST).read_text()) if args.outcome_model else latest(config.state_dir)
+    )
     if manifest is None:  # (a short run): the other estimators are still measured
         print(f"no outcome model under {config.state_dir / 'outcome'}: direct and doubly robust left out")
     else:
@@ -169,8 +207,11 @@ def main() -> None:
     oracle = Oracle()
     true = truth(policies, oracle, names, args.truth_tasks, gate.max_new_tokens, args.seed)
     rows = []
-    print(f"\n{'cand':>5} {'champ':>6} {'n':>4} {'truth':>7} " + " ".join(f"{LABELS[e]:>9}" for e in ESTIMATORS)
-          + "   (* the 95 % lower bound is above 0)")
+    print(
+        f"\n{'cand':>5} {'champ':>6} {'n':>4} {'truth':>7} "
+        + " ".join(f"{LABELS[e]:>9}" for e in ESTIMATORS)
+        + "   (* the 95 % lower bound is above 0)"
+    )
     for target, behaviour in itertools.permutations(names, 2):
         if behaviour not in data:
             continue
@@ -184,8 +225,9 @@ def main() -> None:
         row = {"truth": true[target] - true[behaviour]}
         if target in served:
             row["online"] = served[target][1] - served[behaviour][1]
-        cand, _, *gains = compare_each(c, h, mu, r, cap=gate.sequence_ratio_cap, resamples=gate.bootstrap,
-                                       confidence=gate.confidence)
+        cand, _, *gains = compare_each(
+            c, h, mu, r, cap=gate.sequence_ratio_cap, resamples=gate.bootstrap, confidence=gate.confidence
+        )
         gate_gain = min(gains, key=lambda g: g.low)  # what compare() gives the gate
         for name, est in (("importance", gate_gain), ("snis", gains[0]), ("ipw", gains[1])):
             row.update({name: est.value, f"{name}_low": est.low})
@@ -193,16 +235,22 @@ def main() -> None:
         for label, scorer in (("", model), ("_oracle", OracleScorer(oracle))):
             if scorer is None:
                 continue
-            found = estimates(policies, scorer, names[target], names[behaviour], eps, logged, c, h, gate, order,
-                              args.seed)
+            found = estimates(
+                policies, scorer, names[target], names[behaviour], eps, logged, c, h, gate, order, args.seed
+            )
             for name, est in found.items():
                 if est.improvement is not None and (label == "" or name == "direct"):
                     row.update({f"{name}{label}": est.improvement.value, f"{name}{label}_low": est.improvement.low})
         rows.append(row)
-        cells = " ".join(f"{row[e]:>+8.3f}{'*' if row.get(f'{e}_low', -1) > 0 else ' '}" if e in row else f"{'-':>9}"
-                         for e in ESTIMATORS)
-        print(f"{'v' + target:>5} {'v' + behaviour:>6} {len(logged):>4} {row['truth']:>+7.3f} {cells}  "
-              f"coverage {cand.coverage:.2f}", flush=True)
+        cells = " ".join(
+            f"{row[e]:>+8.3f}{'*' if row.get(f'{e}_low', -1) > 0 else ' '}" if e in row else f"{'-':>9}"
+            for e in ESTIMATORS
+        )
+        print(
+            f"{'v' + target:>5} {'v' + behaviour:>6} {len(logged):>4} {row['truth']:>+7.3f} {cells}  "
+            f"coverage {cand.coverage:.2f}",
+            flush=True,
+        )
     summarise(rows, args.min_gap)
 
 

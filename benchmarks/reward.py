@@ -60,13 +60,13 @@ OUTCOMES = [
 
 
 def chat_prompt(chars: int, rng: random.Random) -> list[dict] | str:
-    """"p", or a system and a user message of about `chars` characters together (production
+    """ "p", or a system and a user message of about `chars` characters together (production
     prompts carry context: files, history)."""
     if chars <= 0:
         return "p"
     words = ["def", "return", "class", "import", "value", "index", "result", "self", "list", "for"]
     text = " ".join(rng.choice(words) for _ in range(chars // 6))
-    return [{"role": "system", "content": text[: chars // 2]}, {"role": "user", "content": text[chars // 2:]}]
+    return [{"role": "system", "content": text[: chars // 2]}, {"role": "user", "content": text[chars // 2 :]}]
 
 
 def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
@@ -80,24 +80,62 @@ def fill(url: str, n: int, seed: int = 0, prompt_chars: int = 0) -> None:
         for i in range(start, min(start + chunk, n)):
             ts = T0 + timedelta(seconds=i)
             rid = f"r{i}"
-            body = {"schema_version": 1, "event_id": f"i{i}", "type": "interaction", "ts": ts.isoformat() + "Z",
-                    "request_id": rid, "session_id": "s", "user_id": "u", "tenant": "t",
-                    "policy_version": str(1 + i % 3), "prompt": prompts[i % 16],
-                    "completion": rng.choice(COMPLETIONS)}
-            rows.interaction.append({
-                "event_id": f"i{i}", "request_id": rid, "schema_version": 1, "ts": ts, "session_id": "s",
-                "user_id": "u", "tenant": "t", "policy_version": body["policy_version"], "body": json.dumps(body),
-                **output_columns(body["completion"], body.get("metadata")),  # as ingest
-                "source": "bench", "partition": 0, "offset": i})
+            body = {
+                "schema_version": 1,
+                "event_id": f"i{i}",
+                "type": "interaction",
+                "ts": ts.isoformat() + "Z",
+                "request_id": rid,
+                "session_id": "s",
+                "user_id": "u",
+                "tenant": "t",
+                "policy_version": str(1 + i % 3),
+                "prompt": prompts[i % 16],
+                "completion": rng.choice(COMPLETIONS),
+            }
+            rows.interaction.append(
+                {
+                    "event_id": f"i{i}",
+                    "request_id": rid,
+                    "schema_version": 1,
+                    "ts": ts,
+                    "session_id": "s",
+                    "user_id": "u",
+                    "tenant": "t",
+                    "policy_version": body["policy_version"],
+                    "body": json.dumps(body),
+                    **output_columns(body["completion"], body.get("metadata")),  # as ingest
+                    "source": "bench",
+                    "partition": 0,
+                    "offset": i,
+                }
+            )
             for j, (kind, value) in enumerate(rng.choice(OUTCOMES)):
-                fb = {"schema_version": 1, "event_id": f"f{i}-{j}", "type": "feedback", "request_id": rid,
-                      "ts": (ts + timedelta(seconds=60 * (j + 1))).isoformat() + "Z", "kind": kind, "value": value}
+                fb = {
+                    "schema_version": 1,
+                    "event_id": f"f{i}-{j}",
+                    "type": "feedback",
+                    "request_id": rid,
+                    "ts": (ts + timedelta(seconds=60 * (j + 1))).isoformat() + "Z",
+                    "kind": kind,
+                    "value": value,
+                }
                 if kind == "edited":
                     fb["payload"] = {"text": "def add(a, b):\n    return b + a"}
-                rows.feedback.append({
-                    "event_id": fb["event_id"], "request_id": rid, "schema_version": 1,
-                    "ts": ts + timedelta(seconds=60 * (j + 1)), "kind": kind, "value": float(value),
-                    "body": json.dumps(fb), "source": "bench", "partition": 0, "offset": n + 3 * i + j})
+                rows.feedback.append(
+                    {
+                        "event_id": fb["event_id"],
+                        "request_id": rid,
+                        "schema_version": 1,
+                        "ts": ts + timedelta(seconds=60 * (j + 1)),
+                        "kind": kind,
+                        "value": float(value),
+                        "body": json.dumps(fb),
+                        "source": "bench",
+                        "partition": 0,
+                        "offset": n + 3 * i + j,
+                    }
+                )
         write_rows(engine, rows)
     engine.dispose()
 
@@ -144,10 +182,17 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (median reported)")
-    ap.add_argument("--prompt-chars", type=int, default=0,
-                    help="size of each interaction's prompt (default: a one-character prompt)")
-    ap.add_argument("--postgres", metavar="ADMIN_URL",
-                    help="run on PostgreSQL: a database per size is created through this URL and dropped after")
+    ap.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=0,
+        help="size of each interaction's prompt (default: a one-character prompt)",
+    )
+    ap.add_argument(
+        "--postgres",
+        metavar="ADMIN_URL",
+        help="run on PostgreSQL: a database per size is created through this URL and dropped after",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rtrl-reward-bench-"))
     times = {}
@@ -171,12 +216,18 @@ def main() -> None:
                     computed, elapsed, rss, noop = run_phase(url, workers)
                     assert computed == n, f"computed {computed} of {n}"
                     runs[workers].append(elapsed)
-                    print(f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
-                          f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s", flush=True)
+                    print(
+                        f"{n:>9,} episodes, {workers} worker(s): {elapsed:7.1f}s  {n / elapsed:9,.0f} episodes/s  "
+                        f"peak RSS {rss:.0f} MB; then a run with nothing new {noop:.1f}s",
+                        flush=True,
+                    )
             for workers, elapsed in runs.items():
                 times[n, workers] = med = statistics.median(elapsed)
-                print(f"{n:>9,} episodes, {workers} worker(s): median {med:.1f}s = {n / med:,.0f} episodes/s "
-                      f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})", flush=True)
+                print(
+                    f"{n:>9,} episodes, {workers} worker(s): median {med:.1f}s = {n / med:,.0f} episodes/s "
+                    f"(runs {', '.join(f'{n / e:,.0f}' for e in elapsed)})",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the stores: 2 GB at 1M
         for drop in drops:
@@ -185,8 +236,10 @@ def main() -> None:
         sizes = sorted(n for n, w in times if w == workers)
         if len(sizes) == 2:
             a, b = sizes
-            print(f"{workers} worker(s): time {b:,} / time {a:,} = {times[b, workers] / times[a, workers]:.1f}  "
-                  f"(linear: {b / a:.0f}; target <= 11)")
+            print(
+                f"{workers} worker(s): time {b:,} / time {a:,} = {times[b, workers] / times[a, workers]:.1f}  "
+                f"(linear: {b / a:.0f}; target <= 11)"
+            )
 
 
 if __name__ == "__main__":

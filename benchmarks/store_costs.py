@@ -102,12 +102,16 @@ def main() -> None:
                     row["output_text"] = ""
                 empty = write_us(workdir, f"{table}-no-text", rows, None, args.repeat, args.revision)
                 rows = batches(kind, args.events, args.completion_chars)
-                print(f"  without output_text ({chars} chars) {empty:6.1f} us/event  "
-                      f"(the column: {full - empty:+.1f} us)", flush=True)
+                print(
+                    f"  without output_text ({chars} chars) {empty:6.1f} us/event  "
+                    f"(the column: {full - empty:+.1f} us)",
+                    flush=True,
+                )
             for index in sorted(ix["name"] for ix in schema.get_indexes(table)):
                 without = write_us(workdir, f"{table}-{index}", rows, index, args.repeat, args.revision)
-                print(f"  without {index:32} {without:6.1f} us/event  (the index: {full - without:+.1f} us)",
-                      flush=True)
+                print(
+                    f"  without {index:32} {without:6.1f} us/event  (the index: {full - without:+.1f} us)", flush=True
+                )
 
 
 if __name__ == "__main__":

@@ -64,16 +64,31 @@ def episodes(n: int, prompt_len: int, completion_len: int, seed: int = 0) -> lis
         prompt = "".join(rng.choice(LETTERS) for _ in range(prompt_len - 1)) + ">"
         for _ in range(4):
             completion = "".join(rng.choice(LETTERS) for _ in range(completion_len))
-            out.append({"prompt": prompt, "completion": completion, "group": str(p),
-                        "behavior": [-rng.uniform(0.5, 5.0) for _ in range(completion_len)],
-                        "reward": rng.gauss(0, 1)})
+            out.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion,
+                    "group": str(p),
+                    "behavior": [-rng.uniform(0.5, 5.0) for _ in range(completion_len)],
+                    "reward": rng.gauss(0, 1),
+                }
+            )
     return out
 
 
 def config(args) -> TrainConfig:
     seq = args.prompt + args.completion
-    return TrainConfig(loss="cispo", learning_rate=1e-4, max_steps=args.steps, batch_tokens=args.batch * seq,
-                       max_seq_len=seq, lora_r=16, lora_alpha=32, lora_dropout=0.0, epochs=1)
+    return TrainConfig(
+        loss="cispo",
+        learning_rate=1e-4,
+        max_steps=args.steps,
+        batch_tokens=args.batch * seq,
+        max_seq_len=seq,
+        lora_r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        epochs=1,
+    )
 
 
 def rss_mb() -> float:
@@ -88,13 +103,16 @@ def run_rtrl(policy, eps, cfg, args) -> tuple[float, int]:
     from train.loop import train_policy
     from train.tracking import MemoryTracker
 
-    tok = [tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
-           for i, e in enumerate(eps)]
+    tok = [
+        tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
+        for i, e in enumerate(eps)
+    ]
     torch.manual_seed(0)
     model = attach_adapter(policy.model, cfg)
     tracker = MemoryTracker()
-    result = train_policy(model, tok, [e["reward"] for e in eps], [e["group"] for e in eps], cfg, tracker,
-                          policy.tokenizer.pad_token_id)
+    result = train_policy(
+        model, tok, [e["reward"] for e in eps], [e["group"] for e in eps], cfg, tracker, policy.tokenizer.pad_token_id
+    )
     # the loop times each step itself; drop the warm-up step
     steps = result.history[1:]
     tokens = sum(args.batch * (args.prompt + args.completion) for _ in steps)
@@ -107,8 +125,10 @@ def run_bare(policy, eps, cfg, args) -> tuple[float, int]:
     from train.importance import advantages
     from train.loop import plan_microbatches
 
-    tok = [tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
-           for i, e in enumerate(eps)]
+    tok = [
+        tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
+        for i, e in enumerate(eps)
+    ]
     torch.manual_seed(0)
     model = attach_adapter(policy.model, cfg)
     adv = advantages([e["reward"] for e in eps], [e["group"] for e in eps]).to(policy.device)
@@ -150,7 +170,7 @@ def run_trl(policy, eps, cfg, args) -> tuple[float, int]:
         seen: dict[str, int] = {}
         for p in prompts:
             k = seen[p] = seen.get(p, -1) + 1
-            for e in by_prompt[p][k:k + 1] if prompts.count(p) > 1 else by_prompt[p]:
+            for e in by_prompt[p][k : k + 1] if prompts.count(p) > 1 else by_prompt[p]:
                 out["prompt_ids"].append(tok(p, add_special_tokens=False).input_ids)
                 out["completion_ids"].append(tok(e["completion"], add_special_tokens=False).input_ids)
                 out["logprobs"].append(e["behavior"])
@@ -174,17 +194,44 @@ def run_trl(policy, eps, cfg, args) -> tuple[float, int]:
     prompts = list(by_prompt)
     with tempfile.TemporaryDirectory() as out:
         args_trl = GRPOConfig(
-            output_dir=out, loss_type="cispo", epsilon_high=cfg.cispo_weight_cap, beta=0.0, learning_rate=1e-4,
-            per_device_train_batch_size=args.batch, num_generations=4, max_steps=args.steps,
-            max_completion_length=args.completion, gradient_accumulation_steps=1, max_grad_norm=1.0,
-            report_to=[], logging_steps=10_000, save_strategy="no", seed=0, use_cpu=policy.device == "cpu",
-            bf16=False, shuffle_dataset=False,
-            gradient_checkpointing=False)  # TRL's default is True: like for like, rtrl does not checkpoint
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
-                          target_modules=target_modules(policy.model, cfg), task_type="CAUSAL_LM")
-        trainer = GRPOTrainer(model=policy.model, reward_funcs=logged_reward, args=args_trl,
-                              train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                              peft_config=lora, rollout_func=rollout, callbacks=[Timer()])
+            output_dir=out,
+            loss_type="cispo",
+            epsilon_high=cfg.cispo_weight_cap,
+            beta=0.0,
+            learning_rate=1e-4,
+            per_device_train_batch_size=args.batch,
+            num_generations=4,
+            max_steps=args.steps,
+            max_completion_length=args.completion,
+            gradient_accumulation_steps=1,
+            max_grad_norm=1.0,
+            report_to=[],
+            logging_steps=10_000,
+            save_strategy="no",
+            seed=0,
+            use_cpu=policy.device == "cpu",
+            bf16=False,
+            shuffle_dataset=False,
+            gradient_checkpointing=False,
+        )  # TRL's default is True: like for like, rtrl does not checkpoint
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=target_modules(policy.model, cfg),
+            task_type="CAUSAL_LM",
+        )
+        trainer = GRPOTrainer(
+            model=policy.model,
+            reward_funcs=logged_reward,
+            args=args_trl,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            peft_config=lora,
+            rollout_func=rollout,
+            callbacks=[Timer()],
+        )
         trainer.train()
     steps = times[1:]
     return sum(steps), len(steps) * args.batch * (args.prompt + args.completion)
@@ -195,22 +242,42 @@ def run_rtrl_ddp(policy, eps, cfg, args) -> tuple[float, int]:
     from train.lora import save_adapter
     from train.tracking import MemoryTracker
 
-    tok = [tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
-           for i, e in enumerate(eps)]
+    tok = [
+        tokenize_episode(policy.tokenizer, str(i), e["prompt"], e["completion"], None, e["behavior"])
+        for i, e in enumerate(eps)
+    ]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         start = save_adapter(attach_adapter(policy.model, cfg), Path(tmp) / "start")
         ddp_cfg = cfg.model_copy(update={"nproc": args.nproc, "device": args.device, "strategy": args.strategy})
-        result, _ = run_distributed(Path(tmp) / "job", Path(args.model), start, tok, [e["reward"] for e in eps],
-                                    [e["group"] for e in eps], ddp_cfg, MemoryTracker())
+        result, _ = run_distributed(
+            Path(tmp) / "job",
+            Path(args.model),
+            start,
+            tok,
+            [e["reward"] for e in eps],
+            [e["group"] for e in eps],
+            ddp_cfg,
+            MemoryTracker(),
+        )
     steps = result.history[1:]
     per_step = args.batch * (args.prompt + args.completion)
     return sum(per_step / m["tokens_per_s"] for m in steps), per_step * len(steps)
 
 
 VARIANTS = {"rtrl": run_rtrl, "bare": run_bare, "trl": run_trl, "rtrl-ddp": run_rtrl_ddp, "rtrl-fsdp": run_rtrl_ddp}
-SHAPES = {"tiny": {}, "qwen2-0.5b": {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2,
-                                      "intermediate": 4864, "model_vocab": 151_936}}
+SHAPES = {
+    "tiny": {},
+    "qwen2-0.5b": {
+        "arch": "qwen2",
+        "hidden": 896,
+        "layers": 24,
+        "heads": 14,
+        "kv_heads": 2,
+        "intermediate": 4864,
+        "model_vocab": 151_936,
+    },
+}
 
 
 def child(args) -> None:
@@ -223,9 +290,19 @@ def child(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     before = rss_mb()
     seconds, tokens = VARIANTS[args.only](policy, eps, cfg, args)
-    print(json.dumps({"variant": args.only, "tokens_per_s": tokens / seconds, "tokens": tokens,
-                      "seconds": seconds, "peak_mb": peak_memory_mb(policy.device),
-                      "rss_before_mb": before, "device": policy.device}))
+    print(
+        json.dumps(
+            {
+                "variant": args.only,
+                "tokens_per_s": tokens / seconds,
+                "tokens": tokens,
+                "seconds": seconds,
+                "peak_mb": peak_memory_mb(policy.device),
+                "rss_before_mb": before,
+                "device": policy.device,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -240,8 +317,12 @@ def main() -> None:
     ap.add_argument("--variants", default="bare,rtrl,trl")
     ap.add_argument("--threads", type=int, help="torch threads (train.cpu_threads); default: one per core")
     ap.add_argument("--busy-cores", type=int, default=0, help="other processes kept spinning meanwhile")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
-                    help="tiny: init_tiny at --hidden/--layers; qwen2-0.5b: Qwen2-0.5B's shape, random weights")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="tiny",
+        help="tiny: init_tiny at --hidden/--layers; qwen2-0.5b: Qwen2-0.5B's shape, random weights",
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--nproc", type=int, default=2, help="processes of the rtrl-ddp and rtrl-fsdp variants")
     ap.add_argument("--only", help=argparse.SUPPRESS)
@@ -267,9 +348,28 @@ def run_variants(args) -> dict[str, list[dict]]:
         results: dict[str, list[dict]] = {}
         for _ in range(args.repeats):
             for variant in args.variants.split(","):
-                cmd = [sys.executable, __file__, "--only", variant, "--model", str(model),
-                       *(f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "prompt", "completion", "batch",
-                                                            "steps", "episodes", "device", "nproc"))]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--only",
+                    variant,
+                    "--model",
+                    str(model),
+                    *(
+                        f"--{k}={getattr(args, k)}"
+                        for k in (
+                            "hidden",
+                            "layers",
+                            "prompt",
+                            "completion",
+                            "batch",
+                            "steps",
+                            "episodes",
+                            "device",
+                            "nproc",
+                        )
+                    ),
+                ]
                 cmd += [f"--threads={args.threads}"] if args.threads else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
                 if out.returncode:
@@ -280,13 +380,17 @@ def run_variants(args) -> dict[str, list[dict]]:
 
 def report(args, results: dict[str, list[dict]]) -> None:
     med = {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in results.items()}
-    print(f"model: {args.shape} (hidden {args.hidden}, layers {args.layers} when tiny); {args.batch} episodes x "
-          f"{args.prompt + args.completion} tokens per step; {args.steps} steps (first excluded); "
-          f"device {next(iter(med.values()))['device']}; median of {args.repeats}; "
-          f"threads {args.threads or torch.get_num_threads()}; {args.busy_cores} busy core(s)")
+    print(
+        f"model: {args.shape} (hidden {args.hidden}, layers {args.layers} when tiny); {args.batch} episodes x "
+        f"{args.prompt + args.completion} tokens per step; {args.steps} steps (first excluded); "
+        f"device {next(iter(med.values()))['device']}; median of {args.repeats}; "
+        f"threads {args.threads or torch.get_num_threads()}; {args.busy_cores} busy core(s)"
+    )
     for v, r in med.items():
         runs = ", ".join(f"{x['tokens_per_s']:,.0f}" for x in results[v])
-        extra = "" if r["device"] == "cuda" else f" (+{r['peak_mb'] - r['rss_before_mb']:,.0f} MB over the loaded model)"
+        extra = (
+            "" if r["device"] == "cuda" else f" (+{r['peak_mb'] - r['rss_before_mb']:,.0f} MB over the loaded model)"
+        )
         print(f"  {v:5s} {r['tokens_per_s']:>9,.0f} tokens/s  peak {r['peak_mb']:,.0f} MB{extra}  (runs: {runs})")
     if "bare" in med and "rtrl" in med:
         print(f"  rtrl / bare = {med['rtrl']['tokens_per_s'] / med['bare']['tokens_per_s']:.3f}")

@@ -25,8 +25,14 @@ from pathlib import Path
 import requests
 
 ASK = [{"role": "user", "content": "Say hello."}]
-TOOL = {"type": "function", "function": {"name": "lookup", "description": "look a key up", "parameters": {
-    "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "look a key up",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 
 
 def _sse(answer: requests.Response) -> list[dict]:
@@ -45,14 +51,21 @@ def check_models(url: str, base: str, adapter: Path) -> None:
 
 def check_lora_endpoints(url: str, base: str, adapter: Path) -> None:
     name = "conformance-v1"
-    load = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)}, timeout=120)
+    load = requests.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)}, timeout=120
+    )
     assert load.status_code == 200 and "added successfully" in load.text, (load.status_code, load.text)
     cards = {m["id"]: m for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]}
     assert cards.get(name, {}).get("parent") == base, cards.get(name)
-    again = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)}, timeout=60)
+    again = requests.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)}, timeout=60
+    )
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"], again.text
-    missing = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "conformance-none",
-                                                                 "lora_path": "/nonexistent/adapter"}, timeout=60)
+    missing = requests.post(
+        f"{url}/v1/load_lora_adapter",
+        json={"lora_name": "conformance-none", "lora_path": "/nonexistent/adapter"},
+        timeout=60,
+    )
     assert missing.status_code == 404, (missing.status_code, missing.text)
     unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
     assert unload.status_code == 200 and "removed successfully" in unload.text, unload.text
@@ -73,8 +86,16 @@ def check_processed_logprobs(url: str, base: str, adapter: Path) -> None:
 
 
 def check_token_ids(url: str, base: str, adapter: Path) -> None:
-    body = {"model": base, "messages": ASK, "max_tokens": 6, "logprobs": True, "return_token_ids": True, "n": 2,
-            "temperature": 1.0, "seed": 1}
+    body = {
+        "model": base,
+        "messages": ASK,
+        "max_tokens": 6,
+        "logprobs": True,
+        "return_token_ids": True,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     answer = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1], answer
     for c in answer["choices"]:
@@ -84,24 +105,49 @@ def check_token_ids(url: str, base: str, adapter: Path) -> None:
 
 
 def check_stream_n2(url: str, base: str, adapter: Path) -> None:
-    body = {"model": base, "messages": ASK, "max_tokens": 6, "logprobs": True, "return_token_ids": True, "n": 2,
-            "stream": True, "temperature": 1.0, "seed": 1}
+    body = {
+        "model": base,
+        "messages": ASK,
+        "max_tokens": 6,
+        "logprobs": True,
+        "return_token_ids": True,
+        "n": 2,
+        "stream": True,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=120) as answer:
         chunks = _sse(answer)
     roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
     assert roles == [0, 1], roles
     assert all(len(c["choices"]) <= 1 for c in chunks), "a chunk with more than one choice"
     for index in (0, 1):
-        ids = [t for c in chunks if c["choices"] and c["choices"][0]["index"] == index
-               for t in c["choices"][0].get("token_ids") or ()]
-        entries = [e for c in chunks if c["choices"] and c["choices"][0]["index"] == index
-                   for e in (c["choices"][0].get("logprobs") or {}).get("content") or ()]
+        ids = [
+            t
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+            for t in c["choices"][0].get("token_ids") or ()
+        ]
+        entries = [
+            e
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+            for e in (c["choices"][0].get("logprobs") or {}).get("content") or ()
+        ]
         assert len(ids) == len(entries) > 0, (index, len(ids), len(entries))
 
 
 def check_tool_call_fragments(url: str, base: str, adapter: Path) -> None:
-    body = {"model": base, "messages": ASK, "tools": [TOOL], "tool_choice": "required", "max_tokens": 64,
-            "stream": True, "temperature": 1.0, "seed": 1}
+    body = {
+        "model": base,
+        "messages": ASK,
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "max_tokens": 64,
+        "stream": True,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=120) as answer:
         assert answer.status_code == 200, answer.text
         chunks = _sse(answer)
@@ -119,8 +165,14 @@ def check_tool_call_fragments(url: str, base: str, adapter: Path) -> None:
 
 
 CHECKS: list[Callable[[str, str, Path], None]] = [
-    check_models, check_lora_endpoints, check_unknown_model, check_processed_logprobs, check_token_ids,
-    check_stream_n2, check_tool_call_fragments]
+    check_models,
+    check_lora_endpoints,
+    check_unknown_model,
+    check_processed_logprobs,
+    check_token_ids,
+    check_stream_n2,
+    check_tool_call_fragments,
+]
 
 
 def run(url: str, adapter: Path) -> int:

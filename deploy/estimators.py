@@ -70,36 +70,62 @@ def prompt_means(scores: Sequence[Sequence[float | None]]) -> np.ndarray:
     return out
 
 
-def direct(candidate: np.ndarray, champion: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
-           seed: int = 0) -> Estimated:
+def direct(
+    candidate: np.ndarray, champion: np.ndarray, resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> Estimated:
     """`candidate`, `champion`: [P] the mean outcome-model score of each policy's fresh answers
     to prompt p (nan: none scored; that prompt is left out)."""
     keep = ~(np.isnan(candidate) | np.isnan(champion))
     if not keep.any():
         return Estimated("direct", None, why_not="no held-out prompt was answered and scored by both policies")
     c, h = candidate[keep], champion[keep]
-    return Estimated("direct", _bootstrap(c - h, resamples, confidence, seed), int(keep.sum()),
-                     {"candidate": float(c.mean()), "champion": float(h.mean())})
+    return Estimated(
+        "direct",
+        _bootstrap(c - h, resamples, confidence, seed),
+        int(keep.sum()),
+        {"candidate": float(c.mean()), "champion": float(h.mean())},
+    )
 
 
-def doubly_robust(v_candidate: np.ndarray, v_champion: np.ndarray, predicted: np.ndarray, rewards: np.ndarray,
-                  candidate_logp: np.ndarray, champion_logp: np.ndarray, behavior_logp: np.ndarray,
-                  cap: float = 20.0, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> Estimated:
+def doubly_robust(
+    v_candidate: np.ndarray,
+    v_champion: np.ndarray,
+    predicted: np.ndarray,
+    rewards: np.ndarray,
+    candidate_logp: np.ndarray,
+    champion_logp: np.ndarray,
+    behavior_logp: np.ndarray,
+    cap: float = 20.0,
+    resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Estimated:
     """Per logged episode i [N]: each policy's direct value at its prompt (v_*), the outcome
     model's prediction of its logged answer, its reward, and the sequence log-probs of that
     answer under each policy and the behaviour. Episodes with a nan are left out."""
     arrays = [v_candidate, v_champion, predicted, rewards, candidate_logp, champion_logp, behavior_logp]
     keep = ~np.any([np.isnan(a) for a in arrays], axis=0)
     if not keep.any():
-        return Estimated("doubly_robust", None, why_not="no logged held-out episode's prompt was answered afresh "
-                         "by both policies and scored")
+        return Estimated(
+            "doubly_robust",
+            None,
+            why_not="no logged held-out episode's prompt was answered afresh by both policies and scored",
+        )
     vc, vh, q, r, lc, lh, mu = (a[keep] for a in arrays)
     w_c, w_h = clipped_weights(lc, mu, cap), clipped_weights(lh, mu, cap)
     dr_c, dr_h = vc + w_c * (r - q), vh + w_h * (r - q)  # [N]
-    return Estimated("doubly_robust", _bootstrap(dr_c - dr_h, resamples, confidence, seed), int(keep.sum()),
-                     {"candidate": float(dr_c.mean()), "champion": float(dr_h.mean()),
-                      "coverage_candidate": float(w_c.mean()), "coverage_champion": float(w_h.mean()),
-                      "residual_mean": float((r - q).mean())})
+    return Estimated(
+        "doubly_robust",
+        _bootstrap(dr_c - dr_h, resamples, confidence, seed),
+        int(keep.sum()),
+        {
+            "candidate": float(dr_c.mean()),
+            "champion": float(dr_h.mean()),
+            "coverage_candidate": float(w_c.mean()),
+            "coverage_champion": float(w_h.mean()),
+            "residual_mean": float((r - q).mean()),
+        },
+    )
 
 
 @dataclass
@@ -121,8 +147,12 @@ def choose(estimates: dict[str, Estimated], wanted: str, fallback: str, outcome_
     if wanted in NEEDS_OUTCOME_MODEL and outcome_model:
         why = f"the outcome model {outcome_model}"
     if fallback == "refuse" or wanted == "importance":
-        return Choice(wanted, None, f"{wanted} could not be computed ({why}) and gate.fallback = '{fallback}'",
-                      refused=True)
+        return Choice(
+            wanted, None, f"{wanted} could not be computed ({why}) and gate.fallback = '{fallback}'", refused=True
+        )
     backup = estimates.get("importance")
-    return Choice("importance", backup.improvement if backup else None,
-                  f"fell back to importance sampling: {wanted} could not be computed ({why})")
+    return Choice(
+        "importance",
+        backup.improvement if backup else None,
+        f"fell back to importance sampling: {wanted} could not be computed ({why})",
+    )

@@ -57,12 +57,22 @@ class Runner(Protocol):
 
     def remove(self, name: str) -> None: ...
 
-    def compare(self, p: str | None, q: str | None, episodes: list[Any],
-                max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]: ...
+    def compare(
+        self, p: str | None, q: str | None, episodes: list[Any], max_tokens: int | None = None
+    ) -> tuple[list[float | None], list[float | None], float]: ...
 
-    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1, reuse: bool = False,
-                 tools: list[dict] | None = None) -> list[Any]: ...
+    def generate(
+        self,
+        name: str | None,
+        prompts: list[Any],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        batch_size: int = 1,
+        reuse: bool = False,
+        tools: list[dict] | None = None,
+    ) -> list[Any]: ...
 
 
 @dataclass
@@ -77,8 +87,13 @@ class Evaluation:
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        return {"candidate": asdict(self.candidate), "champion": asdict(self.champion),
-                "comparison": asdict(self.comparison), "episodes": self.episodes, "excluded": self.excluded}
+        return {
+            "candidate": asdict(self.candidate),
+            "champion": asdict(self.champion),
+            "comparison": asdict(self.comparison),
+            "episodes": self.episodes,
+            "excluded": self.excluded,
+        }
 
 
 def broken_call(text: str, tools: list[dict] | None = None) -> bool:
@@ -104,9 +119,16 @@ def canaries(texts: list[str], abstention_patterns: tuple[str, ...]) -> dict[str
     }
 
 
-def _generate(runner: Runner, name: str | None, episodes: list[LoggedEpisode], max_new_tokens: int,
-              temperature: float | None = 0.0, seed: int | None = None, reuse: bool = False,
-              batch_size: int = 64) -> list[Any]:
+def _generate(
+    runner: Runner,
+    name: str | None,
+    episodes: list[LoggedEpisode],
+    max_new_tokens: int,
+    temperature: float | None = 0.0,
+    seed: int | None = None,
+    reuse: bool = False,
+    batch_size: int = 64,
+) -> list[Any]:
     """One answer per episode's prompt, rendered with the tools it was served with; at
     `temperature` (None: each episode's own, as it was served)."""
     groups: dict[tuple[str, float], list[int]] = {}
@@ -115,8 +137,16 @@ def _generate(runner: Runner, name: str | None, episodes: list[LoggedEpisode], m
         groups.setdefault((json.dumps(e.tools, sort_keys=True), t), []).append(i)
     out: list[Any] = [None] * len(episodes)
     for (_, t), idx in groups.items():
-        gens = runner.generate(name, [episodes[i].prompt for i in idx], max_new_tokens=max_new_tokens, temperature=t,
-                               seed=seed, batch_size=batch_size, reuse=reuse, tools=episodes[idx[0]].tools)
+        gens = runner.generate(
+            name,
+            [episodes[i].prompt for i in idx],
+            max_new_tokens=max_new_tokens,
+            temperature=t,
+            seed=seed,
+            batch_size=batch_size,
+            reuse=reuse,
+            tools=episodes[idx[0]].tools,
+        )
         for i, g in zip(idx, gens):
             out[i] = g
     return out
@@ -135,23 +165,36 @@ def generation_sample(episodes: list[LoggedEpisode], n: int) -> list[LoggedEpiso
 
 def after_result(prompt: Any) -> bool:
     """The prompt's last message is a tool's result: the agent's call after a tool answered."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) \
-        and prompt[-1].get("role") == "tool"
+    return (
+        isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "tool"
+    )
 
 
 def tool_prompts(episodes: list[LoggedEpisode], per_kind: int) -> dict[str, list[LoggedEpisode]]:
     """Up to `per_kind` held-out episodes that offered tools, of each kind (metric name ->
     episodes), chosen by the hash generation_sample uses."""
     offered = [e for e in episodes if e.tools]
-    return {"tool_format_error_rate": generation_sample([e for e in offered if not after_result(e.prompt)], per_kind),
-            "tool_format_error_rate_after_result": generation_sample([e for e in offered if after_result(e.prompt)],
-                                                                     per_kind)}
+    return {
+        "tool_format_error_rate": generation_sample([e for e in offered if not after_result(e.prompt)], per_kind),
+        "tool_format_error_rate_after_result": generation_sample(
+            [e for e in offered if after_result(e.prompt)], per_kind
+        ),
+    }
 
 
-def _generate_report(runner: Runner, name: str | None, label: str, sample: list[LoggedEpisode], suite: Suite,
-                     patterns: tuple[str, ...], max_new_tokens: int, tools: dict[str, list[LoggedEpisode]],
-                     tool_samples: int, seed: int,
-                     load_error: str | None = None) -> tuple[EvalReport, dict[str, str]]:
+def _generate_report(
+    runner: Runner,
+    name: str | None,
+    label: str,
+    sample: list[LoggedEpisode],
+    suite: Suite,
+    patterns: tuple[str, ...],
+    max_new_tokens: int,
+    tools: dict[str, list[LoggedEpisode]],
+    tool_samples: int,
+    seed: int,
+    load_error: str | None = None,
+) -> tuple[EvalReport, dict[str, str]]:
     if load_error is not None:
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=load_error), {}
     suite_items = [LoggedEpisode(item.id, item.prompt, "") for item in suite.items]
@@ -166,25 +209,40 @@ def _generate_report(runner: Runner, name: str | None, label: str, sample: list[
         # the rest in batches (greedy: the same outputs, much faster)
         smoke = [g for e in everything[:3] for g in _generate(runner, name, [e], max_new_tokens, batch_size=1)]
         gens = smoke + _generate(runner, name, everything[3:], max_new_tokens, reuse=True)
-        sampled = {metric: _generate(runner, name, episodes, max_new_tokens, temperature=None, seed=seed)
-                   for metric, episodes in offered.items()}
+        sampled = {
+            metric: _generate(runner, name, episodes, max_new_tokens, temperature=None, seed=seed)
+            for metric, episodes in offered.items()
+        }
     except Exception as exc:  # noqa: BLE001 - any failure to generate is the smoke check failing
         return EvalReport(label, NOT_MEASURED, 0.0, smoke_ok=False, smoke_error=f"{type(exc).__name__}: {exc}"), {}
-    held, suite_out = gens[:len(sample)], gens[len(sample):]
+    held, suite_out = gens[: len(sample)], gens[len(sample) :]
     outputs = {item.id: g.text for item, g in zip(suite.items, suite_out)}
     metrics = canaries([g.text for g in held], patterns)
     for metric, episodes in offered.items():  # (no prompt of the kind: no call can break)
-        metrics[metric] = sum(broken_call(g.text, e.tools) for e, g in zip(episodes, sampled[metric])) \
-            / max(len(episodes), 1)
+        metrics[metric] = sum(broken_call(g.text, e.tools) for e, g in zip(episodes, sampled[metric])) / max(
+            len(episodes), 1
+        )
     metrics["smoke_latency_ms"] = statistics.median(g.latency_ms for g in smoke) if smoke else 0.0
     return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
 
 
-def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: list[LoggedEpisode], suite: Suite,
-             cfg: GateConfig, abstention_patterns: tuple[str, ...] = (), generate_prompts: int = 32,
-             max_new_tokens: int = 64, seed: int = 0, load_error: str | None = None,
-             champion_label: str | None = None, watch: Stopwatch | None = None,
-             max_seq_len: int | None = None, outcome: fresh.OutcomeScorer | None = None) -> Evaluation:
+def evaluate(
+    runner: Runner,
+    candidate: str,
+    champion: str | None,
+    episodes: list[LoggedEpisode],
+    suite: Suite,
+    cfg: GateConfig,
+    abstention_patterns: tuple[str, ...] = (),
+    generate_prompts: int = 32,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    load_error: str | None = None,
+    champion_label: str | None = None,
+    watch: Stopwatch | None = None,
+    max_seq_len: int | None = None,
+    outcome: fresh.OutcomeScorer | None = None,
+) -> Evaluation:
     """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
     `load_error`: the candidate's adapter did not load (the smoke check fails with it);
     `champion_label`: the champion's name in the report (default: its adapter name, or "base");
@@ -192,8 +250,13 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     episodes whose prompt alone is longer are left out (training skips them too); `outcome`: the
     outcome model (None: there is none yet) for the direct and doubly robust estimates."""
     watch = watch or Stopwatch()
-    excluded = {"no_behavior_logprobs": 0, "misaligned": 0, "unrenderable_prompts": 0, "empty_prompts": 0,
-                "too_long": 0}
+    excluded = {
+        "no_behavior_logprobs": 0,
+        "misaligned": 0,
+        "unrenderable_prompts": 0,
+        "empty_prompts": 0,
+        "too_long": 0,
+    }
     # a held-out prompt the chat template refuses, an empty one or one too long to run is the
     # data's fault, not the policies': left out and counted, so that it fails neither policy's
     # smoke check (nor exhausts memory) for as long as it sits in the window
@@ -211,11 +274,31 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     episodes = usable_prompts
     sample, tools = generation_sample(episodes, generate_prompts), tool_prompts(episodes, cfg.tool_prompts)
     with watch("generate"):
-        cand_report, cand_out = _generate_report(runner, candidate, "candidate", sample, suite, abstention_patterns,
-                                                 max_new_tokens, tools, cfg.tool_samples, seed, load_error)
-        champ_report, champ_out = _generate_report(runner, champion, champion_label or champion or "base", sample,
-                                                   suite, abstention_patterns, max_new_tokens, tools, cfg.tool_samples,
-                                                   seed)
+        cand_report, cand_out = _generate_report(
+            runner,
+            candidate,
+            "candidate",
+            sample,
+            suite,
+            abstention_patterns,
+            max_new_tokens,
+            tools,
+            cfg.tool_samples,
+            seed,
+            load_error,
+        )
+        champ_report, champ_out = _generate_report(
+            runner,
+            champion,
+            champion_label or champion or "base",
+            sample,
+            suite,
+            abstention_patterns,
+            max_new_tokens,
+            tools,
+            cfg.tool_samples,
+            seed,
+        )
     usable = [e for e in episodes if e.behavior_logprobs]
     excluded["no_behavior_logprobs"] = len(episodes) - len(usable)
     kl = float("nan")
@@ -228,25 +311,52 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
         usable = [usable[i] for i in keep]
         cand_lp, champ_lp = [cand_lp[i] for i in keep], [champ_lp[i] for i in keep]
     if not cand_report.smoke_ok or not usable:
-        return Evaluation(cand_report, champ_report, Comparison(NOT_MEASURED, float("nan")), 0, excluded,
-                          {"candidate": cand_out, "champion": champ_out})
+        return Evaluation(
+            cand_report,
+            champ_report,
+            Comparison(NOT_MEASURED, float("nan")),
+            0,
+            excluded,
+            {"candidate": cand_out, "champion": champ_out},
+        )
     behavior = [sum(e.behavior_logprobs) for e in usable]
     with watch("estimate"):
-        cand_est, champ_est, gain = compare(cand_lp, champ_lp, behavior, [e.reward for e in usable],
-                                            cap=cfg.sequence_ratio_cap, resamples=cfg.bootstrap,
-                                            confidence=cfg.confidence, seed=seed)
-    found = {"importance": Estimated("importance", gain, len(usable), {
-        "snis_candidate": cand_est.estimate.value, "snis_champion": champ_est.estimate.value,
-        "ess_candidate": cand_est.ess, "ess_champion": champ_est.ess,
-        "coverage_candidate": cand_est.coverage, "coverage_champion": champ_est.coverage})}
+        cand_est, champ_est, gain = compare(
+            cand_lp,
+            champ_lp,
+            behavior,
+            [e.reward for e in usable],
+            cap=cfg.sequence_ratio_cap,
+            resamples=cfg.bootstrap,
+            confidence=cfg.confidence,
+            seed=seed,
+        )
+    found = {
+        "importance": Estimated(
+            "importance",
+            gain,
+            len(usable),
+            {
+                "snis_candidate": cand_est.estimate.value,
+                "snis_champion": champ_est.estimate.value,
+                "ess_candidate": cand_est.ess,
+                "ess_champion": champ_est.ess,
+                "coverage_candidate": cand_est.coverage,
+                "coverage_champion": champ_est.coverage,
+            },
+        )
+    }
     missing = "is missing (none fitted yet)" if outcome is None else ("" if outcome.usable else outcome.why)
     if missing or not cfg.fresh_prompts:
         why = f"the outcome model {missing}" if missing else "gate.fresh_prompts is 0"
         found.update({name: Estimated(name, None, why_not=why) for name in NEEDS_OUTCOME_MODEL})
     else:
         with watch("fresh"):
-            found.update(fresh.estimates(runner, outcome, candidate, champion, episodes, usable, cand_lp, champ_lp,
-                                         cfg, sample_order, seed))
+            found.update(
+                fresh.estimates(
+                    runner, outcome, candidate, champion, episodes, usable, cand_lp, champ_lp, cfg, sample_order, seed
+                )
+            )
     choice = choose(found, cfg.estimator, cfg.fallback, missing)
     cand_report.reward, cand_report.ess = cand_est.estimate, cand_est.ess
     champ_report.reward, champ_report.ess = champ_est.estimate, champ_est.ess
@@ -255,7 +365,14 @@ def evaluate(runner: Runner, candidate: str, champion: str | None, episodes: lis
     # how much of each policy's probability the logged completions cover: below 1, mass the
     # estimate cannot see (see deploy/offpolicy.py); [gate.bounds.coverage] can require a minimum
     cand_report.metrics["coverage"], champ_report.metrics["coverage"] = cand_est.coverage, champ_est.coverage
-    comparison = Comparison(choice.improvement or NOT_MEASURED, kl, choice.estimator, choice.note,
-                            {name: e.to_dict() for name, e in found.items()}, choice.refused)
-    return Evaluation(cand_report, champ_report, comparison, len(usable), excluded,
-                      {"candidate": cand_out, "champion": champ_out})
+    comparison = Comparison(
+        choice.improvement or NOT_MEASURED,
+        kl,
+        choice.estimator,
+        choice.note,
+        {name: e.to_dict() for name, e in found.items()},
+        choice.refused,
+    )
+    return Evaluation(
+        cand_report, champ_report, comparison, len(usable), excluded, {"candidate": cand_out, "champion": champ_out}
+    )

@@ -31,8 +31,16 @@ FEEDBACK_KEY = ("request_id", "episode_id")  # a feedback event names one of the
 
 
 class EventSender:
-    def __init__(self, access: KafkaAccess | str, topic: str, key: str | tuple[str, ...], timeout_s: float = 15.0,
-                 spool: Spool | None = None, retry_s: float = 2.0, write_ahead: bool = False) -> None:
+    def __init__(
+        self,
+        access: KafkaAccess | str,
+        topic: str,
+        key: str | tuple[str, ...],
+        timeout_s: float = 15.0,
+        spool: Spool | None = None,
+        retry_s: float = 2.0,
+        write_ahead: bool = False,
+    ) -> None:
         """`access`: the brokers and their security (a bare "host:port": plaintext); `key`: the
         event field that keys the record (its partition), or fields of which the first one the
         event has keys it (feedback names a request or an episode); `timeout_s`: how long a send may wait
@@ -77,8 +85,10 @@ class EventSender:
                 raise PermissionError(f"Kafka refuses this producer ({type(exc).__name__}): {exc}") from None
             except Exception as exc:  # noqa: BLE001 - kafka errors of every kind: spooled
                 self._reset()
-                log.warning("the broker did not take an event; spooling until it is back", extra={
-                    "topic": self.topic, "spool": str(self.spool.dir), "error": f"{type(exc).__name__}: {exc}"})
+                log.warning(
+                    "the broker did not take an event; spooling until it is back",
+                    extra={"topic": self.topic, "spool": str(self.spool.dir), "error": f"{type(exc).__name__}: {exc}"},
+                )
         self.spool.append(self.topic, key, value)
         self.wake.set()
 
@@ -89,8 +99,9 @@ class EventSender:
         """The record sent, not yet acknowledged: `.get()` waits for the broker's ack."""
         if self.producer is None:
             ms = int(self.timeout_s * 1000)
-            self.producer = kafka_client.producer(self.access, acks="all", retries=5,
-                                                  request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
+            self.producer = kafka_client.producer(
+                self.access, acks="all", retries=5, request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms
+            )
         return _Ack(self.producer.send(topic, key=key, value=value), 2 * self.timeout_s)
 
     def _reset(self) -> None:
@@ -110,8 +121,12 @@ class EventSender:
             if self.stopped.is_set() or not self.spool.pending():
                 continue
             try:
-                sent = self.spool.drain(self._in_flight, batch=1 if self.one_by_one else 500,
-                                        permanent=refused_for_good, on_set_aside=self._reset)
+                sent = self.spool.drain(
+                    self._in_flight,
+                    batch=1 if self.one_by_one else 500,
+                    permanent=refused_for_good,
+                    on_set_aside=self._reset,
+                )
                 self.one_by_one, self.refused = False, None
                 if self.failing or not self.write_ahead:  # (write-ahead: every event passes here)
                     log.info("spooled events sent", extra={"topic": self.topic, "events": sent})
@@ -120,20 +135,25 @@ class EventSender:
                 self._reset()
                 self.one_by_one = True
                 self.wake.set()
-                log.warning("a batch was refused for good; sending one record at a time to set aside the one "
-                            "at fault", extra={"topic": self.topic, "error": str(exc)})
+                log.warning(
+                    "a batch was refused for good; sending one record at a time to set aside the one at fault",
+                    extra={"topic": self.topic, "error": str(exc)},
+                )
                 continue
             except kafka_client.REFUSALS as exc:  # wrong credentials or rights: loud, and told to the caller
                 self._reset()
                 self.failing, self.refused = True, f"{type(exc).__name__}: {exc}"
-                log.error("Kafka refuses this producer: spooled events wait until its settings are fixed", extra={
-                    "topic": self.topic, "spool": str(self.spool.dir), "error": self.refused})
+                log.error(
+                    "Kafka refuses this producer: spooled events wait until its settings are fixed",
+                    extra={"topic": self.topic, "spool": str(self.spool.dir), "error": self.refused},
+                )
                 continue
             except Exception as exc:  # noqa: BLE001 - the broker still away: the next try in retry_s
                 self._reset()
                 self.failing = True
-                log.warning("spooled events not sent yet", extra={"topic": self.topic,
-                                                                 "error": f"{type(exc).__name__}: {exc}"})
+                log.warning(
+                    "spooled events not sent yet", extra={"topic": self.topic, "error": f"{type(exc).__name__}: {exc}"}
+                )
                 continue
             if self.write_ahead:
                 # what arrives meanwhile goes out as one batch (and one spool segment), not one by one
@@ -152,8 +172,9 @@ class EventSender:
 def refused_for_good(exc: Exception) -> bool:
     """The broker (or the producer before it) will never take this record, however often it is
     sent: larger than max_request_size / the topic's max.message.bytes, or invalid."""
-    return isinstance(exc, (kerrors.MessageSizeTooLargeError, kerrors.RecordListTooLargeError,
-                            kerrors.InvalidRecordError))
+    return isinstance(
+        exc, (kerrors.MessageSizeTooLargeError, kerrors.RecordListTooLargeError, kerrors.InvalidRecordError)
+    )
 
 
 class _Ack:

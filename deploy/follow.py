@@ -43,21 +43,34 @@ def current(registry: Any, alias: str) -> ModelUpdate:
     if not _VERSION_ID.fullmatch(v.version):
         raise ValueError(f"registry version {v.version!r} of {alias} is not a plain version id; not served")
     share = float(v.tags.get("rollout.share", 0.0)) if alias == "canary" else 0.0
-    return ModelUpdate(alias, v.version, v.source, share=share, name=registry.name,
-                       base_model=v.tags.get("base_model"), run_id=v.run_id)
+    return ModelUpdate(
+        alias,
+        v.version,
+        v.source,
+        share=share,
+        name=registry.name,
+        base_model=v.tags.get("base_model"),
+        run_id=v.run_id,
+    )
 
 
 class Follower:
-    def __init__(self, access: KafkaAccess | str, topic: str, model_name: str,
-                 on_update: Callable[[ModelUpdate], None], resolve: Callable[[str], ModelUpdate],
-                 aliases: tuple[str, ...] = ("champion",), retry_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        access: KafkaAccess | str,
+        topic: str,
+        model_name: str,
+        on_update: Callable[[ModelUpdate], None],
+        resolve: Callable[[str], ModelUpdate],
+        aliases: tuple[str, ...] = ("champion",),
+        retry_s: float = 5.0,
+    ) -> None:
         """`resolve(alias)`: the registry's state of an alias (`current` with a registry)."""
         self.model_name, self.on_update, self.resolve, self.aliases = model_name, on_update, resolve, aliases
         self.retry_s, self.stale = retry_s, set()  # aliases to read again
         self.next_try: dict[str, float] = {}  # an alias's next try after a failure
         self.failures: dict[str, int] = {}  # an alias's failures in a row (its backoff's exponent)
-        self.consumer = kafka_client.consumer(access, group_id=None, enable_auto_commit=False,
-                                              consumer_timeout_ms=500)
+        self.consumer = kafka_client.consumer(access, group_id=None, enable_auto_commit=False, consumer_timeout_ms=500)
         partitions = self.consumer.partitions_for_topic(topic) or {0}
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         self.consumer.assign(tps)
@@ -84,8 +97,10 @@ class Follower:
         try:
             event = ModelUpdate.from_json(raw)
         except ValueError as exc:  # json's decode error is one too
-            log.error("unreadable model-update event ignored", extra={"raw": raw[:200].decode(errors="replace"),
-                                                                     "error": str(exc)})
+            log.error(
+                "unreadable model-update event ignored",
+                extra={"raw": raw[:200].decode(errors="replace"), "error": str(exc)},
+            )
             return
         if event.name != self.model_name or event.alias not in self.aliases:
             return
@@ -111,8 +126,12 @@ class Follower:
             except Exception as exc:  # noqa: BLE001 - a bad adapter must not stop following
                 # a load that failed once (vLLM busy, a download cut) must not leave serving on
                 # the previous version until the next move
-                self._back_off(alias, "model update not applied; still serving the previous version, trying again",
-                               update.version, exc)
+                self._back_off(
+                    alias,
+                    "model update not applied; still serving the previous version, trying again",
+                    update.version,
+                    exc,
+                )
                 continue
             self.stale.discard(alias)
             self.failures.pop(alias, None)
@@ -122,8 +141,15 @@ class Follower:
         self.failures[alias] = min(self.failures.get(alias, 0) + 1, 6)
         wait = min(self.retry_s * 2 ** (self.failures[alias] - 1), 60.0)
         self.next_try[alias] = time.monotonic() + wait
-        log.error(message, extra={"alias": alias, "version": version, "retry_in_s": round(wait, 1),
-                                  "error": f"{type(exc).__name__}: {exc}"})
+        log.error(
+            message,
+            extra={
+                "alias": alias,
+                "version": version,
+                "retry_in_s": round(wait, 1),
+                "error": f"{type(exc).__name__}: {exc}",
+            },
+        )
 
     def close(self) -> None:
         self.stop.set()

@@ -44,8 +44,9 @@ def fresh_prompts(episodes: list[LoggedEpisode], n: int, order: Any) -> list[Log
     return sorted(episodes, key=order)[:n]
 
 
-def answer(runner: Any, name: str | None, prompts: list[LoggedEpisode], samples: int, max_new_tokens: int,
-           seed: int) -> list[list[LoggedEpisode]]:
+def answer(
+    runner: Any, name: str | None, prompts: list[LoggedEpisode], samples: int, max_new_tokens: int, seed: int
+) -> list[list[LoggedEpisode]]:
     """[P][K] each prompt's K fresh answers by policy `name`, as episodes to score."""
     groups: dict[tuple[str, float, float], list[int]] = {}
     for i, e in enumerate(prompts):
@@ -53,13 +54,28 @@ def answer(runner: Any, name: str | None, prompts: list[LoggedEpisode], samples:
     out: list[list[LoggedEpisode]] = [[] for _ in prompts]
     for (_, temperature, top_p), idx in groups.items():
         asked = [i for i in idx for _ in range(samples)]
-        gens = runner.generate(name, [prompts[i].prompt for i in asked], max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed, batch_size=64,
-                               tools=prompts[idx[0]].tools)
+        gens = runner.generate(
+            name,
+            [prompts[i].prompt for i in asked],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            batch_size=64,
+            tools=prompts[idx[0]].tools,
+        )
         for i, g in zip(asked, gens):
             e = prompts[i]
-            out[i].append(LoggedEpisode(f"{e.request_id}/fresh", e.prompt, g.text, list(g.token_ids) or None,
-                                        temperature=e.temperature, tools=e.tools))
+            out[i].append(
+                LoggedEpisode(
+                    f"{e.request_id}/fresh",
+                    e.prompt,
+                    g.text,
+                    list(g.token_ids) or None,
+                    temperature=e.temperature,
+                    tools=e.tools,
+                )
+            )
     return out
 
 
@@ -68,14 +84,24 @@ def _scored(outcome: OutcomeScorer, answers: list[list[LoggedEpisode]]) -> np.nd
     scores = outcome.score(flat)
     rows, k = [], 0
     for row in answers:
-        rows.append(scores[k:k + len(row)])
+        rows.append(scores[k : k + len(row)])
         k += len(row)
     return prompt_means(rows)  # [P]
 
 
-def estimates(runner: Any, outcome: OutcomeScorer, candidate: str, champion: str | None,
-              episodes: list[LoggedEpisode], logged: list[LoggedEpisode], candidate_logp: list[float],
-              champion_logp: list[float], cfg: GateConfig, order: Any, seed: int = 0) -> dict[str, Estimated]:
+def estimates(
+    runner: Any,
+    outcome: OutcomeScorer,
+    candidate: str,
+    champion: str | None,
+    episodes: list[LoggedEpisode],
+    logged: list[LoggedEpisode],
+    candidate_logp: list[float],
+    champion_logp: list[float],
+    cfg: GateConfig,
+    order: Any,
+    seed: int = 0,
+) -> dict[str, Estimated]:
     """The direct and doubly robust estimates. `episodes`: the held-out episodes whose prompts
     may be answered; `logged`: those with both policies' log-probs of the logged answer
     (aligned with `candidate_logp`, `champion_logp`)."""
@@ -98,8 +124,16 @@ def estimates(runner: Any, outcome: OutcomeScorer, candidate: str, champion: str
     v_c = np.array([value(cand, e) for e in logged])
     v_h = np.array([value(champ, e) for e in logged])
     found["doubly_robust"] = doubly_robust(
-        v_c, v_h, np.array([nan if v is None else v for v in q]), np.array([e.reward for e in logged]),
-        np.array(candidate_logp, dtype=float), np.array(champion_logp, dtype=float),
-        np.array([sum(e.behavior_logprobs or [nan]) for e in logged]), cfg.sequence_ratio_cap, cfg.bootstrap,
-        cfg.confidence, seed)
+        v_c,
+        v_h,
+        np.array([nan if v is None else v for v in q]),
+        np.array([e.reward for e in logged]),
+        np.array(candidate_logp, dtype=float),
+        np.array(champion_logp, dtype=float),
+        np.array([sum(e.behavior_logprobs or [nan]) for e in logged]),
+        cfg.sequence_ratio_cap,
+        cfg.bootstrap,
+        cfg.confidence,
+        seed,
+    )
     return found

@@ -82,8 +82,11 @@ class Decision:
         return [c.detail for c in self.checks if not c.passed]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "first_deployment": self.first_deployment,
-                "checks": [asdict(c) for c in self.checks]}
+        return {
+            "passed": self.passed,
+            "first_deployment": self.first_deployment,
+            "checks": [asdict(c) for c in self.checks],
+        }
 
 
 # Metrics a first deployment is not compared on: the base model serves with no adapter, so a
@@ -92,8 +95,14 @@ class Decision:
 ADAPTER_COST_METRICS = ("smoke_latency_ms",)
 
 
-def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | None,
-                  no_baseline: str = "no champion to compare with", champion_measured: bool = False) -> list[Check]:
+def _bound_checks(
+    name: str,
+    bound: Bound,
+    cand: float | None,
+    champ: float | None,
+    no_baseline: str = "no champion to compare with",
+    champion_measured: bool = False,
+) -> list[Check]:
     """`champion_measured`: there is a champion, so a missing value of it is a failure to
     measure (fail closed), not the absence of a baseline."""
     key = f"bound:{name}"
@@ -104,9 +113,12 @@ def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | No
         out.append(Check(key, cand >= bound.min, f"{name} {cand:.4g} (min {bound.min:.4g})", cand, bound.min))
     if bound.max is not None:
         out.append(Check(key, cand <= bound.max, f"{name} {cand:.4g} (max {bound.max:.4g})", cand, bound.max))
-    changes = [("max_increase", lambda: cand - champ), ("max_decrease", lambda: champ - cand),
-               ("max_rel_increase", lambda: (cand - champ) / abs(champ)),
-               ("max_rel_decrease", lambda: (champ - cand) / abs(champ))]
+    changes = [
+        ("max_increase", lambda: cand - champ),
+        ("max_decrease", lambda: champ - cand),
+        ("max_rel_increase", lambda: (cand - champ) / abs(champ)),
+        ("max_rel_decrease", lambda: (champ - cand) / abs(champ)),
+    ]
     for attr, change in changes:
         limit = getattr(bound, attr)
         if limit is None:
@@ -121,64 +133,138 @@ def _bound_checks(name: str, bound: Bound, cand: float | None, champ: float | No
             out.append(Check(key, True, f"{name} {attr}: the champion's value is 0", applicable=False))
             continue
         delta = change()
-        out.append(Check(key, delta <= limit, f"{name} {attr.removeprefix('max_').replace('_', ' ')} "
-                                              f"{delta:.4g} vs champion {champ:.4g} (limit {limit:.4g})", delta, limit))
+        out.append(
+            Check(
+                key,
+                delta <= limit,
+                f"{name} {attr.removeprefix('max_').replace('_', ' ')} "
+                f"{delta:.4g} vs champion {champ:.4g} (limit {limit:.4g})",
+                delta,
+                limit,
+            )
+        )
     return out
 
 
-def decide(candidate: EvalReport, champion: EvalReport | None, comparison: Comparison | None,
-           cfg: GateConfig, first: bool = False) -> Decision:
+def decide(
+    candidate: EvalReport,
+    champion: EvalReport | None,
+    comparison: Comparison | None,
+    cfg: GateConfig,
+    first: bool = False,
+) -> Decision:
     """`champion` None: the first deployment without a baseline; `first` with a champion report:
     the first deployment compared with the base model (first_deployment = "base")."""
     first = first or champion is None
     by_importance = comparison is None or comparison.estimator == "importance"
     checks = [
-        Check("smoke", candidate.smoke_ok, "candidate loads and generates" if candidate.smoke_ok
-              else f"candidate failed to load or generate: {candidate.smoke_error}"),
-        Check("ess", candidate.ess >= cfg.min_ess,
-              f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})", candidate.ess, cfg.min_ess)
-        if by_importance else
-        Check("ess", True, f"effective sample size {candidate.ess:.1f} of importance sampling, which does not decide "
-              f"({comparison.estimator} does)", candidate.ess, cfg.min_ess, applicable=False),
+        Check(
+            "smoke",
+            candidate.smoke_ok,
+            "candidate loads and generates"
+            if candidate.smoke_ok
+            else f"candidate failed to load or generate: {candidate.smoke_error}",
+        ),
+        Check(
+            "ess",
+            candidate.ess >= cfg.min_ess,
+            f"effective sample size {candidate.ess:.1f} (min {cfg.min_ess:.1f})",
+            candidate.ess,
+            cfg.min_ess,
+        )
+        if by_importance
+        else Check(
+            "ess",
+            True,
+            f"effective sample size {candidate.ess:.1f} of importance sampling, which does not decide "
+            f"({comparison.estimator} does)",
+            candidate.ess,
+            cfg.min_ess,
+            applicable=False,
+        ),
     ]
     if champion is None:
-        checks.append(Check("first_deployment", cfg.first_deployment != "refuse",
-                            "no champion: gated on absolute limits" if cfg.first_deployment != "refuse"
-                            else "no champion and gate.first_deployment = 'refuse': promote by hand"))
+        checks.append(
+            Check(
+                "first_deployment",
+                cfg.first_deployment != "refuse",
+                "no champion: gated on absolute limits"
+                if cfg.first_deployment != "refuse"
+                else "no champion and gate.first_deployment = 'refuse': promote by hand",
+            )
+        )
         checks.append(Check("improvement", True, "no champion to improve on", applicable=False))
         checks.append(Check("kl", True, "no champion to diverge from", applicable=False))
         failing = sorted(k for k, ok in candidate.regression.items() if not ok)
-        checks.append(Check("regression", not failing, f"regression items failing: {', '.join(failing)}" if failing
-                            else f"all {len(candidate.regression)} regression items pass"))
+        checks.append(
+            Check(
+                "regression",
+                not failing,
+                f"regression items failing: {', '.join(failing)}"
+                if failing
+                else f"all {len(candidate.regression)} regression items pass",
+            )
+        )
     else:
         if first:
             checks.append(Check("first_deployment", True, "no champion: compared with the base model"))
         if not champion.smoke_ok:
-            checks.append(Check("champion_measured", False, f"the {'base model' if first else 'champion'} failed to "
-                                f"generate ({champion.smoke_error}): no comparison is possible; fix it or promote "
-                                "by hand"))
+            checks.append(
+                Check(
+                    "champion_measured",
+                    False,
+                    f"the {'base model' if first else 'champion'} failed to "
+                    f"generate ({champion.smoke_error}): no comparison is possible; fix it or promote "
+                    "by hand",
+                )
+            )
         if comparison is None:
             checks.append(Check("improvement", False, "no comparison with the champion was measured"))
         else:
             if comparison.note:  # a fallback (passes, and says so) or a refusal for want of an estimator
                 checks.append(Check("estimator", not comparison.refused, comparison.note))
             lcb = comparison.improvement.low
-            checks.append(Check("improvement", lcb > cfg.min_improvement,
-                                f"reward improvement {comparison.improvement.value:+.4f}, lower bound {lcb:+.4f} "
-                                f"(must exceed {cfg.min_improvement:+.4f}; {comparison.estimator})", lcb,
-                                cfg.min_improvement))
-            checks.append(Check("kl", comparison.kl <= cfg.max_kl,
-                                f"KL(champion || candidate) {comparison.kl:.4f} per token (max {cfg.max_kl:.4f})",
-                                comparison.kl, cfg.max_kl))
+            checks.append(
+                Check(
+                    "improvement",
+                    lcb > cfg.min_improvement,
+                    f"reward improvement {comparison.improvement.value:+.4f}, lower bound {lcb:+.4f} "
+                    f"(must exceed {cfg.min_improvement:+.4f}; {comparison.estimator})",
+                    lcb,
+                    cfg.min_improvement,
+                )
+            )
+            checks.append(
+                Check(
+                    "kl",
+                    comparison.kl <= cfg.max_kl,
+                    f"KL(champion || candidate) {comparison.kl:.4f} per token (max {cfg.max_kl:.4f})",
+                    comparison.kl,
+                    cfg.max_kl,
+                )
+            )
         newly = sorted(k for k, ok in candidate.regression.items() if not ok and champion.regression.get(k, True))
-        checks.append(Check("regression", not newly, f"regression items newly failing: {', '.join(newly)}" if newly
-                            else "no regression item newly failing"))
+        checks.append(
+            Check(
+                "regression",
+                not newly,
+                f"regression items newly failing: {', '.join(newly)}" if newly else "no regression item newly failing",
+            )
+        )
     for name, bound in sorted(cfg.bounds.items()):
         if first and name in ADAPTER_COST_METRICS:
-            checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), None,
-                                        "the base model serves without an adapter (compared from the next deployment)"))
+            checks.extend(
+                _bound_checks(
+                    name,
+                    bound,
+                    candidate.metrics.get(name),
+                    None,
+                    "the base model serves without an adapter (compared from the next deployment)",
+                )
+            )
             continue
         champ = champion.metrics.get(name) if champion else None
-        checks.extend(_bound_checks(name, bound, candidate.metrics.get(name), champ,
-                                    champion_measured=champion is not None))
+        checks.extend(
+            _bound_checks(name, bound, candidate.metrics.get(name), champ, champion_measured=champion is not None)
+        )
     return Decision(passed=all(c.passed for c in checks), checks=checks, first_deployment=first)

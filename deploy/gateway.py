@@ -75,10 +75,20 @@ Emit = Callable[[dict[str, Any]], None]
 class Gateway:
     """The routing state (champion, canary) and the events' way out."""
 
-    def __init__(self, upstream: str, model_name: str, emit_interaction: Emit | None, emit_feedback: Emit | None,
-                 default_tenant: str = "default", timeout_s: float = 120.0, blocking: bool = False,
-                 ingest_token: str | None = None, routing_secret: str = "", max_body_bytes: int = 16 << 20,
-                 body_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        model_name: str,
+        emit_interaction: Emit | None,
+        emit_feedback: Emit | None,
+        default_tenant: str = "default",
+        timeout_s: float = 120.0,
+        blocking: bool = False,
+        ingest_token: str | None = None,
+        routing_secret: str = "",
+        max_body_bytes: int = 16 << 20,
+        body_timeout_s: float = 30.0,
+    ) -> None:
         """`blocking`: the events' spool blocks when full (spool.when_full = "block");
         `ingest_token`: what /v1/feedback and /v1/interactions require as `Authorization: Bearer`
         (None: those routes are off); `routing_secret`: salts the canary's hash (the same for every
@@ -104,22 +114,36 @@ class Gateway:
         # request ids and (tenant, episode id)s answered: feedback for others is counted
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.metrics = CollectorRegistry()
-        self.requests = Counter("rtrl_gateway_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
-                                registry=self.metrics)
-        self.events = Counter("rtrl_gateway_events", "Events by type and outcome (sent, or lost: neither Kafka "
-                              "nor the spool took it)", ["type", "outcome"], registry=self.metrics)
-        self.unknown = Counter("rtrl_gateway_feedback_unknown_request", "Feedback for a request or episode id this "
-                               "gateway did not answer (accepted: the join handles any order)", registry=self.metrics)
-        self.routing_settled = Gauge("rtrl_gateway_routing_settled", "1 when routing is the registry's; 0 while "
-                                     "the upstream does not serve a version the registry moved to",
-                                     registry=self.metrics)
+        self.requests = Counter(
+            "rtrl_gateway_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=self.metrics
+        )
+        self.events = Counter(
+            "rtrl_gateway_events",
+            "Events by type and outcome (sent, or lost: neither Kafka nor the spool took it)",
+            ["type", "outcome"],
+            registry=self.metrics,
+        )
+        self.unknown = Counter(
+            "rtrl_gateway_feedback_unknown_request",
+            "Feedback for a request or episode id this gateway did not answer (accepted: the join handles any order)",
+            registry=self.metrics,
+        )
+        self.routing_settled = Gauge(
+            "rtrl_gateway_routing_settled",
+            "1 when routing is the registry's; 0 while the upstream does not serve a version the registry moved to",
+            registry=self.metrics,
+        )
         self.emit_interaction = emit_interaction
         # whether the upstream's log-probs are those of the distribution it sampled from
         # (deploy/gateway_sampling.py): set by check_logprobs(), at start-up
         self.logprobs_mode: LogprobsMode = "unknown"
-        self.logprobs_gauge = Gauge("rtrl_gateway_upstream_logprobs_processed", "1: the upstream returns the sampled "
-                                    "distribution's log-probs; 0: raw ones (kept only at temperature 1); -1: not "
-                                    "known yet", registry=self.metrics)
+        self.logprobs_gauge = Gauge(
+            "rtrl_gateway_upstream_logprobs_processed",
+            "1: the upstream returns the sampled "
+            "distribution's log-probs; 0: raw ones (kept only at temperature 1); -1: not "
+            "known yet",
+            registry=self.metrics,
+        )
         self.logprobs_gauge.set(-1.0)
 
     def check_logprobs(self) -> LogprobsMode:
@@ -134,16 +158,25 @@ class Gateway:
             for prompt in PROBE_PROMPTS:
                 got = []
                 for temperature in PROBE_TEMPERATURES:
-                    body = {"model": base, "prompt": prompt, "max_tokens": 1, "temperature": temperature,
-                            "seed": 0, "logprobs": 0, "return_tokens_as_token_ids": True}
+                    body = {
+                        "model": base,
+                        "prompt": prompt,
+                        "max_tokens": 1,
+                        "temperature": temperature,
+                        "seed": 0,
+                        "logprobs": 0,
+                        "return_tokens_as_token_ids": True,
+                    }
                     answer = self.http.post(f"{self.upstream}/v1/completions", json=body, timeout=self.timeout_s)
                     answer.raise_for_status()
                     lp = answer.json()["choices"][0]["logprobs"]
                     got.append((lp["tokens"][0], float(lp["token_logprobs"][0])))
                 samples.append(got)
         except Exception as exc:  # noqa: BLE001 - any failure leaves it unknown, said in the log
-            log.warning("the upstream's log-probs could not be probed", extra={
-                "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
+            log.warning(
+                "the upstream's log-probs could not be probed",
+                extra={"upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"},
+            )
         self.logprobs_mode = classify_probe(samples)
         self.logprobs_gauge.set({"processed": 1.0, "raw": 0.0}.get(self.logprobs_mode, -1.0))
         return self.logprobs_mode
@@ -159,7 +192,8 @@ class Gateway:
                 del self._sessions[old]  # (their connections went with their loop)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
             session = self._sessions[loop] = aiohttp.ClientSession(  # (a stream's line may be long: a
-                timeout=timeout, connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 22)  # chunk of ids)
+                timeout=timeout, connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 22
+            )  # chunk of ids)
         return session
 
     def on_update(self, ev: ModelUpdate) -> None:
@@ -194,8 +228,10 @@ class Gateway:
             served = {m["id"] for m in listed}
             self.base_model = _base_of(listed) or self.base_model
         except Exception as exc:  # noqa: BLE001 - the upstream away or odd: routes stay, tried again
-            log.warning("the upstream's models not read; routing unchanged", extra={
-                "upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"})
+            log.warning(
+                "the upstream's models not read; routing unchanged",
+                extra={"upstream": self.upstream, "error": f"{type(exc).__name__}: {exc}"},
+            )
             return False
         with self._lock:
             before = (self.champion, self.canary, self.canary_share)
@@ -212,17 +248,25 @@ class Gateway:
             settled = self.champion == wanted and self.canary == (version if version != wanted else None)
             after = (self.champion, self.canary, self.canary_share)
         if after != before:
-            log.info("routing updated", extra={"champion": self.champion, "canary": self.canary,
-                                                "share": self.canary_share})
+            log.info(
+                "routing updated", extra={"champion": self.champion, "canary": self.canary, "share": self.canary_share}
+            )
         if not settled:
-            log.info("waiting for the upstream to serve the registry's version", extra={
-                "champion": wanted, "canary": version, "routed_champion": self.champion,
-                "routed_canary": self.canary})
+            log.info(
+                "waiting for the upstream to serve the registry's version",
+                extra={
+                    "champion": wanted,
+                    "canary": version,
+                    "routed_champion": self.champion,
+                    "routed_canary": self.canary,
+                },
+            )
         self.routing_settled.set(1.0 if settled else 0.0)
         return settled
 
     def poll(self, interval_s: float, stop: threading.Event) -> threading.Thread:
         """Reconcile every `interval_s` until `stop` (a thread of its own: the event loop never waits)."""
+
         def run() -> None:
             last_probe = time.monotonic()
             while not stop.wait(interval_s):
@@ -230,9 +274,12 @@ class Gateway:
                 if self.logprobs_mode == "unknown" and time.monotonic() - last_probe >= 30.0:
                     last_probe = time.monotonic()  # the upstream was away at start-up: probe again
                     if self.check_logprobs() == "raw":
-                        log.error("the upstream returns raw log-probs: answers away from temperature 1 are kept "
-                                  "without them; start vLLM with --logprobs-mode processed_logprobs",
-                                  extra={"upstream": self.upstream})
+                        log.error(
+                            "the upstream returns raw log-probs: answers away from temperature 1 are kept "
+                            "without them; start vLLM with --logprobs-mode processed_logprobs",
+                            extra={"upstream": self.upstream},
+                        )
+
         thread = threading.Thread(target=run, name="gateway-routes", daemon=True)
         thread.start()
         return thread
@@ -293,8 +340,10 @@ class Gateway:
                 emit(event)
         except Exception as exc:  # noqa: BLE001 - a full spool: counted and logged, the gateway goes on
             self.events.labels(kind, "lost").inc()
-            log.error("event not delivered", extra={"type": kind, "request_id": event.get("request_id"),
-                                                    "error": f"{type(exc).__name__}: {exc}"})
+            log.error(
+                "event not delivered",
+                extra={"type": kind, "request_id": event.get("request_id"), "error": f"{type(exc).__name__}: {exc}"},
+            )
             return False
         self.events.labels(kind, "sent").inc()
         return True

@@ -79,8 +79,11 @@ class ChoiceRecord:
         fn = fragment.get("function") or {}
         call = self.calls.get(k)
         if call is None:
-            self.calls[k] = {"id": fragment.get("id"), "type": fragment.get("type") or "function",
-                             "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}}
+            self.calls[k] = {
+                "id": fragment.get("id"),
+                "type": fragment.get("type") or "function",
+                "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""},
+            }
             return
         if fragment.get("id") and not call["id"]:
             call["id"] = fragment["id"]
@@ -105,7 +108,9 @@ class ChoiceRecord:
     @classmethod
     def of_choice(cls, choice: dict[str, Any], chat: bool) -> ChoiceRecord:
         """A whole (unstreamed) choice."""
-        record = cls(choice_index(choice), finish_reason=choice.get("finish_reason"), ids=_ints(choice.get("token_ids")))
+        record = cls(
+            choice_index(choice), finish_reason=choice.get("finish_reason"), ids=_ints(choice.get("token_ids"))
+        )
         if chat:
             message = choice.get("message") or {}
             record.text.append(message.get("content") or "")

@@ -60,9 +60,17 @@ def not_recomputable(body: dict[str, Any]) -> str | None:
     if choice == "required" or isinstance(choice, dict):
         return "a forced tool_choice constrains the tokens (a grammar)"
     tools = body.get("tools") or ()
-    if tools and choice != "none" and (body.get("parallel_tool_calls") is False or any(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict")
-            for t in tools)):
+    if (
+        tools
+        and choice != "none"
+        and (
+            body.get("parallel_tool_calls") is False
+            or any(
+                isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict")
+                for t in tools
+            )
+        )
+    ):
         return "strict tools or parallel_tool_calls=false constrain the tokens (vLLM's structural tag)"
     return None
 

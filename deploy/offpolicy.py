@@ -63,7 +63,7 @@ def ipw(weights: np.ndarray, rewards: np.ndarray) -> float:
 
 
 def ess(weights: np.ndarray) -> float:
-    return float(weights.sum() ** 2 / max((weights ** 2).sum(), 1e-300))
+    return float(weights.sum() ** 2 / max((weights**2).sum(), 1e-300))
 
 
 def _interval(samples: np.ndarray, point: float, confidence: float) -> Estimate:
@@ -72,25 +72,41 @@ def _interval(samples: np.ndarray, point: float, confidence: float) -> Estimate:
     return Estimate(float(point), float(low), float(high))
 
 
-def compare(candidate_logp: Sequence[float], champion_logp: Sequence[float], behavior_logp: Sequence[float],
-            rewards: Sequence[float], cap: float = 20.0, resamples: int = 1000, confidence: float = 0.95,
-            seed: int = 0) -> tuple[OffPolicy, OffPolicy, Estimate]:
+def compare(
+    candidate_logp: Sequence[float],
+    champion_logp: Sequence[float],
+    behavior_logp: Sequence[float],
+    rewards: Sequence[float],
+    cap: float = 20.0,
+    resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[OffPolicy, OffPolicy, Estimate]:
     """(candidate, champion, improvement = candidate - champion), each with a percentile
     bootstrap interval; sequence log-probs are sums over the completion's tokens. The policies'
     estimates are SNIS; the improvement is SNIS's or plain IS's, whichever bound is lower."""
-    cand, champ, gain_snis, gain_ipw = compare_each(candidate_logp, champion_logp, behavior_logp, rewards, cap,
-                                                    resamples, confidence, seed)
+    cand, champ, gain_snis, gain_ipw = compare_each(
+        candidate_logp, champion_logp, behavior_logp, rewards, cap, resamples, confidence, seed
+    )
     return cand, champ, min(gain_snis, gain_ipw, key=lambda g: g.low)
 
 
-def compare_each(candidate_logp: Sequence[float], champion_logp: Sequence[float], behavior_logp: Sequence[float],
-                 rewards: Sequence[float], cap: float = 20.0, resamples: int = 1000, confidence: float = 0.95,
-                 seed: int = 0) -> tuple[OffPolicy, OffPolicy, Estimate, Estimate]:
+def compare_each(
+    candidate_logp: Sequence[float],
+    champion_logp: Sequence[float],
+    behavior_logp: Sequence[float],
+    rewards: Sequence[float],
+    cap: float = 20.0,
+    resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[OffPolicy, OffPolicy, Estimate, Estimate]:
     """compare()'s candidate and champion, with the improvement by SNIS and by plain IS apart."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(r) == 0:
-        raise ValueError("no held-out episodes to evaluate on: ingest and reward more traffic, "
-                         "or lower gate holdout settings")
+        raise ValueError(
+            "no held-out episodes to evaluate on: ingest and reward more traffic, or lower gate holdout settings"
+        )
     mu = np.asarray(behavior_logp, dtype=np.float64)
     w_cand = clipped_weights(np.asarray(candidate_logp, dtype=np.float64), mu, cap)
     w_champ = clipped_weights(np.asarray(champion_logp, dtype=np.float64), mu, cap)
@@ -98,8 +114,12 @@ def compare_each(candidate_logp: Sequence[float], champion_logp: Sequence[float]
     boot_cand, boot_champ = snis(w_cand[idx], r[idx]), snis(w_champ[idx], r[idx])  # [R]
     v_cand, v_champ = snis(w_cand, r), snis(w_champ, r)
     gain_snis = _interval(boot_cand - boot_champ, v_cand - v_champ, confidence)
-    gain_ipw = _interval(ipw(w_cand[idx], r[idx]) - ipw(w_champ[idx], r[idx]),
-                         float(ipw(w_cand, r) - ipw(w_champ, r)), confidence)
-    return (OffPolicy(_interval(boot_cand, v_cand, confidence), ess(w_cand), float(w_cand.mean())),
-            OffPolicy(_interval(boot_champ, v_champ, confidence), ess(w_champ), float(w_champ.mean())),
-            gain_snis, gain_ipw)
+    gain_ipw = _interval(
+        ipw(w_cand[idx], r[idx]) - ipw(w_champ[idx], r[idx]), float(ipw(w_cand, r) - ipw(w_champ, r)), confidence
+    )
+    return (
+        OffPolicy(_interval(boot_cand, v_cand, confidence), ess(w_cand), float(w_cand.mean())),
+        OffPolicy(_interval(boot_champ, v_champ, confidence), ess(w_champ), float(w_champ.mean())),
+        gain_snis,
+        gain_ipw,
+    )

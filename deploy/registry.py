@@ -66,47 +66,84 @@ class Registry(RegistryReader):
     # --- writing -------------------------------------------------------------------------
     def register(self, tracking_run_id: str, tags: dict[str, Any]) -> Version:
         """A new version from the run's `adapter` artifact, aliased `candidate`."""
+
         def create() -> Any:
             try:
                 self.client.get_registered_model(self.name)
             except MlflowException:
                 self.client.create_registered_model(self.name, description="LoRA adapters trained by rtrl")
             source = f"runs:/{tracking_run_id}/adapter"
-            return self.client.create_model_version(self.name, source, run_id=tracking_run_id,
-                                                    tags={k: str(v) for k, v in tags.items()})
+            return self.client.create_model_version(
+                self.name, source, run_id=tracking_run_id, tags={k: str(v) for k, v in tags.items()}
+            )
+
         mv = self._call("registering the candidate", create)
-        self._call("setting the candidate alias",
-                   lambda: self.client.set_registered_model_alias(self.name, CANDIDATE, mv.version))
+        self._call(
+            "setting the candidate alias",
+            lambda: self.client.set_registered_model_alias(self.name, CANDIDATE, mv.version),
+        )
         return self.get(mv.version)
 
     def tag(self, version: str, tags: dict[str, Any]) -> None:
         for key, value in tags.items():
-            self._call(f"tagging version {version}",
-                       lambda k=key, v=value: self.client.set_model_version_tag(self.name, version, k, str(v)[:5000]))
+            self._call(
+                f"tagging version {version}",
+                lambda k=key, v=value: self.client.set_model_version_tag(self.name, version, k, str(v)[:5000]),
+            )
 
-    def record_decision(self, version: str, champion: str | None, run_id: str | None, decision: Decision,
-                        report: dict[str, Any]) -> None:
-        audit.record_decision(self.engine, self.name, version, champion, run_id, decision.passed,
-                              {"decision": decision.to_dict(), **report}, fence=self.fence)
-        numbers = [{"check": c.name, "value": round(c.value, 6), "limit": c.limit}
-                   for c in decision.checks if c.value is not None]
+    def record_decision(
+        self, version: str, champion: str | None, run_id: str | None, decision: Decision, report: dict[str, Any]
+    ) -> None:
+        audit.record_decision(
+            self.engine,
+            self.name,
+            version,
+            champion,
+            run_id,
+            decision.passed,
+            {"decision": decision.to_dict(), **report},
+            fence=self.fence,
+        )
+        numbers = [
+            {"check": c.name, "value": round(c.value, 6), "limit": c.limit}
+            for c in decision.checks
+            if c.value is not None
+        ]
         # four tags (one registry call each); every number is in gate.numbers
-        tags = {"gate.passed": str(decision.passed).lower(), "gate.champion": champion or "none",
-                "gate.reasons": json.dumps(decision.reasons), "gate.numbers": json.dumps(numbers)}
+        tags = {
+            "gate.passed": str(decision.passed).lower(),
+            "gate.champion": champion or "none",
+            "gate.reasons": json.dumps(decision.reasons),
+            "gate.numbers": json.dumps(numbers),
+        }
         self.tag(version, tags)
 
-    def record_online(self, version: str, champion: str | None, cycle_id: str, decision: Decision,
-                      sides: dict[str, Any]) -> None:
+    def record_online(
+        self, version: str, champion: str | None, cycle_id: str, decision: Decision, sides: dict[str, Any]
+    ) -> None:
         """A staged rollout's online decision (deploy/rollout.py): stored like a gate decision (the
         latest decision is what promote() goes by), with no run, and tagged on the version."""
-        audit.record_decision(self.engine, self.name, version, champion, None, decision.passed,
-                              {"decision": decision.to_dict(), "stage": "online", "cycle": cycle_id, "sides": sides},
-                              fence=self.fence)
-        self.tag(version, {"online.passed": str(decision.passed).lower(),
-                           "online.reasons": json.dumps([c.detail for c in decision.checks])})
+        audit.record_decision(
+            self.engine,
+            self.name,
+            version,
+            champion,
+            None,
+            decision.passed,
+            {"decision": decision.to_dict(), "stage": "online", "cycle": cycle_id, "sides": sides},
+            fence=self.fence,
+        )
+        self.tag(
+            version,
+            {
+                "online.passed": str(decision.passed).lower(),
+                "online.reasons": json.dumps([c.detail for c in decision.checks]),
+            },
+        )
 
-    def promote(self, version: str, actor: str, reason: str, force: bool = False,
-                against: str | None | object = ANY) -> bool:
+    def promote(
+        self, version: str, actor: str, reason: str, force: bool = False, against: str | None | object = ANY
+    ) -> bool:
         """Move `champion` to `version`; False if it already is (a no-op). A canary of that
         version is cleared: it serves everything now. `against` (a cycle's promotion): the
         champion its decision was made against; anything else is the champion now -> Superseded."""
@@ -120,11 +157,15 @@ class Registry(RegistryReader):
         if not force:
             undone = audit.rolled_back(self.engine, self.name, version)
             if undone is not None:
-                raise Superseded(f"version {version} was rolled back by {undone.actor} at {undone.at:%Y-%m-%d %H:%M:%S}"
-                                 f" ({undone.reason}); `rtrl promote {version} --force --reason '...'` promotes it again")
+                raise Superseded(
+                    f"version {version} was rolled back by {undone.actor} at {undone.at:%Y-%m-%d %H:%M:%S}"
+                    f" ({undone.reason}); `rtrl promote {version} --force --reason '...'` promotes it again"
+                )
             if against is not ANY and (current.version if current else None) != against:
-                raise Superseded(f"version {version} was decided against champion {against}, but the champion is "
-                                 f"now {current.version if current else 'none'} (moved meanwhile): gate it again")
+                raise Superseded(
+                    f"version {version} was decided against champion {against}, but the champion is "
+                    f"now {current.version if current else 'none'} (moved meanwhile): gate it again"
+                )
         why = reason or f"gate passed (decision {decision.id})"
         self._move(CHAMPION, target, current, actor, why, kind="promote", previous=current)
         self.withdraw_canary(version, actor, f"version {version} promoted")
@@ -165,12 +206,15 @@ class Registry(RegistryReader):
         decision = audit.latest_decision(self.engine, self.name, version)
         if not force:
             if decision is None:
-                raise RegistryError(f"version {version} has no gate decision: run `rtrl gate` on it, or "
-                                    "`rtrl promote VERSION --force --reason '...'` to override")
+                raise RegistryError(
+                    f"version {version} has no gate decision: run `rtrl gate` on it, or "
+                    "`rtrl promote VERSION --force --reason '...'` to override"
+                )
             if not decision.passed:
                 reasons = "; ".join(decision.reasons)
-                raise RegistryError(f"version {version} failed its gate ({reasons}); "
-                                    "`--force --reason '...'` overrides")
+                raise RegistryError(
+                    f"version {version} failed its gate ({reasons}); `--force --reason '...'` overrides"
+                )
         elif not reason.strip():
             raise RegistryError("--force needs --reason: say why the gate is overridden")
         return decision
@@ -186,17 +230,21 @@ class Registry(RegistryReader):
             try:
                 self._require_passed(target.version, force, reason)
             except RegistryError as exc:
-                raise RegistryError(f"version {target.version} was never the champion, so a rollback to it is a "
-                                    f"promotion: {exc}".replace("`--force --reason", "`rtrl rollback --to "
-                                                                f"{target.version} --force --reason")) from None
+                raise RegistryError(
+                    f"version {target.version} was never the champion, so a rollback to it is a "
+                    f"promotion: {exc}".replace(
+                        "`--force --reason", f"`rtrl rollback --to {target.version} --force --reason"
+                    )
+                ) from None
         if target is None or (current is not None and target.version == current.version and not to):
             # `previous` missing, or equal to the champion (left so by an older version's failed
             # promotion): the audit trail knows what the champion replaced
             back = audit.promoted_from(self.engine, self.name, current.version) if current else None
             target = self.get(back) if back else None
         if target is None:
-            raise RegistryError(f"model {self.name} has no `previous` version to roll back to; "
-                                "name one with --to VERSION")
+            raise RegistryError(
+                f"model {self.name} has no `previous` version to roll back to; name one with --to VERSION"
+            )
         if current is not None and current.version == target.version:
             raise RegistryError(f"version {target.version} is already the champion")
         back = audit.promoted_from(self.engine, self.name, target.version)
@@ -204,13 +252,31 @@ class Registry(RegistryReader):
         self._move(CHAMPION, target, current, actor, reason or "rollback", kind="rollback", previous=previous)
         return target
 
-    def _move(self, alias: str, target: Version | None, current: Version | None, actor: str, reason: str,
-              share: float | None = None, kind: str | None = None, previous: Version | None = None) -> None:
+    def _move(
+        self,
+        alias: str,
+        target: Version | None,
+        current: Version | None,
+        actor: str,
+        reason: str,
+        share: float | None = None,
+        kind: str | None = None,
+        previous: Version | None = None,
+    ) -> None:
         """`alias` -> target (None: cleared). Moving `champion` also moves `previous` first (to
         `previous`; None clears it), and puts it back if the champion then does not move."""
-        move_id = audit.begin_move(self.engine, self.name, alias, current.version if current else None,
-                                   target.version if target else None, reason, actor, share=share, kind=kind,
-                                   fence=self.fence)
+        move_id = audit.begin_move(
+            self.engine,
+            self.name,
+            alias,
+            current.version if current else None,
+            target.version if target else None,
+            reason,
+            actor,
+            share=share,
+            kind=kind,
+            fence=self.fence,
+        )
         was_previous, previous_moved = None, False
         try:
             if alias == CHAMPION:
@@ -225,8 +291,10 @@ class Registry(RegistryReader):
                 try:
                     self._set_alias(PREVIOUS, was_previous)
                 except RegistryError as again:
-                    raise RegistryError(f"{exc}; `previous` was moved and could not be put back to "
-                                        f"{was_previous.version if was_previous else 'none'}: {again}") from None
+                    raise RegistryError(
+                        f"{exc}; `previous` was moved and could not be put back to "
+                        f"{was_previous.version if was_previous else 'none'}: {again}"
+                    ) from None
             raise
         pause_point("promote.champion_moved")  # crash tests kill the process here: repair() finishes
         audit.complete_move(self.engine, move_id)
@@ -235,26 +303,42 @@ class Registry(RegistryReader):
     def _set_alias(self, alias: str, target: Version | None) -> None:
         if target is None:
             if self.alias(alias) is not None:
-                self._call(f"clearing the {alias} alias", lambda: self.client.delete_registered_model_alias(self.name, alias))
+                self._call(
+                    f"clearing the {alias} alias", lambda: self.client.delete_registered_model_alias(self.name, alias)
+                )
         else:
-            self._call(f"moving the {alias} alias",
-                       lambda: self.client.set_registered_model_alias(self.name, alias, target.version))
+            self._call(
+                f"moving the {alias} alias",
+                lambda: self.client.set_registered_model_alias(self.name, alias, target.version),
+            )
 
     def _publish(self, move_id: int, alias: str, target: Version | None, share: float | None) -> bool:
         """Announce the move; a broker that is down leaves the row unpublished for repair()."""
         if self.publish is None:
             return False
-        event = ModelUpdate(alias, None if target is None else target.version,
-                            None if target is None else target.source,
-                            share=(share or 0.0) if alias == CANARY and target is not None else 0.0,
-                            name=self.name, seq=move_id, base_model=None if target is None else target.tags.get("base_model"),
-                            run_id=None if target is None else target.run_id, at=utcnow().isoformat() + "Z")
+        event = ModelUpdate(
+            alias,
+            None if target is None else target.version,
+            None if target is None else target.source,
+            share=(share or 0.0) if alias == CANARY and target is not None else 0.0,
+            name=self.name,
+            seq=move_id,
+            base_model=None if target is None else target.tags.get("base_model"),
+            run_id=None if target is None else target.run_id,
+            at=utcnow().isoformat() + "Z",
+        )
         try:
             self.publish(event.to_dict())
         except Exception as exc:  # noqa: BLE001 - kafka errors of every kind
-            log.warning("model-update event not published; the next promote, rollback or gate retries it",
-                        extra={"move_id": move_id, "alias": alias, "version": target.version if target else None,
-                               "error": f"{type(exc).__name__}: {exc}"})
+            log.warning(
+                "model-update event not published; the next promote, rollback or gate retries it",
+                extra={
+                    "move_id": move_id,
+                    "alias": alias,
+                    "version": target.version if target else None,
+                    "error": f"{type(exc).__name__}: {exc}",
+                },
+            )
             return False
         audit.mark_published(self.engine, move_id)
         return True
@@ -265,11 +349,16 @@ class Registry(RegistryReader):
         for row in audit.unfinished_moves(self.engine, self.name):
             if row.status == "pending":
                 now = self.alias(row.alias)
-                applied = (now is None or now.version != row.from_version) if row.to_version is None \
+                applied = (
+                    (now is None or now.version != row.from_version)
+                    if row.to_version is None
                     else (now is not None and now.version == row.to_version)
+                )
                 audit.complete_move(self.engine, row.id, "done" if applied else "not_applied")
-                done.append(f"move {row.id} ({row.alias}: {row.from_version} -> {row.to_version}): "
-                            f"{'completed' if applied else 'never applied'}")
+                done.append(
+                    f"move {row.id} ({row.alias}: {row.from_version} -> {row.to_version}): "
+                    f"{'completed' if applied else 'never applied'}"
+                )
                 if not applied:
                     continue
             newer = audit.superseded_by(self.engine, row)

@@ -35,7 +35,8 @@ def _connection_failed(exc: MlflowException) -> bool:
     """MLflow's REST client reports a server it cannot reach as an MlflowException whose message
     wraps the connection error (after its retries)."""
     return "failed with exception" in exc.message and any(
-        s in exc.message for s in ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out"))
+        s in exc.message for s in ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out")
+    )
 
 
 class RegistryError(RuntimeError):
@@ -52,8 +53,14 @@ class Version:
 
 
 class RegistryReader:
-    def __init__(self, tracking_uri: str, model_name: str, engine: Engine | None,
-                 publish: Callable[[dict[str, Any]], None] | None = None, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str,
+        model_name: str,
+        engine: Engine | None,
+        publish: Callable[[dict[str, Any]], None] | None = None,
+        cache_dir: Path | None = None,
+    ) -> None:
         """`engine` (the store, for decisions and the audit trail) may be None for read-only use;
         `cache_dir` keeps downloaded adapters (see `adapter`)."""
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -75,8 +82,10 @@ class RegistryReader:
             raise self._unreachable(what, exc) from None
 
     def _unreachable(self, what: str, exc: Exception) -> RegistryError:
-        return RegistryError(f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
-                             "Check mlflow.tracking_uri and that the server is up; nothing was moved")
+        return RegistryError(
+            f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
+            "Check mlflow.tracking_uri and that the server is up; nothing was moved"
+        )
 
     def _version(self, mv: Any) -> Version:
         return Version(str(mv.version), mv.run_id, mv.source, dict(mv.tags or {}), list(mv.aliases or []))
@@ -118,8 +127,9 @@ class RegistryReader:
         from mlflow.artifacts import download_artifacts
 
         uri = version.source if isinstance(version, Version) else version
-        path = self._call(f"downloading {uri}", lambda: download_artifacts(
-            artifact_uri=uri, dst_path=str(dst), tracking_uri=self.uri))
+        path = self._call(
+            f"downloading {uri}", lambda: download_artifacts(artifact_uri=uri, dst_path=str(dst), tracking_uri=self.uri)
+        )
         return Path(path)
 
     def adapter(self, version: Version, tmp: Path) -> Path:

@@ -57,7 +57,7 @@ def routes_to_canary(key: str, share: float, salt: str = "") -> bool:
     be a randomised one."""
     secret = hashlib.blake2b(salt.encode()).digest() if salt else b""  # (a key of any length: 64 bytes)
     digest = hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest()
-    return int.from_bytes(digest, "big") / 2.0 ** 64 < share
+    return int.from_bytes(digest, "big") / 2.0**64 < share
 
 
 def routing_salt(secret: str, canary: str | None) -> str:
@@ -88,27 +88,46 @@ def decide(seen: Look, cfg: RolloutConfig, tool_calls: tuple[Calls, Calls] | Non
     design = Design.of(cfg)
     n_a, n_b = seen.n_champion, seen.n_canary
     mean_a, mean_b = seen.means
-    adjusted = f" ({seen.raw_difference:+.3f} unadjusted, variance -{100 * seen.variance_reduction:.0f} % by the " \
-        f"{cfg.covariate} covariate)" if seen.variance_reduction > 0.005 else ""
-    head = (f"online reward: canary {mean_b:+.3f} (n={n_b}) vs champion {mean_a:+.3f} (n={n_a}), difference "
-            f"{seen.difference:+.3f}{adjusted}")
+    adjusted = (
+        f" ({seen.raw_difference:+.3f} unadjusted, variance -{100 * seen.variance_reduction:.0f} % by the "
+        f"{cfg.covariate} covariate)"
+        if seen.variance_reduction > 0.005
+        else ""
+    )
+    head = (
+        f"online reward: canary {mean_b:+.3f} (n={n_b}) vs champion {mean_a:+.3f} (n={n_a}), difference "
+        f"{seen.difference:+.3f}{adjusted}"
+    )
     if seen.verdict == PROMOTE:
-        why = (f"{head} >= {seen.promote_at:+.3f}, the sequential test's promotion boundary: not worse than "
-               f"-{cfg.margin:g} (at most {100 * design.alpha:g} % of canaries worse than that pass)")
+        why = (
+            f"{head} >= {seen.promote_at:+.3f}, the sequential test's promotion boundary: not worse than "
+            f"-{cfg.margin:g} (at most {100 * design.alpha:g} % of canaries worse than that pass)"
+        )
         value, limit = seen.difference, seen.promote_at
     elif seen.verdict == WITHDRAW:
-        why = (f"{head} <= {seen.withdraw_at:+.3f}, the sequential test's futility boundary: not shown to be "
-               f"within -{cfg.margin:g} (a canary {cfg.effect:+g} better ends here at most "
-               f"{100 * design.beta:g} % of the time)")
+        why = (
+            f"{head} <= {seen.withdraw_at:+.3f}, the sequential test's futility boundary: not shown to be "
+            f"within -{cfg.margin:g} (a canary {cfg.effect:+g} better ends here at most "
+            f"{100 * design.beta:g} % of the time)"
+        )
         value, limit = seen.difference, seen.withdraw_at
     else:
-        why = (f"{head}: neither boundary (promoted at >= {seen.promote_at:+.3f}, withdrawn at <= "
-               f"{seen.withdraw_at:+.3f}) after rollout.max_requests ({cfg.max_requests}) a side: not shown to "
-               f"be within -{cfg.margin:g}")
+        why = (
+            f"{head}: neither boundary (promoted at >= {seen.promote_at:+.3f}, withdrawn at <= "
+            f"{seen.withdraw_at:+.3f}) after rollout.max_requests ({cfg.max_requests}) a side: not shown to "
+            f"be within -{cfg.margin:g}"
+        )
         value, limit = seen.difference, seen.promote_at
-    checks = [Check("online.requests", True, f"{n_b} canary and {n_a} champion episodes settled",
-                    float(min(n_a, n_b)), float(cfg.min_requests)),
-              Check("online.reward", seen.verdict == PROMOTE, why, value, limit)]
+    checks = [
+        Check(
+            "online.requests",
+            True,
+            f"{n_b} canary and {n_a} champion episodes settled",
+            float(min(n_a, n_b)),
+            float(cfg.min_requests),
+        ),
+        Check("online.reward", seen.verdict == PROMOTE, why, value, limit),
+    ]
     if seen.verdict == PROMOTE and tool_calls is not None and cfg.max_tool_error_increase is not None:
         z = NormalDist().inv_cdf(cfg.confidence)
         checks.append(tool_format_check(*tool_calls, cfg.max_tool_error_increase, z))
@@ -128,15 +147,25 @@ def tool_format_check(champion: Calls, canary: Calls, max_increase: float, z: fl
     se = math.sqrt(p_a * (1 - p_a) / (n_a + 2) + p_b * (1 - p_b) / (n_b + 2))
     low = p_b - p_a - z * se
     passed = low <= max_increase
-    return Check("online.tool_format_error_rate", passed,
-                 f"online tool-call errors: canary {100 * rate_b:.1f} % of {n_b} calls vs champion "
-                 f"{100 * rate_a:.1f} % of {n_a}, increase lower bound {100 * low:+.1f} pp "
-                 f"{'<=' if passed else '>'} {100 * max_increase:g} pp", low, max_increase)
+    return Check(
+        "online.tool_format_error_rate",
+        passed,
+        f"online tool-call errors: canary {100 * rate_b:.1f} % of {n_b} calls vs champion "
+        f"{100 * rate_a:.1f} % of {n_a}, increase lower bound {100 * low:+.1f} pp "
+        f"{'<=' if passed else '>'} {100 * max_increase:g} pp",
+        low,
+        max_increase,
+    )
 
 
 def too_little_traffic(seen: Look, cfg: RolloutConfig) -> Decision:
     """max_wait passed before the test decided: the canary is withdrawn."""
-    detail = (f"online: no decision within rollout.max_wait ({cfg.max_wait}): {seen.summary(Design.of(cfg))} "
-              "-- raise rollout.share or max_wait")
-    return Decision(False, [Check("online.requests", False, detail, float(min(seen.n_champion, seen.n_canary)),
-                                  float(cfg.min_requests))], first_deployment=False)
+    detail = (
+        f"online: no decision within rollout.max_wait ({cfg.max_wait}): {seen.summary(Design.of(cfg))} "
+        "-- raise rollout.share or max_wait"
+    )
+    return Decision(
+        False,
+        [Check("online.requests", False, detail, float(min(seen.n_champion, seen.n_canary)), float(cfg.min_requests))],
+        first_deployment=False,
+    )

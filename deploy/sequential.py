@@ -103,14 +103,21 @@ class Look:
 
     def summary(self, design: Design) -> str:
         if math.isnan(self.difference):
-            return (f"{self.n_canary} canary and {self.n_champion} champion episodes settled; the first look "
-                    f"needs {design.min_n} a side")
-        reduced = f", variance -{100 * self.variance_reduction:.0f} % by the covariate" \
-            if self.variance_reduction > 0.005 else ""
-        return (f"{self.n_canary} canary vs {self.n_champion} champion episodes: difference {self.difference:+.3f} "
-                f"(se {self.se:.3f}{reduced}); promoted at >= {self.promote_at:+.3f}, withdrawn at <= "
-                f"{self.withdraw_at:+.3f}; ~{self.expected_more[1]} more canary episodes expected "
-                f"(at most {design.max_n} a side)")
+            return (
+                f"{self.n_canary} canary and {self.n_champion} champion episodes settled; the first look "
+                f"needs {design.min_n} a side"
+            )
+        reduced = (
+            f", variance -{100 * self.variance_reduction:.0f} % by the covariate"
+            if self.variance_reduction > 0.005
+            else ""
+        )
+        return (
+            f"{self.n_canary} canary vs {self.n_champion} champion episodes: difference {self.difference:+.3f} "
+            f"(se {self.se:.3f}{reduced}); promoted at >= {self.promote_at:+.3f}, withdrawn at <= "
+            f"{self.withdraw_at:+.3f}; ~{self.expected_more[1]} more canary episodes expected "
+            f"(at most {design.max_n} a side)"
+        )
 
 
 class Moments(NamedTuple):
@@ -136,16 +143,16 @@ def statistic(a: Moments, b: Moments) -> tuple[Any, Any, Any, Any]:
     regression on the covariate (see the module docstring; none when the covariate does not vary)."""
     n = a.n + b.n
     mean_x, mean_y = (a.sx + b.sx) / n, (a.sy + b.sy) / n
-    var_x = (a.sxx + b.sxx) / n - mean_x ** 2
+    var_x = (a.sxx + b.sxx) / n - mean_x**2
     cov = (a.sxy + b.sxy) / n - mean_x * mean_y
     c = np.where(var_x > 1e-12, cov / np.where(var_x > 1e-12, var_x, 1.0), 0.0)
 
     def side(m: Moments) -> tuple[Any, Any, Any, Any]:
         # centred sums of squares and products of this side, ddof 1
-        ssy, ssx, sxy = m.syy - m.sy ** 2 / m.n, m.sxx - m.sx ** 2 / m.n, m.sxy - m.sx * m.sy / m.n
+        ssy, ssx, sxy = m.syy - m.sy**2 / m.n, m.sxx - m.sx**2 / m.n, m.sxy - m.sx * m.sy / m.n
         raw_mean, raw_var = m.sy / m.n, np.maximum(ssy, 0.0) / (m.n - 1)
         mean = raw_mean - c * (m.sx / m.n - mean_x)
-        var = np.maximum(ssy - 2 * c * sxy + c ** 2 * ssx, 0.0) / (m.n - 1)
+        var = np.maximum(ssy - 2 * c * sxy + c**2 * ssx, 0.0) / (m.n - 1)
         return mean, var, raw_mean, raw_var
 
     mean_a, var_a, raw_a, raw_var_a = side(a)
@@ -180,8 +187,20 @@ def look(champion: tuple[Any, Any], canary: tuple[Any, Any], design: Design) -> 
     nan = float("nan")
     means = (float(a.sy / n_a) if n_a else nan, float(b.sy / n_b) if n_b else nan)  # (numpy scalars: not JSON)
     if min(n_a, n_b) < max(design.min_n, 2):
-        return Look(n_a, n_b, means, nan, nan, nan, 0.0, 0.0, nan, nan, CONTINUE,
-                    (max(design.min_n - n_a, 0), max(design.min_n - n_b, 0)))
+        return Look(
+            n_a,
+            n_b,
+            means,
+            nan,
+            nan,
+            nan,
+            0.0,
+            0.0,
+            nan,
+            nan,
+            CONTINUE,
+            (max(design.min_n - n_a, 0), max(design.min_n - n_b, 0)),
+        )
     d, var, raw, raw_var = (float(v) for v in statistic(a, b))
     var = max(var, 1e-12)  # (identical constant rewards: no spread at all)
     span, mid = design.effect - design.theta0, (design.effect + design.theta0) / 2
@@ -198,30 +217,44 @@ def look(champion: tuple[Any, Any], canary: tuple[Any, Any], design: Design) -> 
     if verdict == CONTINUE:
         # at the current estimate, as the sides grow in their present proportion: V * n_b is
         # what one unit of information costs in canary episodes (V = (s_b^2 + s_a^2 / r) / n_b)
-        more_b = min(_expected_information(ratio, span * (d - mid), design) * var * n_b,
-                     design.max_n - min(n_a, n_b))
+        more_b = min(_expected_information(ratio, span * (d - mid), design) * var * n_b, design.max_n - min(n_a, n_b))
         more = (max(0, math.ceil(more_b * n_a / n_b)), max(0, math.ceil(more_b)))
-    return Look(n_a, n_b, means, d, raw, math.sqrt(var), max(0.0, 1 - var / raw_var) if raw_var > 0 else 0.0,
-                ratio, mid + design.upper / (span * info), mid + design.lower / (span * info), verdict, more)
+    return Look(
+        n_a,
+        n_b,
+        means,
+        d,
+        raw,
+        math.sqrt(var),
+        max(0.0, 1 - var / raw_var) if raw_var > 0 else 0.0,
+        ratio,
+        mid + design.upper / (span * info),
+        mid + design.lower / (span * info),
+        verdict,
+        more,
+    )
 
 
 def fixed_horizon_n(sd_champion: float, sd_canary: float, design: Design) -> int:
     """Episodes a side the one-look test at the same error rates needs: the one-sided alpha
     bound at -margin, power 1 - beta at `effect`, equal sides."""
     z = NormalDist().inv_cdf(1 - design.alpha) + NormalDist().inv_cdf(1 - design.beta)
-    return math.ceil(z ** 2 * (sd_champion ** 2 + sd_canary ** 2) / (design.effect - design.theta0) ** 2)
+    return math.ceil(z**2 * (sd_champion**2 + sd_canary**2) / (design.effect - design.theta0) ** 2)
 
 
-def monitor(champion: tuple[np.ndarray, np.ndarray], canary: tuple[np.ndarray, np.ndarray], design: Design,
-            every: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def monitor(
+    champion: tuple[np.ndarray, np.ndarray], canary: tuple[np.ndarray, np.ndarray], design: Design, every: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Simulated runs of the test, checked every `every` episodes a side from min_n on: each
     side is (rewards, covariates) as [R, N] arrays, runs by episodes in arrival order, the sides
     growing together. Returns, per run, the verdict that ended it (TRUNCATED: none by max_n, or
     by N when that is less -- CONTINUE then) and the episodes a side it had then."""
     (y_a, x_a), (y_b, x_b) = champion, canary
     runs, n_max = y_a.shape
-    sums = [np.cumsum(v, axis=1) for v in (y_a, y_a * y_a, x_a, x_a * x_a, x_a * y_a,
-                                          y_b, y_b * y_b, x_b, x_b * x_b, x_b * y_b)]
+    sums = [
+        np.cumsum(v, axis=1)
+        for v in (y_a, y_a * y_a, x_a, x_a * x_a, x_a * y_a, y_b, y_b * y_b, x_b, x_b * x_b, x_b * y_b)
+    ]
     verdict = np.full(runs, CONTINUE, dtype=object)
     at = np.full(runs, min(n_max, design.max_n))
     open_ = np.ones(runs, dtype=bool)

@@ -69,8 +69,15 @@ class Answer:
 class PolicyServer:
     """The model, the version it serves, and the lock that serialises generation and swaps."""
 
-    def __init__(self, runner: Any, model_name: str, emit: Callable[[dict[str, Any]], None] | None = None,
-                 default_tenant: str = "default", keep_versions: int = 3, routing_secret: str = "") -> None:
+    def __init__(
+        self,
+        runner: Any,
+        model_name: str,
+        emit: Callable[[dict[str, Any]], None] | None = None,
+        default_tenant: str = "default",
+        keep_versions: int = 3,
+        routing_secret: str = "",
+    ) -> None:
         """`routing_secret`: RTRL_ROUTING_SECRET, shared with the gateway in front and the other
         replicas (deploy/rollout.py); without one, a secret of this process's own."""
         self.runner, self.model_name, self.emit = runner, model_name, emit
@@ -82,21 +89,34 @@ class PolicyServer:
         self.loaded: list[str] = []  # adapter versions in memory, oldest first
         self.lock = threading.Lock()
         self.metrics = CollectorRegistry()
-        self.requests = Counter("rtrl_serve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
-                                registry=self.metrics)
+        self.requests = Counter(
+            "rtrl_serve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=self.metrics
+        )
         self.latency = Histogram("rtrl_serve_latency_seconds", "Generation latency", registry=self.metrics)
         self.swaps = Counter("rtrl_serve_swaps", "Adapter swaps applied", registry=self.metrics)
-        self.undelivered = Counter("rtrl_serve_events_undelivered",
-                                   "Interaction events neither Kafka nor the spool took (lost)", registry=self.metrics)
-        self.spooled = Gauge("rtrl_serve_events_spooled_bytes", "Interaction events waiting in the spool for Kafka",
-                             registry=self.metrics)
-        self.set_aside = Gauge("rtrl_serve_events_set_aside", "Interaction events the broker refused for good (too "
-                               "large for the topic), kept in the spool's set-aside.jsonl", registry=self.metrics)
+        self.undelivered = Counter(
+            "rtrl_serve_events_undelivered",
+            "Interaction events neither Kafka nor the spool took (lost)",
+            registry=self.metrics,
+        )
+        self.spooled = Gauge(
+            "rtrl_serve_events_spooled_bytes",
+            "Interaction events waiting in the spool for Kafka",
+            registry=self.metrics,
+        )
+        self.set_aside = Gauge(
+            "rtrl_serve_events_set_aside",
+            "Interaction events the broker refused for good (too "
+            "large for the topic), kept in the spool's set-aside.jsonl",
+            registry=self.metrics,
+        )
         self.serving = Gauge("rtrl_serve_version", "Registry version being served (0 = base)", registry=self.metrics)
-        self.canary_version = Gauge("rtrl_serve_canary_version", "Registry version of the canary (0 = none)",
-                                    registry=self.metrics)
-        self.canary_share_gauge = Gauge("rtrl_serve_canary_share", "Share of requests routed to the canary",
-                                        registry=self.metrics)
+        self.canary_version = Gauge(
+            "rtrl_serve_canary_version", "Registry version of the canary (0 = none)", registry=self.metrics
+        )
+        self.canary_share_gauge = Gauge(
+            "rtrl_serve_canary_share", "Share of requests routed to the canary", registry=self.metrics
+        )
 
     def use(self, version: str, adapter_dir: Path | None) -> None:
         """Serve `version` (its adapter loaded from `adapter_dir`) from the next request on. A
@@ -143,10 +163,19 @@ class PolicyServer:
             self.loaded.remove(victim)
             self.runner.remove(victim)
 
-    def answer(self, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
-               parse_tools: list[dict] | None = None, on_token: Callable[[int, float], None] | None = None,
-               stop: threading.Event | None = None, send_event: bool = True,
-               request_id: str | None = None, version: str | None = None) -> list[Answer]:
+    def answer(
+        self,
+        prompt: Any,
+        req: Any,
+        headers: dict[str, str],
+        tools: list[dict] | None = None,
+        parse_tools: list[dict] | None = None,
+        on_token: Callable[[int, float], None] | None = None,
+        stop: threading.Event | None = None,
+        send_event: bool = True,
+        request_id: str | None = None,
+        version: str | None = None,
+    ) -> list[Answer]:
         """`req.n` answers to `prompt` (sampling fields of `req`), each with its own request id;
         their tool calls parsed against `parse_tools`; their events sent unless the caller sends
         them itself (a stream, once it ends; it chose `request_id` with new_request_id() to name
@@ -158,16 +187,30 @@ class PolicyServer:
         with self.lock, self.latency.time():
             if version is None:
                 # a request's choices all come from one version, an episode's calls too
-                version = self.choose(getattr(req, "model", None), headers,
-                                      header_id(headers, "x-rtrl-episode-id") or ids[0])
-            gens = [self.runner.generate(None if version == BASE else version, [prompt], max_new_tokens=req.max_tokens,
-                                         temperature=req.temperature, top_p=req.top_p,
-                                         seed=None if req.seed is None else req.seed + i, tools=tools,
-                                         on_token=on_token, stop=stop)[0] for i in range(req.n)]
+                version = self.choose(
+                    getattr(req, "model", None), headers, header_id(headers, "x-rtrl-episode-id") or ids[0]
+                )
+            gens = [
+                self.runner.generate(
+                    None if version == BASE else version,
+                    [prompt],
+                    max_new_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    seed=None if req.seed is None else req.seed + i,
+                    tools=tools,
+                    on_token=on_token,
+                    stop=stop,
+                )[0]
+                for i in range(req.n)
+            ]
         answers = []
         for i, (request_id, gen) in enumerate(zip(ids, gens)):
-            calls = parse_tool_calls(gen.text, parse_tools, lambda k, r=request_id: f"call-{r[4:16]}-{k}") \
-                if parse_tools else None
+            calls = (
+                parse_tool_calls(gen.text, parse_tools, lambda k, r=request_id: f"call-{r[4:16]}-{k}")
+                if parse_tools
+                else None
+            )
             answers.append(Answer(gen, version, request_id, calls, group, None if req.seed is None else req.seed + i))
         if send_event:
             for a in answers:
@@ -194,8 +237,9 @@ class PolicyServer:
         signature = headers.get("x-rtrl-routed-signature")
         if not signature:
             return False
-        expected = routing_signature(self.routing_secret, headers.get("x-request-id") or "",
-                                     headers.get("x-rtrl-routed") or "", model)
+        expected = routing_signature(
+            self.routing_secret, headers.get("x-request-id") or "", headers.get("x-rtrl-routed") or "", model
+        )
         return hmac.compare_digest(signature.encode(), expected.encode())
 
     def named(self, model: str | None) -> str | None:
@@ -203,12 +247,19 @@ class PolicyServer:
         `<model name>-v<version>`, what `rtrl gateway` routes with -- if it is the champion or
         the canary (a gateway in front then decides the canary's share); None: route here."""
         prefix = f"{self.model_name}-v"
-        if model and model.startswith(prefix) and model[len(prefix):] in (self.version, self.canary):
-            return model[len(prefix):]
+        if model and model.startswith(prefix) and model[len(prefix) :] in (self.version, self.canary):
+            return model[len(prefix) :]
         return None
 
-    def send_event(self, a: Answer, prompt: Any, req: Any, headers: dict[str, str], tools: list[dict] | None = None,
-                   truncated: bool = False) -> None:
+    def send_event(
+        self,
+        a: Answer,
+        prompt: Any,
+        req: Any,
+        headers: dict[str, str],
+        tools: list[dict] | None = None,
+        truncated: bool = False,
+    ) -> None:
         """The answer's interaction event to Kafka; one Kafka refuses is counted and logged. None
         for a request a gateway in front routed: the gateway records it (twice recorded, one copy
         would never be rewarded)."""
@@ -216,19 +267,30 @@ class PolicyServer:
             return
         try:
             event = InteractionEvent(
-                schema_version=SCHEMA_VERSION, event_id=f"srv-{uuid.uuid4().hex}", type="interaction",
-                ts=datetime.now(UTC), request_id=a.request_id,
-                session_id=header_id(headers, "x-session-id") or a.request_id, user_id=req.user or "anonymous",
-                tenant=header_id(headers, "x-tenant") or self.default_tenant, policy_version=a.version,
-                prompt=prompt, completion=a.gen.text, completion_token_ids=a.gen.token_ids,
+                schema_version=SCHEMA_VERSION,
+                event_id=f"srv-{uuid.uuid4().hex}",
+                type="interaction",
+                ts=datetime.now(UTC),
+                request_id=a.request_id,
+                session_id=header_id(headers, "x-session-id") or a.request_id,
+                user_id=req.user or "anonymous",
+                tenant=header_id(headers, "x-tenant") or self.default_tenant,
+                policy_version=a.version,
+                prompt=prompt,
+                completion=a.gen.text,
+                completion_token_ids=a.gen.token_ids,
                 behavior_logprobs=a.gen.logprobs,
-                sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
-                                  seed=a.seed),
-                latency_ms=round(a.gen.latency_ms, 3), metadata={"server": "rtrl-serve", "model": self.model_name},
-                client_request_id=header_id(headers, "x-request-id"), tools=tools,
+                sampling=Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=a.seed),
+                latency_ms=round(a.gen.latency_ms, 3),
+                metadata={"server": "rtrl-serve", "model": self.model_name},
+                client_request_id=header_id(headers, "x-request-id"),
+                tools=tools,
                 tool_calls=a.calls.calls if a.calls is not None and a.calls.calls else None,
-                group_id=a.group_id, episode_id=header_id(headers, "x-rtrl-episode-id"), step=header_step(headers),
-                truncated=truncated or None)
+                group_id=a.group_id,
+                episode_id=header_id(headers, "x-rtrl-episode-id"),
+                step=header_step(headers),
+                truncated=truncated or None,
+            )
             self.emit(event.to_wire())
         except Exception as exc:  # noqa: BLE001 - serving goes on; the loss is counted and logged
             self.undelivered.inc()

@@ -139,8 +139,10 @@ class ChatRequest(_Sampling):
     @classmethod
     def _choice(cls, value: Any) -> Any:
         if value is not None and value not in ("auto", "none"):
-            raise ValueError(f"tool_choice={value!r} is not supported by rtrl serve (only 'auto' or 'none': "
-                             "it cannot force the model to call a tool)")
+            raise ValueError(
+                f"tool_choice={value!r} is not supported by rtrl serve (only 'auto' or 'none': "
+                "it cannot force the model to call a tool)"
+            )
         return value
 
     @field_validator("tools")
@@ -149,8 +151,9 @@ class ChatRequest(_Sampling):
         for tool in tools or ():
             fn = tool.get("function") if tool.get("type") == "function" else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., "
-                                 "\"parameters\": {...}}}")
+                raise ValueError(
+                    'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+                )
         return tools
 
     def parse_tools(self) -> list[dict[str, Any]] | None:
@@ -159,8 +162,9 @@ class ChatRequest(_Sampling):
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": param}}, status_code=status
+    )
 
 
 def create_app(server: PolicyServer) -> FastAPI:
@@ -181,8 +185,11 @@ def create_app(server: PolicyServer) -> FastAPI:
     def usage(prompt: Any, tools: Any, answers: list[Answer]) -> dict[str, int]:
         prompt_tokens = server.runner.prompt_tokens(prompt, tools) or 0
         completion = sum(len(a.gen.token_ids) for a in answers)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
 
     def headers(answers: list[Answer]) -> dict[str, str]:
         return {"X-Rtrl-Policy-Version": answers[0].version, "X-Request-Id": answers[0].request_id}
@@ -196,8 +203,10 @@ def create_app(server: PolicyServer) -> FastAPI:
         return f"token_id:{t}" if as_ids else tok.decode([t])
 
     def token_logprobs(token_ids: list[int], logprobs: list[float], as_ids: bool = False) -> list[dict[str, Any]]:
-        return [{"token": token_name(t, as_ids), "logprob": lp, "token_id": t,
-                 "bytes": list(tok.decode([t]).encode())} for t, lp in zip(token_ids, logprobs)]
+        return [
+            {"token": token_name(t, as_ids), "logprob": lp, "token_id": t, "bytes": list(tok.decode([t]).encode())}
+            for t, lp in zip(token_ids, logprobs)
+        ]
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest, request: Request) -> Response:
@@ -205,15 +214,28 @@ def create_app(server: PolicyServer) -> FastAPI:
             return _stream(req, req.prompt, None, None, dict(request.headers), chat=False)
         answers = server.answer(req.prompt, req, dict(request.headers))
         server.requests.labels("completions", "ok").inc()
-        body = {"id": answers[0].request_id, "object": "text_completion", "created": int(time.time()),
-                "model": f"{server.model_name}:{answers[0].version}",
-                "choices": [{"index": i, "request_id": a.request_id, "text": a.gen.text, "finish_reason": a.finish,
-                             "logprobs": {"tokens": [token_name(t, req.return_tokens_as_token_ids)
-                                                     for t in a.gen.token_ids],
-                                          "token_logprobs": a.gen.logprobs, "token_ids": a.gen.token_ids},
-                             "token_ids": a.gen.token_ids if req.return_token_ids else None}
-                            for i, a in enumerate(answers)],
-                "usage": usage(req.prompt, None, answers)}
+        body = {
+            "id": answers[0].request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": f"{server.model_name}:{answers[0].version}",
+            "choices": [
+                {
+                    "index": i,
+                    "request_id": a.request_id,
+                    "text": a.gen.text,
+                    "finish_reason": a.finish,
+                    "logprobs": {
+                        "tokens": [token_name(t, req.return_tokens_as_token_ids) for t in a.gen.token_ids],
+                        "token_logprobs": a.gen.logprobs,
+                        "token_ids": a.gen.token_ids,
+                    },
+                    "token_ids": a.gen.token_ids if req.return_token_ids else None,
+                }
+                for i, a in enumerate(answers)
+            ],
+            "usage": usage(req.prompt, None, answers),
+        }
         return JSONResponse(body, headers=headers(answers))
 
     @app.post("/v1/chat/completions")
@@ -226,13 +248,26 @@ def create_app(server: PolicyServer) -> FastAPI:
         choices = []
         for i, a in enumerate(answers):
             msg, finish = message(a)
-            choices.append({"index": i, "request_id": a.request_id, "message": msg, "finish_reason": finish,
-                            "logprobs": {"content": token_logprobs(a.gen.token_ids, a.gen.logprobs,
-                                                                   req.return_tokens_as_token_ids)},
-                            "token_ids": a.gen.token_ids if req.return_token_ids else None})
-        body = {"id": answers[0].request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": f"{server.model_name}:{answers[0].version}", "choices": choices,
-                "usage": usage(messages, req.tools, answers)}
+            choices.append(
+                {
+                    "index": i,
+                    "request_id": a.request_id,
+                    "message": msg,
+                    "finish_reason": finish,
+                    "logprobs": {
+                        "content": token_logprobs(a.gen.token_ids, a.gen.logprobs, req.return_tokens_as_token_ids)
+                    },
+                    "token_ids": a.gen.token_ids if req.return_token_ids else None,
+                }
+            )
+        body = {
+            "id": answers[0].request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": f"{server.model_name}:{answers[0].version}",
+            "choices": choices,
+            "usage": usage(messages, req.tools, answers),
+        }
         return JSONResponse(body, headers=headers(answers))
 
     @app.get("/v1/models")
@@ -242,8 +277,11 @@ def create_app(server: PolicyServer) -> FastAPI:
         created = int(time.time())
         card = {"object": "model", "created": created, "owned_by": "rtrl", "root": server.model_name}
         versions = [v for v in (server.version, server.canary) if v is not None and v != BASE]
-        return {"object": "list", "data": [{"id": server.model_name, **card, "parent": None}] + [
-            {"id": f"{server.model_name}-v{v}", **card, "parent": server.model_name} for v in versions]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_name, **card, "parent": None}]
+            + [{"id": f"{server.model_name}-v{v}", **card, "parent": server.model_name} for v in versions],
+        }
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -256,21 +294,32 @@ def create_app(server: PolicyServer) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(server.metrics), media_type=CONTENT_TYPE_LATEST)
 
-    def _stream(req: _Sampling, prompt: Any, tools: Any, parse: Any,
-                request_headers: dict[str, str], chat: bool) -> StreamingResponse:
+    def _stream(
+        req: _Sampling, prompt: Any, tools: Any, parse: Any, request_headers: dict[str, str], chat: bool
+    ) -> StreamingResponse:
         """Generation in a thread, its tokens through a queue to the client as server-sent events;
         the event once the stream ends (truncated if the client went away first)."""
         tokens: queue.Queue = queue.Queue()
         stop, result = threading.Event(), {"id": new_request_id()}
         # chosen now, so that the response's headers can say which version answers
-        version = server.choose(req.model, request_headers,
-                                header_id(request_headers, "x-rtrl-episode-id") or result["id"])
+        version = server.choose(
+            req.model, request_headers, header_id(request_headers, "x-rtrl-episode-id") or result["id"]
+        )
 
         def work() -> None:
             try:
-                result["answer"] = server.answer(prompt, req, request_headers, tools=tools, parse_tools=parse,
-                                                 on_token=lambda t, lp: tokens.put((t, lp)), stop=stop,
-                                                 send_event=False, request_id=result["id"], version=version)[0]
+                result["answer"] = server.answer(
+                    prompt,
+                    req,
+                    request_headers,
+                    tools=tools,
+                    parse_tools=parse,
+                    on_token=lambda t, lp: tokens.put((t, lp)),
+                    stop=stop,
+                    send_event=False,
+                    request_id=result["id"],
+                    version=version,
+                )[0]
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk, and logged:
                 # the client may be gone already, and nothing else would say it failed
                 log.error("a streamed answer failed", extra={"request_id": result["id"], "error": repr(exc)})
@@ -283,33 +332,55 @@ def create_app(server: PolicyServer) -> FastAPI:
         created, name = int(time.time()), server.model_name
 
         def chunk(choice: dict[str, Any], **extra: Any) -> str:
-            body = {"id": result["id"], "object": kind, "created": created, "model": name,
-                    "choices": [{"index": 0, **choice}], **extra}
+            body = {
+                "id": result["id"],
+                "object": kind,
+                "created": created,
+                "model": name,
+                "choices": [{"index": 0, **choice}],
+                **extra,
+            }
             return f"data: {json.dumps(body)}\n\n"
 
         async def events() -> AsyncIterator[str]:
             finished, kept, ids, text, sent = False, False, [], "", 0
             try:
                 if chat:
-                    yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})
+                    yield chunk(
+                        {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    )
                 while (item := await asyncio.to_thread(tokens.get)) is not None:
                     token, lp = item
                     ids.append(token)
                     text = tok.decode([t for t in ids if t != tok.eos_token_id])
                     # tool-call text is held back until the answer is whole: it parses or it does not
                     safe = held_back(text) if parse else len(text)
-                    piece, sent = text[sent:max(safe, sent)], max(safe, sent)
-                    entry = {"token": token_name(token, req.return_tokens_as_token_ids), "logprob": lp,
-                             "token_id": token, "bytes": list(tok.decode([token]).encode())}
+                    piece, sent = text[sent : max(safe, sent)], max(safe, sent)
+                    entry = {
+                        "token": token_name(token, req.return_tokens_as_token_ids),
+                        "logprob": lp,
+                        "token_id": token,
+                        "bytes": list(tok.decode([token]).encode()),
+                    }
                     ids_now = [token] if req.return_token_ids else None
                     if chat:
-                        yield chunk({"delta": {"content": piece}, "logprobs": {"content": [entry]},
-                                     "finish_reason": None, "token_ids": ids_now})
+                        yield chunk(
+                            {
+                                "delta": {"content": piece},
+                                "logprobs": {"content": [entry]},
+                                "finish_reason": None,
+                                "token_ids": ids_now,
+                            }
+                        )
                     else:
-                        yield chunk({"text": piece, "logprobs": {"tokens": [entry["token"]], "token_logprobs": [lp],
-                                                                 "token_ids": [token]}, "finish_reason": None,
-                                     "token_ids": ids_now})
+                        yield chunk(
+                            {
+                                "text": piece,
+                                "logprobs": {"tokens": [entry["token"]], "token_logprobs": [lp], "token_ids": [token]},
+                                "finish_reason": None,
+                                "token_ids": ids_now,
+                            }
+                        )
                 if "error" in result:
                     yield f"data: {json.dumps({'error': {'message': str(result['error'])}})}\n\n"
                     return
@@ -317,14 +388,25 @@ def create_app(server: PolicyServer) -> FastAPI:
                 finish = a.finish
                 if a.calls is not None and a.calls.valid:
                     finish = "tool_calls"
-                    yield chunk({"delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(a.calls.calls)]},
-                                 "logprobs": None, "finish_reason": None})
+                    yield chunk(
+                        {
+                            "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(a.calls.calls)]},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
                 elif sent < len(a.gen.text):  # held back, and not a tool call after all: content
                     rest = a.gen.text[sent:]
-                    yield chunk({"delta": {"content": rest}, "logprobs": None, "finish_reason": None} if chat
-                                else {"text": rest, "logprobs": None, "finish_reason": None})
-                last = {"delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
-                    {"text": "", "logprobs": None, "finish_reason": finish}
+                    yield chunk(
+                        {"delta": {"content": rest}, "logprobs": None, "finish_reason": None}
+                        if chat
+                        else {"text": rest, "logprobs": None, "finish_reason": None}
+                    )
+                last = (
+                    {"delta": {}, "logprobs": None, "finish_reason": finish}
+                    if chat
+                    else {"text": "", "logprobs": None, "finish_reason": finish}
+                )
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 yield chunk(last, **({"usage": usage(prompt, tools, [a])} if include_usage else {}))
                 # the event kept before the client hears the end (the spool's append, in a thread):
@@ -346,7 +428,10 @@ def create_app(server: PolicyServer) -> FastAPI:
 
                 threading.Thread(target=send, name="stream-event", daemon=True).start()
 
-        return ClosingStreamingResponse(events(), media_type="text/event-stream",
-                                        headers={"X-Request-Id": result["id"], "X-Rtrl-Policy-Version": version})
+        return ClosingStreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": result["id"], "X-Rtrl-Policy-Version": version},
+        )
 
     return app

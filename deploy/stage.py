@@ -65,13 +65,23 @@ def logged_episode(request_id: str, body: str, reward: float) -> LoggedEpisode:
     if ev.get("truncated"):
         raise ValueError("a truncated stream: the client saw less than was generated")
     sampling = sampling_params(ev.get("sampling"))
-    return LoggedEpisode(request_id, ev.get("prompt", ""), ev.get("completion", ""), ev.get("completion_token_ids"),
-                         ev.get("behavior_logprobs"), sampling.temperature, float(reward), sampling.top_p,
-                         sampling.top_k, ev.get("tools"))
+    return LoggedEpisode(
+        request_id,
+        ev.get("prompt", ""),
+        ev.get("completion", ""),
+        ev.get("completion_token_ids"),
+        ev.get("behavior_logprobs"),
+        sampling.temperature,
+        float(reward),
+        sampling.top_p,
+        sampling.top_k,
+        ev.get("tools"),
+    )
 
 
-def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,
-                  gate: GateConfig) -> tuple[list[LoggedEpisode], dict[str, int]]:
+def eval_episodes(
+    engine: Engine, spec_version: str, train: TrainConfig, gate: GateConfig
+) -> tuple[list[LoggedEpisode], dict[str, int]]:
     """The held-out episodes to evaluate on, and how many were unusable (skipped, by reason)."""
     served_after = utcnow() - timedelta(seconds=train.staleness_s) if train.staleness_s else None
     rows = select_eval_episodes(engine, spec_version, train.holdout_percent, gate.eval_episodes, served_after)
@@ -84,11 +94,21 @@ def eval_episodes(engine: Engine, spec_version: str, train: TrainConfig,
     return out, unusable
 
 
-def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, spec_version: str,
-             train: TrainConfig, gate: GateConfig, suite: Suite = EMPTY, abstention_patterns: tuple[str, ...] = (),
-             promote: bool = False, cycle_id: str | None = None,
-             production_canaries: dict[str, dict[str, float]] | None = None,
-             outcome: OutcomeScorer | None = None) -> GateResult:
+def gate_run(
+    engine: Engine,
+    registry: Registry,
+    runner: Runner,
+    run_id: str,
+    spec_version: str,
+    train: TrainConfig,
+    gate: GateConfig,
+    suite: Suite = EMPTY,
+    abstention_patterns: tuple[str, ...] = (),
+    promote: bool = False,
+    cycle_id: str | None = None,
+    production_canaries: dict[str, dict[str, float]] | None = None,
+    outcome: OutcomeScorer | None = None,
+) -> GateResult:
     """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
     (per policy version, from the reward stage's audit) are kept with the decision; `outcome`:
     the outcome model for the fresh-answer estimates (None: none; the gate says so). Callers run
@@ -96,19 +116,30 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
     watch = Stopwatch()  # where the seconds went: kept with the decision
     run = get_run(engine, run_id)
     if run is None or run.status != "finished":
-        raise RegistryError(f"training run {run_id} is {'unknown' if run is None else run.status}: "
-                            "gate a finished run (`rtrl train show` lists the latest)")
+        raise RegistryError(
+            f"training run {run_id} is {'unknown' if run is None else run.status}: "
+            "gate a finished run (`rtrl train show` lists the latest)"
+        )
     if not run.tracking_run_id:
         raise RegistryError(f"training run {run_id} has no MLflow run to register the adapter from")
     with watch("registry"):
         # a crash between registering and recording the decision left a version of this run:
         # gate that one, not a second copy
-        version = registry.version_of_run(run_id) or registry.register(run.tracking_run_id, {
-            "rtrl.run_id": run_id, "base_model": run.base_model, "base_revision": run.base_revision,
-            "spec_version": run.spec_version, "loss": run.loss, "watermark_from": run.watermark_from,
-            "watermark_to": run.watermark_to, "episodes": run.episodes, "parent_run_id": run.parent_run_id or "",
-            **({"rtrl.cycle": cycle_id} if cycle_id else {}),
-        })
+        version = registry.version_of_run(run_id) or registry.register(
+            run.tracking_run_id,
+            {
+                "rtrl.run_id": run_id,
+                "base_model": run.base_model,
+                "base_revision": run.base_revision,
+                "spec_version": run.spec_version,
+                "loss": run.loss,
+                "watermark_from": run.watermark_from,
+                "watermark_to": run.watermark_to,
+                "episodes": run.episodes,
+                "parent_run_id": run.parent_run_id or "",
+                **({"rtrl.cycle": cycle_id} if cycle_id else {}),
+            },
+        )
         champion = registry.alias(CHAMPION)
     # adapters are named by version (and run): a runner that stays loaded between cycles (the
     # daemon's) keeps the champion, and a candidate that passes is already loaded next cycle
@@ -126,10 +157,22 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
             load_error = f"{type(exc).__name__}: {exc}"
     with watch("select"):
         episodes, unusable = eval_episodes(engine, spec_version, train, gate)
-    evaluation = evaluate(runner, candidate_name, champion_name, episodes, suite, gate, abstention_patterns,
-                          gate.generate_prompts, gate.max_new_tokens, load_error=load_error,
-                          champion_label=f"v{champion.version}" if champion else "base", watch=watch,
-                          max_seq_len=train.max_seq_len, outcome=outcome)
+    evaluation = evaluate(
+        runner,
+        candidate_name,
+        champion_name,
+        episodes,
+        suite,
+        gate,
+        abstention_patterns,
+        gate.generate_prompts,
+        gate.max_new_tokens,
+        load_error=load_error,
+        champion_label=f"v{champion.version}" if champion else "base",
+        watch=watch,
+        max_seq_len=train.max_seq_len,
+        outcome=outcome,
+    )
     evaluation.excluded.update(unusable)
     if champion is None and gate.first_deployment == "base":
         # first deployment: the base model, which served until now, is the champion to beat
@@ -138,14 +181,17 @@ def gate_run(engine: Engine, registry: Registry, runner: Runner, run_id: str, sp
         decision = decide(evaluation.candidate, None, None, gate)
     else:
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
-    report: dict[str, Any] = {"evaluation": evaluation.to_dict(), "suite": suite.version,
-                              "production_canaries": production_canaries or {}, "seconds": watch.parts,
-                              "outcome_model": None if outcome is None else {
-                                  "usable": outcome.usable, "why": outcome.why,
-                                  "path": getattr(outcome, "manifest", {}).get("path")}}
+    report: dict[str, Any] = {
+        "evaluation": evaluation.to_dict(),
+        "suite": suite.version,
+        "production_canaries": production_canaries or {},
+        "seconds": watch.parts,
+        "outcome_model": None
+        if outcome is None
+        else {"usable": outcome.usable, "why": outcome.why, "path": getattr(outcome, "manifest", {}).get("path")},
+    }
     with watch("registry"):  # (the decision's own write is not in its report's seconds)
-        registry.record_decision(version.version, champion.version if champion else None, run_id,
-                                 decision, report)
+        registry.record_decision(version.version, champion.version if champion else None, run_id, decision, report)
     if not decision.passed and load_error is None:
         runner.remove(candidate_name)  # it will not serve: do not keep it loaded
     promoted = False
@@ -163,9 +209,17 @@ class OnlineCheck(NamedTuple):
     why: str
 
 
-def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec_version: str, ripeness_s: float,
-                    cycle_id: str, version: str, cycle_started: datetime,
-                    reward_window: Callable[[datetime], Any]) -> OnlineCheck:
+def online_decision(
+    engine: Engine,
+    registry: Registry,
+    cfg: RolloutConfig,
+    spec_version: str,
+    ripeness_s: float,
+    cycle_id: str,
+    version: str,
+    cycle_started: datetime,
+    reward_window: Callable[[datetime], Any],
+) -> OnlineCheck:
     """Canary `version`'s online test against the champion at this moment (deploy/rollout.py):
     decided once it met a boundary (or an operator decided for it), else its progress.
     `reward_window(since)` rewards what was served since then (the reward stage, run by the
@@ -184,9 +238,13 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
     if decision is not None and gated_against != now:
         # an operator's rollback or promotion during the canary wins: the candidate was gated
         # against another champion, and its online sides would straddle the move
-        return OnlineCheck(True, False, f"the champion moved from {gated_against or 'the base'} to "
-                                        f"{now or 'the base'} during the canary (an operator's move): version "
-                                        f"{version} is not promoted over it")
+        return OnlineCheck(
+            True,
+            False,
+            f"the champion moved from {gated_against or 'the base'} to "
+            f"{now or 'the base'} during the canary (an operator's move): version "
+            f"{version} is not promoted over it",
+        )
     move = last_move_to(engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
     staged_at = move.at if move is not None else cycle_started
@@ -197,8 +255,15 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
     # terminal signal would otherwise over-represent the outcomes that arrive fast
     settled = utcnow() - timedelta(seconds=ripeness_s)
     serving = champion.version if champion else "base"
-    units = online_units(engine, spec_version, [serving, version], staged_at, until=settled,
-                         covariate=cfg.covariate, history=cfg.covariate_history)
+    units = online_units(
+        engine,
+        spec_version,
+        [serving, version],
+        staged_at,
+        until=settled,
+        covariate=cfg.covariate,
+        history=cfg.covariate_history,
+    )
     seen = rollout.look(units.get(serving), units.get(version), cfg)
     if seen.verdict != CONTINUE:
         calls = tool_call_errors(engine, [serving, version], staged_at, until=settled)
@@ -207,17 +272,25 @@ def online_decision(engine: Engine, registry: Registry, cfg: RolloutConfig, spec
         result = rollout.too_little_traffic(seen, cfg)
     else:
         progress = seen.summary(Design.of(cfg))
-        log.info("canary still measuring", extra={
-            "cycle": cycle_id, "version": version, "episodes": {serving: seen.n_champion, version: seen.n_canary},
-            "difference": seen.difference, "promote_at": seen.promote_at, "withdraw_at": seen.withdraw_at,
-            "expected_more": seen.expected_more[1]})
+        log.info(
+            "canary still measuring",
+            extra={
+                "cycle": cycle_id,
+                "version": version,
+                "episodes": {serving: seen.n_champion, version: seen.n_canary},
+                "difference": seen.difference,
+                "promote_at": seen.promote_at,
+                "withdraw_at": seen.withdraw_at,
+                "expected_more": seen.expected_more[1],
+            },
+        )
         return OnlineCheck(False, False, f"canary v{version}: {progress}")
     sides = {v: dict(zip(("n", "mean", "var"), u.summary())) for v, u in units.items()}
-    registry.record_online(version, champion.version if champion else None, cycle_id, result,
-                           {**sides, "sequential": asdict(seen)})
+    registry.record_online(
+        version, champion.version if champion else None, cycle_id, result, {**sides, "sequential": asdict(seen)}
+    )
     pause_point("canary.decided")  # crash tests kill the process here: a restart reuses the decision
-    return OnlineCheck(True, result.passed,
-                       "; ".join(c.detail for c in result.checks if result.passed or not c.passed))
+    return OnlineCheck(True, result.passed, "; ".join(c.detail for c in result.checks if result.passed or not c.passed))
 
 
 def withdraw_orphan_canary(registry: Registry) -> Version | None:

@@ -24,8 +24,9 @@ FLUSH_S = 10.0  # metrics reach the store at least this often during a run
 
 
 class MlflowTracker:
-    def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None,
-                 run_name: str | None = None) -> None:
+    def __init__(
+        self, tracking_uri: str, experiment: str, artifact_root: Path | None = None, run_name: str | None = None
+    ) -> None:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
@@ -41,7 +42,7 @@ class MlflowTracker:
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in sorted(params.items())]
         for i in range(0, len(items), BATCH):
-            self.client.log_batch(self.run_id, params=items[i:i + BATCH])
+            self.client.log_batch(self.run_id, params=items[i : i + BATCH])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffered: a store round trip per step would stall a fast loop. Written every
@@ -63,7 +64,7 @@ class MlflowTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         for i in range(0, len(items), BATCH):  # one store round trip per hundred, not one per tag
-            self.client.log_batch(self.run_id, tags=items[i:i + BATCH])
+            self.client.log_batch(self.run_id, tags=items[i : i + BATCH])
 
     def end(self, status: str) -> None:
         self.flush()

@@ -37,8 +37,15 @@ class VllmError(RuntimeError):
 
 
 class VllmAdapterSync:
-    def __init__(self, base_url: str, model_name: str, fetch: Callable[[str, Path], Path], download_dir: Path,
-                 timeout_s: float = 60.0, grace_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        fetch: Callable[[str, Path], Path],
+        download_dir: Path,
+        timeout_s: float = 60.0,
+        grace_s: float = 10.0,
+    ) -> None:
         """`grace_s`: how long an adapter no version needs any more stays loaded before it is
         unloaded -- longer than the gateway's --poll, so that it has moved its routes away first
         (requests routed to it meanwhile are answered, not refused with a 404)."""
@@ -88,8 +95,10 @@ class VllmAdapterSync:
         if name is not None and name != self.current:
             self._load(name, event.adapter_uri)
         old, self.canary = self.canary, (name if name != self.current else None)
-        log.info("vLLM canary adapter " + ("loaded: route its share to it" if self.canary else "withdrawn"),
-                 extra={"lora_name": self.canary, "share": event.share, "previous": old})
+        log.info(
+            "vLLM canary adapter " + ("loaded: route its share to it" if self.canary else "withdrawn"),
+            extra={"lora_name": self.canary, "share": event.share, "previous": old},
+        )
         if old is not None and old != self.current:
             self._unload(old)
 

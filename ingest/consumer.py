@@ -63,8 +63,15 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
     # kafka-python 3 calls these on its network thread: they may block briefly (a DB read, the
     # lanes finishing their batches) but must not call back into the consumer's network API.
 
-    def __init__(self, consumer: KafkaConsumer, engine: Engine, group_id: str,
-                 wait_stored: Callable[[], None], on_assigned: Callable[[], None], start: str = "earliest"):
+    def __init__(
+        self,
+        consumer: KafkaConsumer,
+        engine: Engine,
+        group_id: str,
+        wait_stored: Callable[[], None],
+        on_assigned: Callable[[], None],
+        start: str = "earliest",
+    ):
         self.consumer, self.engine, self.group_id = consumer, engine, group_id
         self.wait_stored, self.on_assigned, self.start = wait_stored, on_assigned, start
 
@@ -88,8 +95,12 @@ class _SeekToStoredOffsets(ConsumerRebalanceListener):
         self.on_assigned()
         log.info(
             "partitions assigned",
-            extra={"partitions": sorted(map(tuple, assigned)), "stored_offsets": len(offsets),
-                   "without_stored_offset": len(fresh), "start": self.start},
+            extra={
+                "partitions": sorted(map(tuple, assigned)),
+                "stored_offsets": len(offsets),
+                "without_stored_offset": len(fresh),
+                "start": self.start,
+            },
         )
 
 
@@ -155,8 +166,9 @@ def run_ingest(
         if stats.batches == 0:
             stats.started = last_data  # rates count from the first assignment, not the join
 
-    consumer.subscribe(topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned,
-                                                             start=icfg.start))
+    consumer.subscribe(
+        topics, listener=_SeekToStoredOffsets(consumer, engine, group_id, lanes.wait_stored, assigned, start=icfg.start)
+    )
     log.info("ingest started", extra={"group_id": group_id, "topics": topics, "lanes": icfg.lanes})
     clean = False
     try:
@@ -168,7 +180,7 @@ def run_ingest(
             if records:
                 last_data = time.monotonic()
                 lanes.submit(raw_records(records))  # 1. decode + store, in the partition's lane
-            commit_stored(wait_all=not records)     # 2. then commit to Kafka
+            commit_stored(wait_all=not records)  # 2. then commit to Kafka
             if not records and idle_exit_s is not None and time.monotonic() - last_data > idle_exit_s:
                 break
             if not records and until_caught_up and _caught_up(consumer):  # the lanes were waited for above
@@ -178,9 +190,15 @@ def run_ingest(
     finally:
         consumer.close(autocommit=False)  # leaves the group; revocation waits for the lanes
         lanes.close(wait=clean)
-        log.info("ingest stopped", extra={
-            "events": stats.events, "duplicates": stats.duplicates, "dead_letters": stats.dead_letters,
-            "clean": clean})
+        log.info(
+            "ingest stopped",
+            extra={
+                "events": stats.events,
+                "duplicates": stats.duplicates,
+                "dead_letters": stats.dead_letters,
+                "clean": clean,
+            },
+        )
     return stats
 
 
@@ -200,5 +218,4 @@ def _commit_to_kafka(consumer: KafkaConsumer, next_offsets: dict[tuple[str, int]
         consumer.commit(offsets)
     except KafkaError as exc:
         # Safe to skip: positions are in the store, and a rebalance seeks to them.
-        log.warning("kafka offset commit failed; the store keeps the position",
-                    extra={"error": repr(exc)})
+        log.warning("kafka offset commit failed; the store keeps the position", extra={"error": repr(exc)})

@@ -63,8 +63,14 @@ def decode(raw: bytes | None, position: SourcePosition, max_event_bytes: int) ->
     try:
         return from_reference(result)
     except Exception as exc:  # noqa: BLE001 - the decoder is total; the differential test keeps this unreached
-        return DeadLetter(reason=DeadLetterReason.SCHEMA_VIOLATION, detail=f"unexpected decoder error: {exc}"[:500],
-                          raw=raw, source=position.source, partition=position.partition, offset=position.offset)
+        return DeadLetter(
+            reason=DeadLetterReason.SCHEMA_VIOLATION,
+            detail=f"unexpected decoder error: {exc}"[:500],
+            raw=raw,
+            source=position.source,
+            partition=position.partition,
+            offset=position.offset,
+        )
 
 
 def decode_fast(raw: bytes) -> DecodedEvent | None:
@@ -86,8 +92,12 @@ def decode_reference(
 
     def dead(reason: DeadLetterReason, detail: str) -> DeadLetter:
         return DeadLetter(
-            reason=reason, detail=detail, raw=raw,
-            source=position.source, partition=position.partition, offset=position.offset,
+            reason=reason,
+            detail=detail,
+            raw=raw,
+            source=position.source,
+            partition=position.partition,
+            offset=position.offset,
         )
 
     try:

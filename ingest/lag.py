@@ -29,11 +29,7 @@ def partition_lag(cfg: Config, engine: Engine, timeout_ms: int = 10_000) -> list
     """Raises KafkaError (e.g. NoBrokersAvailable) when the broker cannot be reached."""
     consumer = make_consumer(cfg, group_id=None, request_timeout_ms=timeout_ms + 1000)
     try:
-        tps = [
-            TopicPartition(t, p)
-            for t in cfg.ingest_topics
-            for p in sorted(consumer.partitions_for_topic(t) or ())
-        ]
+        tps = [TopicPartition(t, p) for t in cfg.ingest_topics for p in sorted(consumer.partitions_for_topic(t) or ())]
         ends = consumer.end_offsets(tps, timeout_ms=timeout_ms) if tps else {}
     finally:
         consumer.close(autocommit=False)

@@ -62,7 +62,9 @@ class ReplayReport:
         if self.blank_lines:
             parts.append(f"{self.blank_lines} blank lines skipped")
         if self.recovered or self.still_dead:
-            parts.append(f"{'would recover' if self.dry_run else 'recovered'} {self.recovered} dead letters, {self.still_dead} still failing")
+            parts.append(
+                f"{'would recover' if self.dry_run else 'recovered'} {self.recovered} dead letters, {self.still_dead} still failing"
+            )
         return "; ".join(parts)
 
 

@@ -85,6 +85,7 @@ def _lane_init(parent_pid: int, db_url: str) -> None:
 
 # --- the main process's side -------------------------------------------------------------------
 
+
 class _InlineLane:
     """lanes = 0: run in the calling thread, behind the interface of a one-process pool."""
 
@@ -107,8 +108,7 @@ class Lanes:
     """Routes each polled batch's records to their partition's lane; hands back stored batches
     in submission order."""
 
-    def __init__(self, lanes: int, engine: Engine, group_id: str | None, max_event_bytes: int,
-                 max_in_flight: int):
+    def __init__(self, lanes: int, engine: Engine, group_id: str | None, max_event_bytes: int, max_in_flight: int):
         self.group_id, self.max_event_bytes = group_id, max_event_bytes
         self.max_pending = max_in_flight * max(lanes, 1)
         if lanes == 0:
@@ -130,9 +130,7 @@ class Lanes:
             lane = zlib.crc32(f"{rec[0]}:{rec[1]}".encode()) % len(self._pools)
             by_lane.setdefault(lane, []).append(rec)
         for lane, recs in sorted(by_lane.items()):
-            self._pending.append(
-                self._pools[lane].submit(store_batch, recs, self.max_event_bytes, self.group_id)
-            )
+            self._pending.append(self._pools[lane].submit(store_batch, recs, self.max_event_bytes, self.group_id))
         if len(self._pending) > self.max_pending:
             wait([self._pending[0]])  # the caller collects it with stored()
 

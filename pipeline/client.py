@@ -45,11 +45,20 @@ __all__ = ["Rtrl"]
 
 
 class Rtrl:
-    def __init__(self, gateway_url: str | None = None, *, bootstrap: str | KafkaAccess | None = None,
-                 interactions_topic: str = "rtrl.interactions", feedback_topic: str = "rtrl.feedback",
-                 spool_dir: str | Path | None = None, spool_max_bytes: int = 1 << 30,
-                 when_full: Literal["refuse", "block"] = "refuse", timeout_s: float = 10.0,
-                 token: str | None = None, tenant: str | None = None) -> None:
+    def __init__(
+        self,
+        gateway_url: str | None = None,
+        *,
+        bootstrap: str | KafkaAccess | None = None,
+        interactions_topic: str = "rtrl.interactions",
+        feedback_topic: str = "rtrl.feedback",
+        spool_dir: str | Path | None = None,
+        spool_max_bytes: int = 1 << 30,
+        when_full: Literal["refuse", "block"] = "refuse",
+        timeout_s: float = 10.0,
+        token: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
         """Give exactly one of `gateway_url` and `bootstrap` (a "host:port" list, or a
         KafkaAccess with TLS/SASL settings). With Kafka, `spool_dir` (default
         `$RTRL_STATE_DIR/spool/client`, else `~/.rtrl/spool/client`) holds what the broker has
@@ -70,22 +79,47 @@ class Rtrl:
             from deploy.events import FEEDBACK_KEY, EventSender  # kafka-python: only when producing
             from pipeline.core.spool import Spool
 
-            root = Path(spool_dir) if spool_dir is not None else Path(
-                os.environ.get("RTRL_STATE_DIR") or Path.home() / ".rtrl") / "spool" / "client"
-            for kind, topic, key in (("interaction", interactions_topic, "request_id"),
-                                     ("feedback", feedback_topic, FEEDBACK_KEY)):
-                self.senders[kind] = EventSender(KafkaAccess.of(bootstrap), topic, key=key, timeout_s=timeout_s,
-                                                 spool=Spool(root / kind, spool_max_bytes, when_full))
+            root = (
+                Path(spool_dir)
+                if spool_dir is not None
+                else Path(os.environ.get("RTRL_STATE_DIR") or Path.home() / ".rtrl") / "spool" / "client"
+            )
+            for kind, topic, key in (
+                ("interaction", interactions_topic, "request_id"),
+                ("feedback", feedback_topic, FEEDBACK_KEY),
+            ):
+                self.senders[kind] = EventSender(
+                    KafkaAccess.of(bootstrap),
+                    topic,
+                    key=key,
+                    timeout_s=timeout_s,
+                    spool=Spool(root / kind, spool_max_bytes, when_full),
+                )
 
     # --- what users did ------------------------------------------------------------------
 
-    def feedback(self, request_id: str, kind: str, value: bool | int | float, payload: Any = None,
-                 ts: datetime | None = None, event_id: str | None = None) -> str:
+    def feedback(
+        self,
+        request_id: str,
+        kind: str,
+        value: bool | int | float,
+        payload: Any = None,
+        ts: datetime | None = None,
+        event_id: str | None = None,
+    ) -> str:
         """An outcome of one call (the request id the server returned). Returns the event id."""
         return self._feedback({"request_id": request_id}, kind, value, payload, ts, event_id, None)
 
-    def episode_outcome(self, episode_id: str, kind: str, value: bool | int | float, payload: Any = None,
-                        ts: datetime | None = None, event_id: str | None = None, tenant: str | None = None) -> str:
+    def episode_outcome(
+        self,
+        episode_id: str,
+        kind: str,
+        value: bool | int | float,
+        payload: Any = None,
+        ts: datetime | None = None,
+        event_id: str | None = None,
+        tenant: str | None = None,
+    ) -> str:
         """The outcome of a whole agent episode (the id its calls were served under: the
         X-Rtrl-Episode-Id header, or `interaction(episode_id=...)`), credited to every call as the
         reward spec's [episode] section says; `tenant`: whose episode (default: the client's).
@@ -94,26 +128,57 @@ class Rtrl:
 
     # --- what an application that serves itself served ------------------------------------
 
-    def interaction(self, *, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]],
-                    policy_version: str, request_id: str | None = None, session_id: str | None = None,
-                    user_id: str = "anonymous", tenant: str | None = None, episode_id: str | None = None,
-                    step: int | None = None, completion_token_ids: list[int] | None = None,
-                    behavior_logprobs: list[float] | None = None, sampling: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-                    latency_ms: float | None = None, metadata: dict[str, Any] | None = None,
-                    ts: datetime | None = None, event_id: str | None = None) -> str:
+    def interaction(
+        self,
+        *,
+        prompt: str | list[dict[str, Any]],
+        completion: str | list[dict[str, Any]],
+        policy_version: str,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        user_id: str = "anonymous",
+        tenant: str | None = None,
+        episode_id: str | None = None,
+        step: int | None = None,
+        completion_token_ids: list[int] | None = None,
+        behavior_logprobs: list[float] | None = None,
+        sampling: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        latency_ms: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        ts: datetime | None = None,
+        event_id: str | None = None,
+    ) -> str:
         """What the application's model answered (token ids and their log-probs as sampled,
         with the sampling settings, make it trainable off-policy). Returns the request id --
         new unless given -- that feedback names."""
         request_id = request_id or f"app-{uuid.uuid4().hex}"
-        event = _valid(InteractionEvent, {
-            "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-i-{uuid.uuid4().hex}",
-            "type": "interaction", "ts": ts or datetime.now(UTC), "request_id": request_id,
-            "session_id": session_id or request_id, "user_id": user_id, "tenant": tenant or self.tenant or "default",
-            "policy_version": policy_version, "prompt": prompt, "completion": completion,
-            "episode_id": episode_id, "step": step, "completion_token_ids": completion_token_ids,
-            "behavior_logprobs": behavior_logprobs, "sampling": sampling, "tools": tools,
-            "tool_calls": tool_calls, "latency_ms": latency_ms, "metadata": metadata})
+        event = _valid(
+            InteractionEvent,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "event_id": event_id or f"app-i-{uuid.uuid4().hex}",
+                "type": "interaction",
+                "ts": ts or datetime.now(UTC),
+                "request_id": request_id,
+                "session_id": session_id or request_id,
+                "user_id": user_id,
+                "tenant": tenant or self.tenant or "default",
+                "policy_version": policy_version,
+                "prompt": prompt,
+                "completion": completion,
+                "episode_id": episode_id,
+                "step": step,
+                "completion_token_ids": completion_token_ids,
+                "behavior_logprobs": behavior_logprobs,
+                "sampling": sampling,
+                "tools": tools,
+                "tool_calls": tool_calls,
+                "latency_ms": latency_ms,
+                "metadata": metadata,
+            },
+        )
         self._send("interaction", event.to_wire())
         return request_id
 
@@ -130,12 +195,30 @@ class Rtrl:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _feedback(self, subject: dict[str, str], kind: str, value: Any, payload: Any, ts: datetime | None,
-                  event_id: str | None, tenant: str | None) -> str:
-        event = _valid(FeedbackEvent, {
-            "schema_version": SCHEMA_VERSION, "event_id": event_id or f"app-f-{uuid.uuid4().hex}",
-            "type": "feedback", "ts": ts or datetime.now(UTC), **subject, "kind": kind, "value": value,
-            "payload": payload, "tenant": tenant})
+    def _feedback(
+        self,
+        subject: dict[str, str],
+        kind: str,
+        value: Any,
+        payload: Any,
+        ts: datetime | None,
+        event_id: str | None,
+        tenant: str | None,
+    ) -> str:
+        event = _valid(
+            FeedbackEvent,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "event_id": event_id or f"app-f-{uuid.uuid4().hex}",
+                "type": "feedback",
+                "ts": ts or datetime.now(UTC),
+                **subject,
+                "kind": kind,
+                "value": value,
+                "payload": payload,
+                "tenant": tenant,
+            },
+        )
         self._send("feedback", event.to_wire())
         return event.event_id
 
@@ -147,8 +230,9 @@ class Rtrl:
         try:
             answer = self.http.post(self.gateway_url + path, json=event, timeout=self.timeout_s)
         except requests.RequestException as exc:
-            raise ConnectionError(f"the rtrl gateway at {self.gateway_url} did not answer ({exc}); "
-                                  "is `rtrl gateway` running there?") from None
+            raise ConnectionError(
+                f"the rtrl gateway at {self.gateway_url} did not answer ({exc}); is `rtrl gateway` running there?"
+            ) from None
         if answer.status_code == 202:
             return
         reason = _reason(answer)
@@ -157,8 +241,10 @@ class Rtrl:
         if answer.status_code in (401, 403):
             raise PermissionError(f"the rtrl gateway at {self.gateway_url} refused the {kind} event: {reason}")
         if answer.status_code == 503:
-            raise ConnectionError(f"the rtrl gateway at {self.gateway_url} could not keep the {kind} event "
-                                  f"({reason}); retry in {answer.headers.get('Retry-After', '30')} s")
+            raise ConnectionError(
+                f"the rtrl gateway at {self.gateway_url} could not keep the {kind} event "
+                f"({reason}); retry in {answer.headers.get('Retry-After', '30')} s"
+            )
         raise ConnectionError(f"the rtrl gateway at {self.gateway_url} answered {answer.status_code}: {reason}")
 
 

@@ -99,8 +99,13 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
         # at start, not in the middle of the first cycle (seconds of imports); a bad path fails here
         import_model_code(config.train.base_model)
     publisher = ModelUpdatePublisher(config.kafka_access, config.kafka.model_updates_topic)
-    registry = Registry(config.tracking_uri, config.mlflow.registered_model, engine, publisher,
-                        cache_dir=config.state_dir / "cache" / "adapters")
+    registry = Registry(
+        config.tracking_uri,
+        config.mlflow.registered_model,
+        engine,
+        publisher,
+        cache_dir=config.state_dir / "cache" / "adapters",
+    )
     resident: dict[Path, PolicySet] = {}
 
     def make_runner(base: Path) -> PolicySet:
@@ -113,9 +118,13 @@ def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
         return resident[base]
 
     return CycleDeps(
-        engine, config, spec, registry,
-        make_tracker=lambda cycle_id: MlflowTracker(config.tracking_uri, config.mlflow.experiment,
-                                                    config.artifact_root, run_name=cycle_id),
+        engine,
+        config,
+        spec,
+        registry,
+        make_tracker=lambda cycle_id: MlflowTracker(
+            config.tracking_uri, config.mlflow.experiment, config.artifact_root, run_name=cycle_id
+        ),
         make_runner=make_runner,
         suite=load_suite(config.gate.suite) if config.gate.suite else EMPTY,
     )
@@ -163,6 +172,7 @@ class _Cycle:
 # or it waits in `canary` for live traffic. The work is idempotent when re-entered (see the
 # module docstring), so a crash anywhere resumes at the state last written.
 
+
 def _pending(c: _Cycle) -> CycleState:
     c.timed("repair", lambda: withdraw_orphan_canary(c.deps.registry))
     return S.REWARDING
@@ -177,8 +187,11 @@ def _rewarding(c: _Cycle) -> CycleState:
 def _training(c: _Cycle) -> CycleState | None:
     with tempfile.TemporaryDirectory() as tmp:
         champion = c.deps.registry.alias(CHAMPION)  # training continues from the champion's adapter
-        parent = c.timed("parent", lambda: Parent.from_adapter(c.deps.registry.adapter(champion, Path(tmp)))
-                         ) if champion else None
+        parent = (
+            c.timed("parent", lambda: Parent.from_adapter(c.deps.registry.adapter(champion, Path(tmp))))
+            if champion
+            else None
+        )
         c.run_id = c.timed("train", lambda: _train(c, parent))
     return S.EVALUATING if c.run_id is not None else None  # None: skipped (written)
 
@@ -190,13 +203,33 @@ def _evaluating(c: _Cycle) -> CycleState | None:
     if stored is None:
         config = deps.config
         # the outcome model for the gate's fresh answers, fitted again once enough new rewards arrived
-        outcome = c.timed("outcome", lambda: refresh_outcome(
-            deps.engine, config.outcome, config.train, deps.spec.version, config.state_dir,
-            lambda: deps.make_tracker(f"{c.cycle_id}-outcome")))
-        result = c.timed("evaluate", lambda: gate_run(
-            deps.engine, deps.registry, deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
-            c.run_id, deps.spec.version, config.train, config.gate, deps.suite,
-            deps.spec.guards.abstention.patterns, cycle_id=c.cycle_id, outcome=outcome))
+        outcome = c.timed(
+            "outcome",
+            lambda: refresh_outcome(
+                deps.engine,
+                config.outcome,
+                config.train,
+                deps.spec.version,
+                config.state_dir,
+                lambda: deps.make_tracker(f"{c.cycle_id}-outcome"),
+            ),
+        )
+        result = c.timed(
+            "evaluate",
+            lambda: gate_run(
+                deps.engine,
+                deps.registry,
+                deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
+                c.run_id,
+                deps.spec.version,
+                config.train,
+                config.gate,
+                deps.suite,
+                deps.spec.guards.abstention.patterns,
+                cycle_id=c.cycle_id,
+                outcome=outcome,
+            ),
+        )
         passed, version, reasons = result.decision.passed, result.version.version, result.decision.reasons
     else:
         passed, version, reasons = stored.passed, stored.candidate_version, stored.reasons
@@ -210,8 +243,12 @@ def _evaluating(c: _Cycle) -> CycleState | None:
 
 def _staging(c: _Cycle) -> CycleState | None:
     version = c.row().candidate_version
-    c.timed("stage", lambda: c.deps.registry.stage(version, c.deps.config.rollout.share, actor="automatic",
-                                                   reason=f"cycle {c.cycle_id}: gate passed"))
+    c.timed(
+        "stage",
+        lambda: c.deps.registry.stage(
+            version, c.deps.config.rollout.share, actor="automatic", reason=f"cycle {c.cycle_id}: gate passed"
+        ),
+    )
     c.enter(S.CANARY)
     return None  # live traffic decides, at a later run
 
@@ -220,16 +257,30 @@ def _canary(c: _Cycle) -> CycleState | None:
     deps, row = c.deps, c.row()
     version = row.candidate_version
     try:
-        verdict = c.timed("online", lambda: online_decision(
-            deps.engine, deps.registry, deps.config.rollout, deps.spec.version, deps.spec.ripeness.window_s,
-            c.cycle_id, version, row.started_at,
-            reward_window=lambda since: run_rewards(deps.engine, deps.spec, served_since=since)))
+        verdict = c.timed(
+            "online",
+            lambda: online_decision(
+                deps.engine,
+                deps.registry,
+                deps.config.rollout,
+                deps.spec.version,
+                deps.spec.ripeness.window_s,
+                c.cycle_id,
+                version,
+                row.started_at,
+                reward_window=lambda since: run_rewards(deps.engine, deps.spec, served_since=since),
+            ),
+        )
         if verdict.decided and not verdict.passed:
-            c.timed("withdraw", lambda: deps.registry.withdraw_canary(
-                version, "automatic", f"canary rejected online: {verdict.why}"))
+            c.timed(
+                "withdraw",
+                lambda: deps.registry.withdraw_canary(version, "automatic", f"canary rejected online: {verdict.why}"),
+            )
     except Exception as exc:  # noqa: BLE001 - the canary keeps serving; failing here would orphan it
-        log.warning("canary check failed; retried at the next check", extra={
-            "cycle": c.cycle_id, "error": f"{type(exc).__name__}: {exc}"})
+        log.warning(
+            "canary check failed; retried at the next check",
+            extra={"cycle": c.cycle_id, "error": f"{type(exc).__name__}: {exc}"},
+        )
         c.enter(S.CANARY, reason=f"last check failed: {type(exc).__name__}: {exc}"[:2000])
         return None
     if not verdict.decided:
@@ -252,9 +303,15 @@ def _promoting(c: _Cycle) -> CycleState | None:
     # decided against the champion of then: an operator's rollback or promotion meanwhile wins
     decided = latest_decision(deps.engine, deps.registry.name, version)
     try:
-        c.timed("promote", lambda: deps.registry.promote(
-            version, actor="automatic", reason=f"cycle {c.cycle_id}: {passed_what}",
-            against=decided.champion_version if decided is not None else ANY))
+        c.timed(
+            "promote",
+            lambda: deps.registry.promote(
+                version,
+                actor="automatic",
+                reason=f"cycle {c.cycle_id}: {passed_what}",
+                against=decided.champion_version if decided is not None else ANY,
+            ),
+        )
     except Superseded as exc:
         c.enter(S.REJECTED, promoted=0, reason=f"not promoted: {exc}")
         return None
@@ -263,8 +320,13 @@ def _promoting(c: _Cycle) -> CycleState | None:
 
 
 HANDLERS: dict[CycleState, Callable[[_Cycle], CycleState | None]] = {
-    S.PENDING: _pending, S.REWARDING: _rewarding, S.TRAINING: _training, S.EVALUATING: _evaluating,
-    S.STAGING: _staging, S.CANARY: _canary, S.PROMOTING: _promoting,
+    S.PENDING: _pending,
+    S.REWARDING: _rewarding,
+    S.TRAINING: _training,
+    S.EVALUATING: _evaluating,
+    S.STAGING: _staging,
+    S.CANARY: _canary,
+    S.PROMOTING: _promoting,
 }
 
 
@@ -306,8 +368,10 @@ def run_cycle(deps: CycleDeps) -> CycleRecord | None:
     finally:
         total = time.perf_counter() - c.started
         if total > deps.config.cycle.sla_s:
-            log.warning("cycle exceeded its SLA", extra={"cycle": c.cycle_id, "seconds": round(total, 1),
-                                                         "sla_s": deps.config.cycle.sla_s})
+            log.warning(
+                "cycle exceeded its SLA",
+                extra={"cycle": c.cycle_id, "seconds": round(total, 1), "sla_s": deps.config.cycle.sla_s},
+            )
     return c.row()
 
 
@@ -324,16 +388,29 @@ def _train(c: _Cycle, parent: Parent | None) -> str | None:
     selection = select(deps.engine, cfg, deps.spec.version, parent)
     new, since = unseen_episodes(deps.engine, deps.spec.version, selection)
     if new < deps.config.cycle.min_new_episodes:
-        c.enter(S.SKIPPED, reason=f"{new} new rewarded episodes{since}, fewer than cycle.min_new_episodes "
-                                  f"({deps.config.cycle.min_new_episodes})")
+        c.enter(
+            S.SKIPPED,
+            reason=f"{new} new rewarded episodes{since}, fewer than cycle.min_new_episodes "
+            f"({deps.config.cycle.min_new_episodes})",
+        )
         return None
     run_id = uuid.uuid4().hex
     c.enter(S.TRAINING, run_id=run_id)  # recorded first: a crash mid-training is found on resume
     tracker = deps.make_tracker(c.cycle_id)
     tracker.set_tags({"rtrl.cycle": c.cycle_id})
     try:
-        run_training(deps.engine, cfg, deps.spec.version, runs_dir, tracker, parent, params={"cycle": c.cycle_id},
-                     run_id=run_id, selection=selection, on_step=_fence_check(deps))
+        run_training(
+            deps.engine,
+            cfg,
+            deps.spec.version,
+            runs_dir,
+            tracker,
+            parent,
+            params={"cycle": c.cycle_id},
+            run_id=run_id,
+            selection=selection,
+            on_step=_fence_check(deps),
+        )
     except NothingToTrain as exc:
         tracker.end("KILLED")
         c.enter(S.SKIPPED, reason=str(exc))

@@ -62,29 +62,53 @@ class Metrics:
         self.ingest_rate = Gauge("rtrl_ingest_rate", "Events per second since ingest started", registry=r)
         self.lag = Gauge("rtrl_consumer_lag", "Records behind the high watermark", ["topic", "partition"], registry=r)
         self.dead_letters = Gauge("rtrl_dead_letters", "Dead letters written by this daemon's ingest", registry=r)
-        self.ingest_errors = Counter("rtrl_ingest_errors", "Times ingest stopped with an error (the broker or the "
-                                     "store away) and was restarted", registry=r)
-        self.cycle_seconds = Histogram("rtrl_cycle_duration_seconds", "Cycle wall time",
-                                       buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600), registry=r)
+        self.ingest_errors = Counter(
+            "rtrl_ingest_errors",
+            "Times ingest stopped with an error (the broker or the store away) and was restarted",
+            registry=r,
+        )
+        self.cycle_seconds = Histogram(
+            "rtrl_cycle_duration_seconds",
+            "Cycle wall time",
+            buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600),
+            registry=r,
+        )
         self.cycles = Counter("rtrl_cycles", "Cycles by outcome", ["outcome"], registry=r)
         self.sla_exceeded = Counter("rtrl_cycle_sla_exceeded", "Cycles longer than cycle.sla_s", registry=r)
-        self.not_started = Counter("rtrl_cycle_runs_not_started", "Scheduled cycles that did not start: the last one "
-                                   "was still running (still_running), or the scheduler was late past the misfire "
-                                   "grace (missed)", ["reason"], registry=r)
+        self.not_started = Counter(
+            "rtrl_cycle_runs_not_started",
+            "Scheduled cycles that did not start: the last one "
+            "was still running (still_running), or the scheduler was late past the misfire "
+            "grace (missed)",
+            ["reason"],
+            registry=r,
+        )
         self.champion = Gauge("rtrl_champion_version", "Registry version of the champion (0: none)", registry=r)
         self.reward_mean = Gauge("rtrl_reward_mean", "Mean reward of the last training run's episodes", registry=r)
         self.gate = Counter("rtrl_gate_decisions", "Gate decisions", ["passed"], registry=r)
         self.lease_held = Gauge("rtrl_lease_held", "1 if this daemon holds the cycle lease", registry=r)
-        self.cycle_parts = Gauge("rtrl_cycle_part_seconds", "Seconds of the last cycle by part: a stage, or "
-                                 "stage.part (train.loop is the training loop)", ["part"], registry=r)
-        self.outside_loop = Gauge("rtrl_cycle_outside_loop_ratio",
-                                  "Share of the last trained cycle spent outside the training loop", registry=r)
+        self.cycle_parts = Gauge(
+            "rtrl_cycle_part_seconds",
+            "Seconds of the last cycle by part: a stage, or stage.part (train.loop is the training loop)",
+            ["part"],
+            registry=r,
+        )
+        self.outside_loop = Gauge(
+            "rtrl_cycle_outside_loop_ratio",
+            "Share of the last trained cycle spent outside the training loop",
+            registry=r,
+        )
         # the online check on a promotion: the gate's off-policy estimate can be optimistic
         # (README, "Known limitation"); alert when the champion's rate falls below previous's
-        self.policy_served = Gauge("rtrl_policy_served", "Requests served by the version under the alias",
-                                   ["alias"], registry=r)
-        self.policy_accept_rate = Gauge("rtrl_policy_accept_rate", "Share of the requests served by the version "
-                                        "under the alias that a user accepted", ["alias"], registry=r)
+        self.policy_served = Gauge(
+            "rtrl_policy_served", "Requests served by the version under the alias", ["alias"], registry=r
+        )
+        self.policy_accept_rate = Gauge(
+            "rtrl_policy_accept_rate",
+            "Share of the requests served by the version under the alias that a user accepted",
+            ["alias"],
+            registry=r,
+        )
 
     def on_ingest(self, stats: IngestStats) -> None:
         self.ingested.set(stats.events)
@@ -118,8 +142,9 @@ class Daemon:
             generation = None
         held = generation is not None
         if held != self.holds_lease or generation != self.generation:
-            log.info("cycle lease " + ("taken" if held else "lost"), extra={"owner": self.owner,
-                                                                            "generation": generation})
+            log.info(
+                "cycle lease " + ("taken" if held else "lost"), extra={"owner": self.owner, "generation": generation}
+            )
         self.holds_lease, self.generation = held, generation
         self.metrics.lease_held.set(1 if held else 0)
 
@@ -148,8 +173,11 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - run_cycle records a failing stage; this is the store itself
                 self.metrics.cycles.labels("unrecorded").inc()
                 self.last_cycle = {"state": "unrecorded", "error": f"{type(exc).__name__}: {exc}"}
-                log.error("cycle could not be recorded (is the store reachable?); it resumes from its last "
-                          "recorded state at the next run", extra=self.last_cycle)
+                log.error(
+                    "cycle could not be recorded (is the store reachable?); it resumes from its last "
+                    "recorded state at the next run",
+                    extra=self.last_cycle,
+                )
                 return
             seconds = time.perf_counter() - t0
         finally:
@@ -159,8 +187,7 @@ class Daemon:
             self.last_cycle = {"state": "lease_lost"}
             return
         if row.state == CycleState.CANARY:  # not finished: the canary is still being measured
-            self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state,
-                               "canary": row.candidate_version}
+            self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "canary": row.candidate_version}
             self._online_metrics()
             return
         self.metrics.cycle_seconds.observe(seconds)
@@ -169,8 +196,12 @@ class Daemon:
             self.metrics.sla_exceeded.inc()
         if row.state in (CycleState.DONE, CycleState.REJECTED):
             self.metrics.gate.labels(str(row.state == CycleState.DONE).lower()).inc()
-        self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "reason": row.reason,
-                           "seconds": round(seconds, 2)}
+        self.last_cycle = {
+            "cycle_id": row.cycle_id,
+            "state": row.state,
+            "reason": row.reason,
+            "seconds": round(seconds, 2),
+        }
         try:
             self._cycle_metrics(row)
         except Exception as exc:  # noqa: BLE001 - the registry or the store may be away: metrics wait
@@ -191,8 +222,11 @@ class Daemon:
             registry = self.deps.registry
             champion = registry.alias("champion")
             self.metrics.champion.set(float(champion.version) if champion else 0.0)
-            aliases = {"champion": champion, "previous": registry.alias("previous") if champion else None,
-                       "canary": registry.alias("canary")}
+            aliases = {
+                "champion": champion,
+                "previous": registry.alias("previous") if champion else None,
+                "canary": registry.alias("canary"),
+            }
             versions = {alias: v.version for alias, v in aliases.items() if v is not None}
             online = self.accepts.read(self.deps.engine, list(versions.values()))
         except Exception as exc:  # noqa: BLE001 - the registry or the store may be away: metrics wait
@@ -229,10 +263,16 @@ class Daemon:
             return
         reason = "still_running" if event.code == EVENT_JOB_MAX_INSTANCES else "missed"
         self.metrics.not_started.labels(reason).inc()
-        log.warning("scheduled cycle not started", extra={
-            "reason": reason, "every": self.config.cycle.every,
-            "hint": "the previous cycle outlasted cycle.every: lengthen the interval or cap train.max_episodes"
-            if reason == "still_running" else "the daemon was busy or asleep past the misfire grace (300 s)"})
+        log.warning(
+            "scheduled cycle not started",
+            extra={
+                "reason": reason,
+                "every": self.config.cycle.every,
+                "hint": "the previous cycle outlasted cycle.every: lengthen the interval or cap train.max_episodes"
+                if reason == "still_running"
+                else "the daemon was busy or asleep past the misfire grace (300 s)",
+            },
+        )
 
     def _ingest(self) -> None:
         while not self.stop.is_set():
@@ -251,14 +291,22 @@ class Daemon:
             self._ingest_thread = threading.Thread(target=self._ingest, name="ingest", daemon=True)
             self._ingest_thread.start()
         self.heartbeat()
-        self.scheduler.add_job(self.heartbeat, IntervalTrigger(seconds=max(self.ttl / 3, 1)), id="lease",
-                               max_instances=1, coalesce=True)
+        self.scheduler.add_job(
+            self.heartbeat, IntervalTrigger(seconds=max(self.ttl / 3, 1)), id="lease", max_instances=1, coalesce=True
+        )
         self.scheduler.add_listener(self._not_started, EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
-        self.scheduler.add_job(self.cycle, trigger(self.config.cycle.every), id="cycle", max_instances=1,
-                               coalesce=True, misfire_grace_time=300)
+        self.scheduler.add_job(
+            self.cycle,
+            trigger(self.config.cycle.every),
+            id="cycle",
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=300,
+        )
         if self.config.rollout.share > 0:
-            self.scheduler.add_job(self.check_canary, trigger(self.config.rollout.check_every), id="canary",
-                                   max_instances=1, coalesce=True)
+            self.scheduler.add_job(
+                self.check_canary, trigger(self.config.rollout.check_every), id="canary", max_instances=1, coalesce=True
+            )
         self.scheduler.start()
         log.info("daemon started", extra={"owner": self.owner, "every": self.config.cycle.every})
 
@@ -276,8 +324,10 @@ class Daemon:
         if self._ingest_thread is not None:
             self._ingest_thread.join(timeout=drain_s)
             if self._ingest_thread.is_alive():  # nothing is lost: the stored offsets say where to resume
-                log.warning("ingest did not drain in time; the next start re-reads from the stored offsets",
-                            extra={"drain_s": drain_s})
+                log.warning(
+                    "ingest did not drain in time; the next start re-reads from the stored offsets",
+                    extra={"drain_s": drain_s},
+                )
         if self.cycle_running.acquire(blocking=False):  # no cycle in progress: let another daemon go on
             release(self.deps.engine, LEASE, self.owner)
         log.info("daemon stopped", extra={"owner": self.owner})

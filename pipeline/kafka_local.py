@@ -59,7 +59,10 @@ class LocalBroker:
         return cls(
             state=cfg.state_dir / "kafka",
             libs=cache_dir() / f"kafka-{k.version}" / "libs",
-            port=k.port, controller_port=k.controller_port, heap=k.heap, partitions=k.partitions,
+            port=k.port,
+            controller_port=k.controller_port,
+            heap=k.heap,
+            partitions=k.partitions,
         )
 
     @property
@@ -112,7 +115,9 @@ def ensure_jars(broker: LocalBroker, version: str, progress=print) -> None:
     if marker.exists():
         return
     if shutil.which("mvn") is None:
-        raise KafkaLocalError("Maven (mvn) is not installed: install it (apt-get install maven) to fetch the Kafka broker")
+        raise KafkaLocalError(
+            "Maven (mvn) is not installed: install it (apt-get install maven) to fetch the Kafka broker"
+        )
     progress(f"fetching org.apache.kafka:kafka_2.13:{version} from Maven Central into {broker.libs} ...")
     pom = f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -127,9 +132,17 @@ def ensure_jars(broker: LocalBroker, version: str, progress=print) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "pom.xml").write_text(pom)
         proc = subprocess.run(
-            ["mvn", "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={broker.libs}",
-             "-DincludeScope=runtime"],
-            cwd=tmp, capture_output=True, text=True,
+            [
+                "mvn",
+                "-q",
+                "-B",
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={broker.libs}",
+                "-DincludeScope=runtime",
+            ],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
         )
     if proc.returncode != 0:
         raise KafkaLocalError(f"mvn could not fetch the Kafka broker:\n{(proc.stdout + proc.stderr)[-2000:]}")
@@ -139,36 +152,44 @@ def ensure_jars(broker: LocalBroker, version: str, progress=print) -> None:
 def _properties(broker: LocalBroker) -> str:
     data = broker.state / "data"
     client = "SASL_SSL" if broker.secure else "PLAINTEXT"
-    return "\n".join([
-        "process.roles=broker,controller",
-        "node.id=1",
-        f"listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
-        f"advertised.listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
-        "controller.listener.names=CONTROLLER",
-        f"inter.broker.listener.name={client}",
-        f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{client}:{client}",
-        f"controller.quorum.bootstrap.servers=127.0.0.1:{broker.controller_port}",
-        f"log.dirs={data}",
-        f"num.partitions={broker.partitions}",
-        "offsets.topic.replication.factor=1",
-        "offsets.topic.num.partitions=4",
-        "transaction.state.log.replication.factor=1",
-        "transaction.state.log.min.isr=1",
-        "share.coordinator.state.topic.replication.factor=1",
-        "share.coordinator.state.topic.min.isr=1",
-        "group.initial.rebalance.delay.ms=0",
-        "auto.create.topics.enable=true",
-        *(kafka_secure.broker_properties(broker.state) if broker.secure else []),
-        "",
-    ])
+    return "\n".join(
+        [
+            "process.roles=broker,controller",
+            "node.id=1",
+            f"listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
+            f"advertised.listeners={client}://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
+            "controller.listener.names=CONTROLLER",
+            f"inter.broker.listener.name={client}",
+            f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{client}:{client}",
+            f"controller.quorum.bootstrap.servers=127.0.0.1:{broker.controller_port}",
+            f"log.dirs={data}",
+            f"num.partitions={broker.partitions}",
+            "offsets.topic.replication.factor=1",
+            "offsets.topic.num.partitions=4",
+            "transaction.state.log.replication.factor=1",
+            "transaction.state.log.min.isr=1",
+            "share.coordinator.state.topic.replication.factor=1",
+            "share.coordinator.state.topic.min.isr=1",
+            "group.initial.rebalance.delay.ms=0",
+            "auto.create.topics.enable=true",
+            *(kafka_secure.broker_properties(broker.state) if broker.secure else []),
+            "",
+        ]
+    )
 
 
 def _java(broker: LocalBroker, main: str, *args: str, heap: str | None = None) -> list[str]:
     cmd = ["java"]
     if heap:
         cmd += [f"-Xmx{heap}", f"-Xms{heap}"]
-    return cmd + ["-XX:+UseSerialGC", "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
-                  "-cp", f"{broker.libs}/*", main, *args]
+    return cmd + [
+        "-XX:+UseSerialGC",
+        "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
+        "-cp",
+        f"{broker.libs}/*",
+        main,
+        *args,
+    ]
 
 
 def up(cfg: Config, progress=print, timeout_s: float = 120.0, secure: bool = False) -> LocalBroker:
@@ -179,20 +200,25 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0, secure: bool = Fal
     if secure and formatted and not broker.secure:
         raise KafkaLocalError(
             f"the broker under {broker.state} was set up without --secure, and stays so: to start it secure, "
-            f"`rtrl kafka down`, delete {broker.state} (its topics go with it) and `rtrl kafka up --secure`")
+            f"`rtrl kafka down`, delete {broker.state} (its topics go with it) and `rtrl kafka up --secure`"
+        )
     if broker.pid() is not None and broker.accepting():
-        progress(f"kafka already running on {broker.bootstrap} (pid {broker.pid()}"
-                 f"{', SASL_SSL' if broker.secure else ''})")
+        progress(
+            f"kafka already running on {broker.bootstrap} (pid {broker.pid()}{', SASL_SSL' if broker.secure else ''})"
+        )
         return broker
     if shutil.which("java") is None:
-        raise KafkaLocalError("Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) to run the local Kafka broker")
+        raise KafkaLocalError(
+            "Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) to run the local Kafka broker"
+        )
     ensure_jars(broker, cfg.kafka.version, progress)
     for port in (cfg.kafka.port, cfg.kafka.controller_port):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 raise KafkaLocalError(
                     f"port {port} on 127.0.0.1 is taken (a broker started with another state folder?): stop it with "
-                    f"`RTRL_STATE_DIR=<its folder> rtrl kafka down`, or set kafka.port / kafka.controller_port")
+                    f"`RTRL_STATE_DIR=<its folder> rtrl kafka down`, or set kafka.port / kafka.controller_port"
+                )
     broker.state.mkdir(parents=True, exist_ok=True)
     if secure and not formatted:
         progress("making a CA, the broker's and a client's certificates (keytool) and SCRAM users")
@@ -204,25 +230,34 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0, secure: bool = Fal
         cluster_id = _cluster_id()
         users = kafka_secure.scram_users(broker.state) if broker.secure else []
         fmt = subprocess.run(
-            _java(broker, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster_id, "-c", str(props),
-                  *users),
-            capture_output=True, text=True,
+            _java(
+                broker, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster_id, "-c", str(props), *users
+            ),
+            capture_output=True,
+            text=True,
         )
         if fmt.returncode != 0:
             raise KafkaLocalError(f"formatting Kafka storage failed:\n{(fmt.stdout + fmt.stderr)[-2000:]}")
-    progress(f"starting kafka {cfg.kafka.version} on {broker.bootstrap}{' (SASL_SSL)' if broker.secure else ''} "
-             f"(logs: {broker.log_file})")
+    progress(
+        f"starting kafka {cfg.kafka.version} on {broker.bootstrap}{' (SASL_SSL)' if broker.secure else ''} "
+        f"(logs: {broker.log_file})"
+    )
     with open(broker.log_file, "ab") as logf:
         proc = subprocess.Popen(
             _java(broker, "kafka.Kafka", str(props), heap=broker.heap),
-            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     broker.pid_file.write_text(str(proc.pid))
     start_offset = broker.log_file.stat().st_size if broker.log_file.exists() else 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise KafkaLocalError(f"kafka exited with code {proc.returncode}; last log lines:\n{_tail(broker.log_file)}")
+            raise KafkaLocalError(
+                f"kafka exited with code {proc.returncode}; last log lines:\n{_tail(broker.log_file)}"
+            )
         if broker.accepting() and _log_says_started(broker.log_file, start_offset):
             return broker
         time.sleep(0.2)

@@ -43,9 +43,15 @@ def _secret(state: Path, name: str) -> Path:
 def client_security(state: Path) -> KafkaSecurityConfig:
     """The settings a client of this broker uses (what `rtrl kafka up --secure` prints)."""
     tls = _tls(state)
-    return KafkaSecurityConfig(protocol="SASL_SSL", ca_file=tls / "ca.pem", cert_file=tls / "client.pem",
-                               key_file=tls / "client.key", sasl_mechanism="SCRAM-SHA-512", username=CLIENT_USER,
-                               password_file=_secret(state, CLIENT_USER))
+    return KafkaSecurityConfig(
+        protocol="SASL_SSL",
+        ca_file=tls / "ca.pem",
+        cert_file=tls / "client.pem",
+        key_file=tls / "client.key",
+        sasl_mechanism="SCRAM-SHA-512",
+        username=CLIENT_USER,
+        password_file=_secret(state, CLIENT_USER),
+    )
 
 
 def make_material(state: Path) -> None:
@@ -70,19 +76,62 @@ def make_material(state: Path) -> None:
     def store(name: str) -> list[str]:
         return ["-keystore", str(tls / name), "-storetype", "PKCS12", "-storepass", store_pw]
 
-    keytool("-genkeypair", "-alias", "ca", "-keyalg", "RSA", "-keysize", "2048", "-dname", "CN=rtrl local CA",
-            "-ext", "bc:c", "-validity", _VALID_DAYS, *store("ca.p12"))
+    keytool(
+        "-genkeypair",
+        "-alias",
+        "ca",
+        "-keyalg",
+        "RSA",
+        "-keysize",
+        "2048",
+        "-dname",
+        "CN=rtrl local CA",
+        "-ext",
+        "bc:c",
+        "-validity",
+        _VALID_DAYS,
+        *store("ca.p12"),
+    )
     keytool("-exportcert", "-rfc", "-alias", "ca", "-file", str(tls / "ca.pem"), *store("ca.p12"))
     keytool("-importcert", "-noprompt", "-alias", "ca", "-file", str(tls / "ca.pem"), *store("truststore.p12"))
-    for name, dname, san in (("broker", "CN=127.0.0.1", ["-ext", "SAN=IP:127.0.0.1,DNS:localhost"]),
-                             ("client", f"CN={CLIENT_USER}", [])):
+    for name, dname, san in (
+        ("broker", "CN=127.0.0.1", ["-ext", "SAN=IP:127.0.0.1,DNS:localhost"]),
+        ("client", f"CN={CLIENT_USER}", []),
+    ):
         keystore = store(f"{name}.p12")
-        keytool("-genkeypair", "-alias", name, "-keyalg", "RSA", "-keysize", "2048", "-dname", dname,
-                "-validity", _VALID_DAYS, *keystore)
+        keytool(
+            "-genkeypair",
+            "-alias",
+            name,
+            "-keyalg",
+            "RSA",
+            "-keysize",
+            "2048",
+            "-dname",
+            dname,
+            "-validity",
+            _VALID_DAYS,
+            *keystore,
+        )
         keytool("-certreq", "-alias", name, "-file", str(tls / f"{name}.csr"), *keystore)
-        keytool("-gencert", "-alias", "ca", "-infile", str(tls / f"{name}.csr"), "-outfile", str(tls / f"{name}.crt"),
-                "-rfc", *san, "-ext", "ku:c=digitalSignature,keyEncipherment", "-ext", "eku=serverAuth,clientAuth",
-                "-validity", _VALID_DAYS, *store("ca.p12"))
+        keytool(
+            "-gencert",
+            "-alias",
+            "ca",
+            "-infile",
+            str(tls / f"{name}.csr"),
+            "-outfile",
+            str(tls / f"{name}.crt"),
+            "-rfc",
+            *san,
+            "-ext",
+            "ku:c=digitalSignature,keyEncipherment",
+            "-ext",
+            "eku=serverAuth,clientAuth",
+            "-validity",
+            _VALID_DAYS,
+            *store("ca.p12"),
+        )
         keytool("-importcert", "-noprompt", "-alias", "ca", "-file", str(tls / "ca.pem"), *keystore)
         keytool("-importcert", "-alias", name, "-file", str(tls / f"{name}.crt"), *keystore)
     _client_pem(tls, store_pw)
@@ -98,8 +147,9 @@ def _client_pem(tls: Path, password: str) -> None:
     key, cert, _ = pkcs12.load_key_and_certificates((tls / "client.p12").read_bytes(), password.encode())
     (tls / "client.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_file = tls / "client.key"
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     key_file.chmod(0o600)
 
 
@@ -113,9 +163,12 @@ def broker_properties(state: Path) -> list[str]:
     admin_pw, client_pw = _read(_secret(state, "admin")), _read(_secret(state, CLIENT_USER))
     scram = "org.apache.kafka.common.security.scram.ScramLoginModule required"
     return [
-        "ssl.keystore.type=PKCS12", f"ssl.keystore.location={tls / 'broker.p12'}",
-        f"ssl.keystore.password={store_pw}", f"ssl.key.password={store_pw}",
-        "ssl.truststore.type=PKCS12", f"ssl.truststore.location={tls / 'truststore.p12'}",
+        "ssl.keystore.type=PKCS12",
+        f"ssl.keystore.location={tls / 'broker.p12'}",
+        f"ssl.keystore.password={store_pw}",
+        f"ssl.key.password={store_pw}",
+        "ssl.truststore.type=PKCS12",
+        f"ssl.truststore.location={tls / 'truststore.p12'}",
         f"ssl.truststore.password={store_pw}",
         # a SASL listener ignores the plain ssl.client.auth (KIP-684): only its own prefix counts
         "listener.name.sasl_ssl.ssl.client.auth=required",
@@ -131,6 +184,9 @@ def broker_properties(state: Path) -> list[str]:
 def scram_users(state: Path) -> list[str]:
     """StorageTool format's arguments that write the SCRAM users into the cluster metadata."""
     admin_pw, client_pw = _read(_secret(state, "admin")), _read(_secret(state, CLIENT_USER))
-    users = [("SCRAM-SHA-512", "admin", admin_pw), ("SCRAM-SHA-512", CLIENT_USER, client_pw),
-             ("SCRAM-SHA-256", CLIENT_USER, client_pw)]
+    users = [
+        ("SCRAM-SHA-512", "admin", admin_pw),
+        ("SCRAM-SHA-512", CLIENT_USER, client_pw),
+        ("SCRAM-SHA-256", CLIENT_USER, client_pw),
+    ]
     return [arg for mech, name, pw in users for arg in ("--add-scram", f"{mech}=[name={name},password={pw}]")]

@@ -102,8 +102,9 @@ class SpecDiff:
             heapq.heapreplace(self.movers, item)
 
 
-def diff_specs(engine: Engine, old: RewardSpec, new: RewardSpec, now: datetime | None = None,
-               top: int = 10) -> SpecDiff:
+def diff_specs(
+    engine: Engine, old: RewardSpec, new: RewardSpec, now: datetime | None = None, top: int = 10
+) -> SpecDiff:
     """How rewards of ripe episodes (ripe under the new spec) would change from `old` to `new`."""
     now = now or utcnow()
     out = SpecDiff(old.version, new.version)

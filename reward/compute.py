@@ -67,8 +67,19 @@ def _by_kind_in_time_order(feedback: tuple) -> Iterator[tuple[str, Iterator[Feed
         return groupby(feedback, _KIND)
     if len(set(map(_EVENT_ID, feedback))) == len(feedback):
         return groupby(sorted(feedback, key=_KIND_TIME_ID), _KIND)
-    return groupby(sorted(feedback, key=lambda fb: (fb.kind, fb.ts, fb.event_id, repr(fb.value),
-                                                    json.dumps(fb.payload, sort_keys=True, default=str))), _KIND)
+    return groupby(
+        sorted(
+            feedback,
+            key=lambda fb: (
+                fb.kind,
+                fb.ts,
+                fb.event_id,
+                repr(fb.value),
+                json.dumps(fb.payload, sort_keys=True, default=str),
+            ),
+        ),
+        _KIND,
+    )
 
 
 def _signal_fn(kind: str, half_life_s: float | None) -> SignalFn:
@@ -83,8 +94,15 @@ class Scorer:
     def __init__(self, spec: RewardSpec):
         self.spec = spec
         # kind -> (component name, weight, combine (None: the last event's value), per-event signal)
-        self.signals = {kind: (f"signal.{kind}", sig.weight, None if sig.combine == "last" else COMBINE[sig.combine],
-                               _signal_fn(kind, sig.half_life_s)) for kind, sig in spec.signals.items()}
+        self.signals = {
+            kind: (
+                f"signal.{kind}",
+                sig.weight,
+                None if sig.combine == "last" else COMBINE[sig.combine],
+                _signal_fn(kind, sig.half_life_s),
+            )
+            for kind, sig in spec.signals.items()
+        }
         self.guards = [(f"guard.{name}", guard, getattr(spec.guards, name)) for name, guard in GUARDS.items()]
         self.judge_weight = spec.judge.weight if spec.judge is not None else None
         self.lo, self.hi = spec.clip.min, spec.clip.max
@@ -116,7 +134,7 @@ class Scorer:
 
     def credit(self, ep: Episode) -> float:
         """The share of its episode's outcome a call gets (see the module docstring)."""
-        return self.gamma ** ep.calls_after
+        return self.gamma**ep.calls_after
 
     def __call__(self, ep: Episode, judge_score: float | None = None) -> RewardResult:
         components: dict[str, float] = {}
@@ -133,8 +151,9 @@ class Scorer:
         total = sum(components.values())
         return RewardResult(min(self.hi, max(self.lo, total)), components, tuple(ignored))
 
-    def _signals(self, ep: Episode, feedback: tuple, components: dict[str, float], ignored: list[str],
-                 prefix: str, scale: float) -> None:
+    def _signals(
+        self, ep: Episode, feedback: tuple, components: dict[str, float], ignored: list[str], prefix: str, scale: float
+    ) -> None:
         """The spec's signals over `feedback` (the call's own, or its episode's outcome with the
         call's credit as `scale`) into `components`, named `prefix` + "signal.<kind>"."""
         signals = self.signals

@@ -91,8 +91,14 @@ class Judge:
         out: list[float] = []
         for start in range(0, len(episodes), self.spec.batch_size):
             texts = [self.prompt(ep) for ep in episodes[start : start + self.spec.batch_size]]
-            enc = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.spec.max_tokens,
-                                  add_special_tokens=not self._chat).to(self._device)  # a template writes its own
+            enc = self._tokenizer(
+                texts,
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.spec.max_tokens,
+                add_special_tokens=not self._chat,
+            ).to(self._device)  # a template writes its own
             with torch.no_grad():
                 logits = self._model(**enc).logits[:, -1, :]  # [B, V] at the answer position
             pair = logits[:, self._answer_ids.to(self._device)].float()  # [B, 2]: yes, no

@@ -32,14 +32,32 @@ EPISODES_PER_WORKER = 25_000  # below this a worker's start (~0.7 s of imports) 
 _ENGINES: dict[str, Engine] = {}  # per worker process: one engine for all its parts
 
 
-def _score(url: str, spec: RewardSpec, now: datetime, force: bool, part: tuple[int, int], chunk: int,
-           served_since: datetime | None, span: tuple[int, int] | None) -> tuple[RewardRunReport, Settling]:
+def _score(
+    url: str,
+    spec: RewardSpec,
+    now: datetime,
+    force: bool,
+    part: tuple[int, int],
+    chunk: int,
+    served_since: datetime | None,
+    span: tuple[int, int] | None,
+) -> tuple[RewardRunReport, Settling]:
     engine = _ENGINES.get(url)
     if engine is None:
         engine = _ENGINES[url] = store_db.make_engine(url)
     settling = Settling()
-    report = score_part(engine, spec, now, force, RewardRunReport(spec_version=spec.version), part=part,
-                        chunk_size=chunk, served_since=served_since, span=span, settling=settling)
+    report = score_part(
+        engine,
+        spec,
+        now,
+        force,
+        RewardRunReport(spec_version=spec.version),
+        part=part,
+        chunk_size=chunk,
+        served_since=served_since,
+        span=span,
+        settling=settling,
+    )
     return report, settling
 
 
@@ -73,8 +91,9 @@ def score_in_parallel(
         raise ValueError("an in-memory SQLite store cannot be shared with worker processes; use workers=1")
     parts = 4 * workers
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_score, url, spec, now, force, (k, parts), chunk, served_since, span)
-                   for k in range(parts)]
+        futures = [
+            pool.submit(_score, url, spec, now, force, (k, parts), chunk, served_since, span) for k in range(parts)
+        ]
         for future in as_completed(futures):
             counts, seen = future.result()
             report.add(counts)

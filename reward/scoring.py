@@ -71,9 +71,16 @@ def read_episode(row: EpisodeRow) -> tuple[int, Episode]:
     ts = datetime.fromisoformat(row.ts) if isinstance(row.ts, str) else row.ts  # SQLite's text
     prompt = prompt_text(orjson.loads(row.body).get("prompt", "")) if row.body is not None else ""
     calls = row.output_tool_calls
-    episode = Episode(row.request_id, ts, row.policy_version, row.output_text,
-                      tuple(orjson.loads(calls)) if calls else (), _feedback(feedback), bool(row.expects_attempt),
-                      prompt)
+    episode = Episode(
+        row.request_id,
+        ts,
+        row.policy_version,
+        row.output_text,
+        tuple(orjson.loads(calls)) if calls else (),
+        _feedback(feedback),
+        bool(row.expects_attempt),
+        prompt,
+    )
     in_episode = episode_rows(row)
     if row.episode_id is None or in_episode is None:
         return newest, episode
@@ -86,11 +93,18 @@ def build_episode(row: EpisodeRow) -> Episode:
 
 
 def _feedback(events: list[list[Any]]) -> tuple[Feedback, ...]:
-    return tuple([
-        Feedback(event_id, kind, float(value), datetime.fromisoformat(fts),
-                 orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None)
-        for _, event_id, kind, value, fts, fbody in events
-    ])
+    return tuple(
+        [
+            Feedback(
+                event_id,
+                kind,
+                float(value),
+                datetime.fromisoformat(fts),
+                orjson.loads(fbody).get("payload") if fbody is not None and kind in PAYLOAD_KINDS else None,
+            )
+            for _, event_id, kind, value, fts, fbody in events
+        ]
+    )
 
 
 def _in_episode(call: Episode, episode_id: str, outcome: list[list[Any]], calls: list[list[Any]]) -> Episode:
@@ -101,14 +115,19 @@ def _in_episode(call: Episode, episode_id: str, outcome: list[list[Any]], calls:
     by step only where both calls have one is no order: with steps on some calls and not others
     it can go round in a cycle, leaving no call last and, under discounted credit, none
     undiscounted."""
+
     def order(rid: str, step: int | None, ts: datetime) -> tuple:
         return (step if step is not None else 1 << 30, ts, rid)
 
     served = [(rid, step, datetime.fromisoformat(cts)) for rid, step, cts in calls]
     own = next((order(*c) for c in served if c[0] == call.request_id), order(call.request_id, None, call.ts))
-    return call._replace(episode_id=episode_id, outcome=_feedback(outcome),
-                         calls_after=sum(order(*c) > own for c in served if c[0] != call.request_id),
-                         episode_calls=len(served), last_call_ts=max(cts for _, _, cts in served))
+    return call._replace(
+        episode_id=episode_id,
+        outcome=_feedback(outcome),
+        calls_after=sum(order(*c) > own for c in served if c[0] != call.request_id),
+        episode_calls=len(served),
+        last_call_ts=max(cts for _, _, cts in served),
+    )
 
 
 def inputs_counted(ep: Episode) -> int:
@@ -139,9 +158,19 @@ class RewardRunReport:
 
     def add(self, other: RewardRunReport) -> None:
         """Count another part of the same run (a worker's) into this report."""
-        for name in ("episodes", "computed", "updated", "unchanged", "unripe", "judge_deferred",
-                     "changed_after_training", "duplicate_interactions", "unusable", "unfinished_episodes",
-                     "value_sum"):
+        for name in (
+            "episodes",
+            "computed",
+            "updated",
+            "unchanged",
+            "unripe",
+            "judge_deferred",
+            "changed_after_training",
+            "duplicate_interactions",
+            "unusable",
+            "unfinished_episodes",
+            "value_sum",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for kind, n in other.ignored_kinds.items():
             self.ignored_kinds[kind] = self.ignored_kinds.get(kind, 0) + n
@@ -149,18 +178,29 @@ class RewardRunReport:
     def summary(self) -> str:
         n = self.computed + self.updated
         mean = f", mean {self.value_sum / n:+.3f}" if n else ""
-        return (f"spec {self.spec_version}: {self.episodes} episodes; {self.computed} rewards computed, "
-                f"{self.updated} {'scored again' if self.recomputed else 'updated by late feedback'}{mean}; "
-                f"{self.unchanged} up to date; "
-                f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
-                + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else "")
-                + (f"; {self.changed_after_training} changed after a training run used them"
-                   if self.changed_after_training else "")
-                + (f"; {self.duplicate_interactions} duplicate interactions ignored (first one counts)"
-                   if self.duplicate_interactions else "")
-                + (f"; {self.unusable} episodes skipped: their feedback could not be read" if self.unusable else "")
-                + (f"; {self.unfinished_episodes} agent episodes ended by their window without an outcome"
-                   if self.unfinished_episodes else ""))
+        return (
+            f"spec {self.spec_version}: {self.episodes} episodes; {self.computed} rewards computed, "
+            f"{self.updated} {'scored again' if self.recomputed else 'updated by late feedback'}{mean}; "
+            f"{self.unchanged} up to date; "
+            f"{self.unripe} not ripe yet; {self.orphaned} orphaned feedback events past the TTL"
+            + (f"; {self.judge_deferred} wait for the judge budget" if self.judge_deferred else "")
+            + (
+                f"; {self.changed_after_training} changed after a training run used them"
+                if self.changed_after_training
+                else ""
+            )
+            + (
+                f"; {self.duplicate_interactions} duplicate interactions ignored (first one counts)"
+                if self.duplicate_interactions
+                else ""
+            )
+            + (f"; {self.unusable} episodes skipped: their feedback could not be read" if self.unusable else "")
+            + (
+                f"; {self.unfinished_episodes} agent episodes ended by their window without an outcome"
+                if self.unfinished_episodes
+                else ""
+            )
+        )
 
 
 @dataclass
@@ -171,7 +211,9 @@ class Settling:
 
     unripe: list[tuple[int, str]] = field(default_factory=list)  # (interaction id, request id)
     unusable: list[tuple[int, bool]] = field(default_factory=list)  # (interaction id, had a stored reward)
-    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)  # (lo, hi, episodes, duplicates): ids (lo, hi]
+    chunks: list[tuple[int, int, int, int]] = field(
+        default_factory=list
+    )  # (lo, hi, episodes, duplicates): ids (lo, hi]
 
     def add(self, other: Settling) -> None:
         self.unripe += other.unripe
@@ -231,9 +273,18 @@ def score_part(
     with gc_paused(), ThreadPoolExecutor(1, thread_name_prefix="reward-writer") as writer:
         # an in-memory store is one database per connection: another thread would see another
         submit = _at_once if store_db.in_memory(engine.url) else writer.submit
-        for chunk in iter_episode_chunks(engine, version, chunk_size, payload_kinds=PAYLOAD_KINDS, part=part,
-                                         only_stale=not force, served_since=served_since,
-                                         with_body=judge is not None, span=span, ids=ids):
+        for chunk in iter_episode_chunks(
+            engine,
+            version,
+            chunk_size,
+            payload_kinds=PAYLOAD_KINDS,
+            part=part,
+            only_stale=not force,
+            served_since=served_since,
+            with_body=judge is not None,
+            span=span,
+            ids=ids,
+        ):
             if settling is not None and chunk.span is not None:
                 settling.chunks.append((*chunk.span, len(chunk.interactions) + chunk.current, chunk.duplicates))
             report.duplicate_interactions += chunk.duplicates
@@ -268,10 +319,23 @@ def score_part(
                     report.judge_deferred += 1  # over this run's judge budget: next run
                     continue
                 result = score(ep, scores.get(ep.request_id))
-                out.append(RewardRow(ep.request_id, ep.policy_version, result.value, result.components,
-                                     inputs_counted(ep), newest, None if ep.episode_id is None else {
-                                         "episode_id": ep.episode_id, "credit": score.credit(ep),
-                                         "events": [fb.event_id for fb in ep.outcome]}))
+                out.append(
+                    RewardRow(
+                        ep.request_id,
+                        ep.policy_version,
+                        result.value,
+                        result.components,
+                        inputs_counted(ep),
+                        newest,
+                        None
+                        if ep.episode_id is None
+                        else {
+                            "episode_id": ep.episode_id,
+                            "credit": score.credit(ep),
+                            "events": [fb.event_id for fb in ep.outcome],
+                        },
+                    )
+                )
                 if first and ep.episode_id is not None and not ep.calls_after and not score.finished(ep):
                     unfinished += 1  # ripe by its window alone, reported once: its last call's first reward
                 first_times += first
@@ -279,10 +343,17 @@ def score_part(
                 for kind in result.ignored_kinds:
                     report.ignored_kinds[kind] = report.ignored_kinds.get(kind, 0) + 1
             settle()  # at most one chunk in flight: memory stays bounded
-            pending = (submit(upsert_rewards, engine, version, out), RewardRunReport(
-                version, computed=first_times, updated=len(out) - first_times, value_sum=value_sum,
-                unfinished_episodes=unfinished,
-                changed_after_training=sum(r.request_id in trained for r in out) if trained else 0))
+            pending = (
+                submit(upsert_rewards, engine, version, out),
+                RewardRunReport(
+                    version,
+                    computed=first_times,
+                    updated=len(out) - first_times,
+                    value_sum=value_sum,
+                    unfinished_episodes=unfinished,
+                    changed_after_training=sum(r.request_id in trained for r in out) if trained else 0,
+                ),
+            )
         settle()
     return report
 

@@ -116,9 +116,12 @@ class JudgeSpec(_Strict):
     budget: int = Field(default=1000, ge=0, description="new judge calls per run; the rest wait")
     batch_size: int = Field(default=8, ge=1, le=256)
     max_tokens: int = Field(default=1024, ge=16, description="longer inputs keep their end")
-    chat: bool = Field(default=False, description="ask in a user turn of the judge model's chat template "
-                                                  "(pipeline/core/chat.py, as serving renders prompts): for an "
-                                                  "instruction-tuned judge")
+    chat: bool = Field(
+        default=False,
+        description="ask in a user turn of the judge model's chat template "
+        "(pipeline/core/chat.py, as serving renders prompts): for an "
+        "instruction-tuned judge",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="as train.device")
 
     @field_validator("template")

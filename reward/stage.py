@@ -34,8 +34,15 @@ from reward.parallel import auto_workers, score_in_parallel
 from reward.scoring import PAYLOAD_KINDS, RewardRunReport, Settling, build_episode, judge_scores, score_part
 from reward.spec import RewardSpec
 
-__all__ = ["PAYLOAD_KINDS", "RewardRunReport", "build_episode", "explain", "explain_episode", "run_rewards",
-           "score_part"]
+__all__ = [
+    "PAYLOAD_KINDS",
+    "RewardRunReport",
+    "build_episode",
+    "explain",
+    "explain_episode",
+    "run_rewards",
+    "score_part",
+]
 
 
 def run_rewards(
@@ -67,14 +74,24 @@ def run_rewards(
         _score(engine, spec, now, force, workers, report, on_progress, chunk, served_since=served_since)
         report.orphaned = orphaned_feedback(engine, orphan_before, since=served_since)
     else:
-        report.orphaned = _incremental(engine, spec, now, force, workers, report, on_progress, chunk, tops,
-                                       orphan_before)
+        report.orphaned = _incremental(
+            engine, spec, now, force, workers, report, on_progress, chunk, tops, orphan_before
+        )
     return report
 
 
-def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, workers: int,
-                 report: RewardRunReport, on_progress: Callable[[RewardRunReport], None] | None, chunk: int,
-                 tops: tuple[int, int], orphan_before: datetime) -> int:
+def _incremental(
+    engine: Engine,
+    spec: RewardSpec,
+    now: datetime,
+    force: bool,
+    workers: int,
+    report: RewardRunReport,
+    on_progress: Callable[[RewardRunReport], None] | None,
+    chunk: int,
+    tops: tuple[int, int],
+    orphan_before: datetime,
+) -> int:
     """A run that reads what changed since the spec's last run (tables.reward_progress), and
     reports the rest from the counts kept there: what a full run would report, at a cost that
     follows what is new, not the history. Its steps, in order:
@@ -113,8 +130,7 @@ def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, w
         elif lo + 1 < settled:  # the chunk the first unripe episode is in: count its settled part
             more, more_duplicates = episode_counts(engine, lo + 1, settled)
             episodes, duplicates = episodes + more, duplicates + more_duplicates
-    unusable = (done.unusable + len(again.unusable) - was_unusable
-                + sum(i < settled for i, _ in seen.unusable))
+    unusable = done.unusable + len(again.unusable) - was_unusable + sum(i < settled for i, _ in seen.unusable)
     # a settled episode read unripe (an agent episode's new call, a run with an earlier `now`)
     # is read again next run, since nothing else would name it
     pending = sorted({request_id for _, request_id in again.unripe})
@@ -122,9 +138,19 @@ def _incremental(engine: Engine, spec: RewardSpec, now: datetime, force: bool, w
     return save_progress(engine, spec.version, done, after, orphan_before)
 
 
-def _score(engine: Engine, spec: RewardSpec, now: datetime, force: bool, workers: int, report: RewardRunReport,
-           on_progress: Callable[[RewardRunReport], None] | None, chunk: int, served_since: datetime | None = None,
-           span: tuple[int, int] | None = None, settling: Settling | None = None) -> None:
+def _score(
+    engine: Engine,
+    spec: RewardSpec,
+    now: datetime,
+    force: bool,
+    workers: int,
+    report: RewardRunReport,
+    on_progress: Callable[[RewardRunReport], None] | None,
+    chunk: int,
+    served_since: datetime | None = None,
+    span: tuple[int, int] | None = None,
+    settling: Settling | None = None,
+) -> None:
     """The episodes of `span` (else of the whole store, or from `served_since`), in one process
     or split over `workers`."""
     if workers == 0 and spec.judge is None:
@@ -132,8 +158,18 @@ def _score(engine: Engine, spec: RewardSpec, now: datetime, force: bool, workers
     if workers > 1 and spec.judge is None:
         score_in_parallel(engine, spec, now, force, workers, report, on_progress, chunk, served_since, span, settling)
     else:
-        score_part(engine, spec, now, force, report, on_progress, chunk_size=chunk, served_since=served_since,
-                   span=span, settling=settling)
+        score_part(
+            engine,
+            spec,
+            now,
+            force,
+            report,
+            on_progress,
+            chunk_size=chunk,
+            served_since=served_since,
+            span=span,
+            settling=settling,
+        )
 
 
 def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | None = None):
@@ -142,8 +178,9 @@ def explain(engine: Engine, spec: RewardSpec, request_id: str, now: datetime | N
     return found[0] if found else None
 
 
-def explain_episode(engine: Engine, spec: RewardSpec, episode_id: str, now: datetime | None = None,
-                    tenant: str | None = None):
+def explain_episode(
+    engine: Engine, spec: RewardSpec, episode_id: str, now: datetime | None = None, tenant: str | None = None
+):
     """(call, result, ripe) for each call of tenant `tenant`'s agent episode (None: the tenant that
     has one of that id), first call first, computed now under `spec` (each result shows the
     call's credited share of the outcome); [] if unknown."""

@@ -156,9 +156,13 @@ class ServeProcess:
     def __init__(self, base: Path, env: dict[str, str], log_path: Path) -> None:
         port, self.log_path = free_port(), log_path
         with log_path.open("wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
-                                          "--base-model", str(base)], env=env, cwd=REPO, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--base-model", str(base)],
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.url = f"http://127.0.0.1:{port}"
 
     def health(self) -> dict | None:

@@ -19,9 +19,26 @@ def start(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.Popen:
     """The server on `port`, its backend store and artifacts under `root`; returns once /health answers."""
     root.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], stdout=open(root / "log.txt", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=open(root / "log.txt", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def healthy() -> bool:
         assert proc.poll() is None, (root / "log.txt").read_text()[-3000:]

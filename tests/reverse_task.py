@@ -65,8 +65,9 @@ def make_base(out: Path, seed: int = 0, steps: int = 300, p_reverse: float = 0.3
 
 
 @torch.no_grad()
-def generate(model, tok, prompts: list[str], greedy: bool, temperature: float = 1.0,
-             generator: torch.Generator | None = None) -> tuple[list[str], list[list[int]], list[list[float]]]:
+def generate(
+    model, tok, prompts: list[str], greedy: bool, temperature: float = 1.0, generator: torch.Generator | None = None
+) -> tuple[list[str], list[list[int]], list[list[float]]]:
     """Three tokens per prompt: (texts, token ids, log-probs at `temperature`)."""
     model.eval()
     ids = torch.tensor([tok(prompt_text(s), add_special_tokens=False).input_ids for s in prompts])  # [N, 4]
@@ -93,9 +94,17 @@ def sample_episodes(model, tok, prompts: list[str], per_prompt: int, seed: int =
     generator = torch.Generator().manual_seed(seed)
     batch = [s for s in prompts for _ in range(per_prompt)]
     texts, token_ids, logprobs = generate(model, tok, batch, greedy=False, generator=generator)
-    return [{"prompt": prompt_text(s), "completion": c, "completion_token_ids": t, "behavior_logprobs": lp,
-             "reward": reward(s, c), "group": s}
-            for s, c, t, lp in zip(batch, texts, token_ids, logprobs)]
+    return [
+        {
+            "prompt": prompt_text(s),
+            "completion": c,
+            "completion_token_ids": t,
+            "behavior_logprobs": lp,
+            "reward": reward(s, c),
+            "group": s,
+        }
+        for s, c, t, lp in zip(batch, texts, token_ids, logprobs)
+    ]
 
 
 def as_events(episodes: list[dict], prefix: str, start: datetime, tenants: tuple[str, ...] = ("acme",)) -> list[dict]:
@@ -105,12 +114,24 @@ def as_events(episodes: list[dict], prefix: str, start: datetime, tenants: tuple
     out = []
     for i, e in enumerate(episodes):
         ts = start + timedelta(seconds=i)
-        out.append(interaction(i, prefix=prefix, ts=_rfc3339(ts), tenant=tenants[i % len(tenants)],
-                               prompt=e["prompt"], completion=e["completion"],
-                               completion_token_ids=e["completion_token_ids"],
-                               behavior_logprobs=e["behavior_logprobs"], sampling={"temperature": 1.0}))
-        out.append(feedback(i, prefix=prefix, kind="test_result", value=e["reward"] > 0,
-                            ts=_rfc3339(ts + timedelta(seconds=1))))
+        out.append(
+            interaction(
+                i,
+                prefix=prefix,
+                ts=_rfc3339(ts),
+                tenant=tenants[i % len(tenants)],
+                prompt=e["prompt"],
+                completion=e["completion"],
+                completion_token_ids=e["completion_token_ids"],
+                behavior_logprobs=e["behavior_logprobs"],
+                sampling={"temperature": 1.0},
+            )
+        )
+        out.append(
+            feedback(
+                i, prefix=prefix, kind="test_result", value=e["reward"] > 0, ts=_rfc3339(ts + timedelta(seconds=1))
+            )
+        )
     return out
 
 

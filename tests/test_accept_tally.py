@@ -31,14 +31,22 @@ def _event(draw):
     n, i = next(_ids), draw(st.integers(0, 7))
     what = draw(st.sampled_from(["call", "call", "again", "accept", "accept", "refuse", "other"]))
     if what in ("call", "again"):  # a second interaction for a request is served, and counted, too
-        return interaction(i, prefix="t", policy_version=draw(st.sampled_from(["1", "2", "3"])),
-                           event_id=f"t-i-{i}" if what == "call" else f"t-again-{n}")
+        return interaction(
+            i,
+            prefix="t",
+            policy_version=draw(st.sampled_from(["1", "2", "3"])),
+            event_id=f"t-i-{i}" if what == "call" else f"t-again-{n}",
+        )
     kind, value = {"accept": ("accepted", True), "refuse": ("accepted", False), "other": ("persisted", True)}[what]
     return fb(i, prefix="t", kind=kind, value=value, event_id=f"t-f-{n}")
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(batches=st.lists(st.lists(_event(), min_size=1, max_size=5), min_size=1, max_size=8))
 def test_the_tally_gives_what_the_whole_history_query_gives(engine, batches):
     with engine.begin() as conn:

@@ -22,6 +22,7 @@ def calls(monkeypatch, tmp_path):
         success, broken, share = measures.pop(0)
         current[:] = [share]
         return success, broken
+
     monkeypatch.setattr(agent_base, "estimate_base", estimate_base)
     monkeypatch.setattr(agent_base, "call_share", lambda out: current[0])
     monkeypatch.setattr(agent_base, "set_call_share", lambda out, target, seed: set_to.append(target))
@@ -32,7 +33,8 @@ def test_a_base_inside_the_target_is_left_as_it_is(calls):
     measures, set_to, out = calls
     measures += [(0.12, 0.05, 0.2)]
     assert agent_base.calibrate(out, 0, say=lambda _: None) == [
-        {"success": 0.12, "broken_calls": 0.05, "call_share": 0.2}]
+        {"success": 0.12, "broken_calls": 0.05, "call_share": 0.2}
+    ]
     assert set_to == []
 
 

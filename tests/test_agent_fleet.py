@@ -41,15 +41,18 @@ def format_base(tmp_path_factory):
         task = draw_agent_task(rng)
         step1 = rng.random() < 0.5
         messages = [{"role": "user", "content": task.ask}] if step1 else messages_after_call(task)
-        return (tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True),
-                call_text() if step1 else task.word)
+        return (
+            tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True),
+            call_text() if step1 else task.word,
+        )
 
     warm_up(out, sample, steps=150, batch=16, lr=1e-2, seed=0)
     return out
 
 
-def test_the_agent_fleet_runs_episodes_through_serving_and_the_store_agrees(cfg, cfg_env, engine, format_base,
-                                                                             tmp_path):
+def test_the_agent_fleet_runs_episodes_through_serving_and_the_store_agrees(
+    cfg, cfg_env, engine, format_base, tmp_path
+):
     server = ServeProcess(format_base, {**os.environ, **cfg_env, "OMP_NUM_THREADS": "1"}, tmp_path / "serve.log")
     sender = EventSender(cfg.kafka_access, cfg.kafka.feedback_topic, key=FEEDBACK_KEY)
     try:
@@ -66,8 +69,11 @@ def test_the_agent_fleet_runs_episodes_through_serving_and_the_store_agrees(cfg,
     def stored():
         run_ingest(cfg, engine, threading.Event(), until_caught_up=True, idle_exit_s=60)
         with engine.connect() as conn:
-            return (conn.scalar(select(func.count()).select_from(interactions)) >= calls
-                    and conn.scalar(select(func.count()).select_from(feedback)) >= stats.feedback)
+            return (
+                conn.scalar(select(func.count()).select_from(interactions)) >= calls
+                and conn.scalar(select(func.count()).select_from(feedback)) >= stats.feedback
+            )
+
     wait_for(stored, 120, "the episodes' calls and outcomes to be ingested")
 
     with engine.connect() as conn:
@@ -88,6 +94,10 @@ def test_the_agent_fleet_runs_episodes_through_serving_and_the_store_agrees(cfg,
     assert sum(k == "tool_error" and r is not None for k, r, e in outcomes) == errors
     assert sum(k == "accepted" for k, r, e in outcomes) == succeeded
     summaries = episode_summaries(engine)
-    assert (len(summaries), sum(e.succeeded for e in summaries), sum(e.tool_errors for e in summaries),
-            sum(e.calls for e in summaries)) == (episodes, succeeded, errors, calls)
+    assert (
+        len(summaries),
+        sum(e.succeeded for e in summaries),
+        sum(e.tool_errors for e in summaries),
+        sum(e.calls for e in summaries),
+    ) == (episodes, succeeded, errors, calls)
     assert {e.version for e in summaries} == {"base"}

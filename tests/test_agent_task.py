@@ -63,19 +63,27 @@ def test_the_base_tokenizer_writes_a_call_s_markers_as_one_token_each(tokenizer)
 
 def test_the_template_renders_the_conversation_until_a_tool_answers_then_its_result(tokenizer):
     task = AgentTask("7", "abcd")
-    rendered = tokenizer.apply_chat_template(messages_after_call(task), tools=TOOLS, tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        messages_after_call(task), tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     # once the tool answered, its latest result only: the single-turn demo's prompt (see AGENT_TEMPLATE)
     assert rendered == "abcd>"
-    conversation = [{"role": "user", "content": "reverse selection 7"},
-                    {"role": "assistant", "content": "done?"}, {"role": "user", "content": "no"}]
-    assert tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == \
-        "U: reverse selection 7\nA: done?\nU: no\nA: "
-    first = tokenizer.apply_chat_template(messages_after_call(task)[:1], tools=TOOLS, tokenize=False,
-                                          add_generation_prompt=True)
+    conversation = [
+        {"role": "user", "content": "reverse selection 7"},
+        {"role": "assistant", "content": "done?"},
+        {"role": "user", "content": "no"},
+    ]
+    assert (
+        tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        == "U: reverse selection 7\nA: done?\nU: no\nA: "
+    )
+    first = tokenizer.apply_chat_template(
+        messages_after_call(task)[:1], tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     assert first == "U: reverse selection 7\nA: "
     # the warm-up's cached prompts are the renders of the whole conversation, whatever the ask's key
     from pipeline.demo.agent import _rendered, render
+
     assert _rendered(tokenizer, "", "abcd") == render(tokenizer, messages_after_call(task))
     assert _rendered(tokenizer, "7", None) == render(tokenizer, messages_after_call(task)[:1])
 
@@ -120,20 +128,49 @@ def test_the_online_tool_format_canary_refuses_a_canary_that_writes_broken_calls
 
 def test_episodes_and_tool_errors_per_version_from_the_store(engine):
     calls = [  # (request, episode, step, version, completion, tool_calls)
-        ("a1", "ep-a", 0, "base", call_text(), [{"id": "c0", "type": "function", "function": {
-            "name": "read_selection", "arguments": "{}"}}]),
+        (
+            "a1",
+            "ep-a",
+            0,
+            "base",
+            call_text(),
+            [{"id": "c0", "type": "function", "function": {"name": "read_selection", "arguments": "{}"}}],
+        ),
         ("a2", "ep-a", 1, "1", "dcba", None),  # an episode belongs to the version of its first call
-        ("b1", "ep-b", 0, "base", "<tool_call>{oops", [{"id": "c0", "type": "function", "function": {
-            "name": "", "arguments": "{oops"}, "error": "not JSON"}]),
+        (
+            "b1",
+            "ep-b",
+            0,
+            "base",
+            "<tool_call>{oops",
+            [{"id": "c0", "type": "function", "function": {"name": "", "arguments": "{oops"}, "error": "not JSON"}],
+        ),
         ("c1", "ep-c", 0, "1", "abcd", None),
     ]
-    events = [interaction(i, request_id=rid, episode_id=ep, step=step, policy_version=v, completion=text,
-                          **({"tool_calls": tc} if tc else {})) for i, (rid, ep, step, v, text, tc) in enumerate(calls)]
-    store(engine, *events, feedback(10, request_id=None, episode_id="ep-a", kind="accepted", value=True),
-          feedback(11, request_id=None, episode_id="ep-c", kind="accepted", value=False))
+    events = [
+        interaction(
+            i,
+            request_id=rid,
+            episode_id=ep,
+            step=step,
+            policy_version=v,
+            completion=text,
+            **({"tool_calls": tc} if tc else {}),
+        )
+        for i, (rid, ep, step, v, text, tc) in enumerate(calls)
+    ]
+    store(
+        engine,
+        *events,
+        feedback(10, request_id=None, episode_id="ep-a", kind="accepted", value=True),
+        feedback(11, request_id=None, episode_id="ep-c", kind="accepted", value=False),
+    )
     summaries = {e.episode_id: e for e in episode_summaries(engine)}
     assert {k: (e.version, e.calls, e.tool_errors, e.succeeded) for k, e in summaries.items()} == {
-        "ep-a": ("base", 2, 0, True), "ep-b": ("base", 1, 1, False), "ep-c": ("1", 1, 0, False)}
+        "ep-a": ("base", 2, 0, True),
+        "ep-b": ("base", 1, 1, False),
+        "ep-c": ("1", 1, 0, False),
+    }
     since = BASE_TS - timedelta(seconds=1)
     assert tool_call_errors(engine, ["base", "1"], since) == {"base": (2, 1), "1": (2, 0)}
     assert tool_call_errors(engine, ["1"], since, until=BASE_TS + timedelta(seconds=1.5)) == {"1": (1, 0)}

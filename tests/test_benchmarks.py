@@ -13,8 +13,14 @@ from tests.conftest import REPO
 
 
 def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
     return done.stdout
 
@@ -24,8 +30,25 @@ def test_reward():
 
 
 def test_train():
-    out = bench("benchmarks/train.py", "--steps", "2", "--repeats", "1", "--hidden", "32", "--layers", "1",
-                "--prompt", "8", "--completion", "8", "--batch", "4", "--variants", "rtrl")
+    out = bench(
+        "benchmarks/train.py",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--prompt",
+        "8",
+        "--completion",
+        "8",
+        "--batch",
+        "4",
+        "--variants",
+        "rtrl",
+    )
     assert "tokens/s" in out
 
 
@@ -40,8 +63,9 @@ def test_gateway():
 
 @pytest.mark.kafka
 def test_ingest(kafka_bootstrap):
-    out = bench("benchmarks/ingest.py", "--events", "400", "--naive-events", "50", "--bootstrap", kafka_bootstrap,
-                "--group")
+    out = bench(
+        "benchmarks/ingest.py", "--events", "400", "--naive-events", "50", "--bootstrap", kafka_bootstrap, "--group"
+    )
     assert "(d) naive" in out and "fast path" in out
     if os.environ.get("RTRL_TEST_POSTGRES"):
         assert "(e) 2 ingest processes" in out
@@ -53,8 +77,17 @@ def test_cycle_queries():
 
 
 def test_store_costs():
-    out = bench("benchmarks/store_costs.py", "--events", "200", "--repeat", "1", "--revision", "0011",
-                "--completion-chars", "300")
+    out = bench(
+        "benchmarks/store_costs.py",
+        "--events",
+        "200",
+        "--repeat",
+        "1",
+        "--revision",
+        "0011",
+        "--completion-chars",
+        "300",
+    )
     assert "without ix_feedback_request_id" in out and "without ix_interactions_ts" in out
     assert "without output_text (300 chars)" in out
 

@@ -16,10 +16,10 @@ def test_isotonic_is_the_monotone_least_squares_fit():
 def test_isotonic_recovers_a_known_probability_curve():
     rng = np.random.default_rng(0)
     score = rng.random(20_000)
-    outcome = rng.random(20_000) < score ** 2  # P(1 | s) = s^2
+    outcome = rng.random(20_000) < score**2  # P(1 | s) = s^2
     iso = Isotonic.fit(score, outcome.astype(float))
     grid = np.linspace(0.1, 0.9, 9)
-    err = np.abs(iso(grid) - grid ** 2)  # a step function of noisy blocks: close on average
+    err = np.abs(iso(grid) - grid**2)  # a step function of noisy blocks: close on average
     assert err.mean() < 0.02 and err.max() < 0.08
     assert np.all(np.diff(iso(np.linspace(0, 1, 101))) >= 0)
 

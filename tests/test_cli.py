@@ -17,14 +17,45 @@ from pipeline.core.store import db as store_db
 from tests.conftest import REPO
 
 COMMANDS = [
-    [], ["kafka"], ["kafka", "up"], ["kafka", "down"], ["kafka", "status"],
-    ["db"], ["db", "upgrade"], ["db", "downgrade"], ["db", "current"],
-    ["ingest"], ["replay"], ["export"], ["status"],
-    ["reward"], ["reward", "run"], ["reward", "explain"], ["reward", "diff"], ["reward", "recompute"],
-    ["reward", "audit"], ["reward", "model"], ["reward", "model", "show"], ["reward", "model", "fit"], ["model"], ["model", "init-tiny"], ["model", "show"],
-    ["train"], ["train", "run"], ["train", "show"],
-    ["gate"], ["models"], ["models", "list"], ["models", "show"], ["promote"], ["rollback"], ["serve"],
-    ["daemon"], ["demo"], ["sim"], ["gateway"],
+    [],
+    ["kafka"],
+    ["kafka", "up"],
+    ["kafka", "down"],
+    ["kafka", "status"],
+    ["db"],
+    ["db", "upgrade"],
+    ["db", "downgrade"],
+    ["db", "current"],
+    ["ingest"],
+    ["replay"],
+    ["export"],
+    ["status"],
+    ["reward"],
+    ["reward", "run"],
+    ["reward", "explain"],
+    ["reward", "diff"],
+    ["reward", "recompute"],
+    ["reward", "audit"],
+    ["reward", "model"],
+    ["reward", "model", "show"],
+    ["reward", "model", "fit"],
+    ["model"],
+    ["model", "init-tiny"],
+    ["model", "show"],
+    ["train"],
+    ["train", "run"],
+    ["train", "show"],
+    ["gate"],
+    ["models"],
+    ["models", "list"],
+    ["models", "show"],
+    ["promote"],
+    ["rollback"],
+    ["serve"],
+    ["daemon"],
+    ["demo"],
+    ["sim"],
+    ["gateway"],
 ]
 
 
@@ -52,7 +83,10 @@ def test_db_upgrade_then_status_without_broker(tmp_path):
     assert runner.invoke(cli, ["db", "upgrade"], env=env).exit_code == 0  # re-run is a no-op
     status = runner.invoke(cli, ["status"], env=env)
     assert status.exit_code == 0, status.output
-    assert "interactions" in status.output and "cannot reach the Kafka broker at 127.0.0.1:1 (kafka.bootstrap)" in status.output
+    assert (
+        "interactions" in status.output
+        and "cannot reach the Kafka broker at 127.0.0.1:1 (kafka.bootstrap)" in status.output
+    )
     assert "cycles (no daemon holds the lease):" in status.output
 
 
@@ -69,12 +103,18 @@ def test_bad_config_is_refused_with_field_and_allowed_values(tmp_path):
 
 def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheels), str(REPO)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = wheels.glob("rtrl-*.whl")
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     assert (target / "rtrl_alembic" / "versions").is_dir()
     # run the installed copy, not the editable checkout: drop the editable finder, away from the repo
     code = (
@@ -84,8 +124,9 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
         "print('migrations', d.migrations_dir()); from pipeline.cli import main; main()"
     )
     env = dict(os.environ, RTRL_STATE_DIR=str(tmp_path / "state"))
-    out = subprocess.run([sys.executable, "-c", code, "db", "upgrade"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "db", "upgrade"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"migrations {target}" in out.stdout and "is at revision" in out.stdout
     assert Path(tmp_path / "state" / "rtrl.db").exists()
@@ -95,7 +136,7 @@ def test_the_documented_config_example_is_valid(tmp_path):
     from pipeline.core.config import load_config
 
     text = (REPO / "docs" / "configuration.md").read_text()
-    section = text[text.index("## How settings are layered"):]
+    section = text[text.index("## How settings are layered") :]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     for named in ("/etc/rtrl/kafka-ca.pem", "/run/secrets/kafka"):  # files the config checks exist
         here = tmp_path / named.rsplit("/", 1)[1]
@@ -111,7 +152,9 @@ def test_the_configuration_reference_in_docs_matches_the_config_models():
     from pipeline.core.config_reference import DOC, document
 
     current = DOC.read_text()
-    assert current == document(current), "docs/configuration.md is stale: python -m pipeline.core.config_reference --write"
+    assert current == document(current), (
+        "docs/configuration.md is stale: python -m pipeline.core.config_reference --write"
+    )
 
 
 def test_the_docs_stand_alone():

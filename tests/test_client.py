@@ -18,9 +18,11 @@ from tests.conftest import InProcessServer, free_port, wait_for
 
 
 def test_importing_the_client_loads_no_ml_stack(tmp_path):
-    code = ("import sys; from pipeline.client import Rtrl; "
-            f"Rtrl(bootstrap='127.0.0.1:9', spool_dir={str(tmp_path)!r}).close(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'peft') if m in sys.modules))")
+    code = (
+        "import sys; from pipeline.client import Rtrl; "
+        f"Rtrl(bootstrap='127.0.0.1:9', spool_dir={str(tmp_path)!r}).close(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -45,10 +47,16 @@ def gateway():
 def test_through_the_gateway(gateway):
     url, interactions, feedback = gateway
     with Rtrl(gateway_url=url, token="s3cret") as rtrl:
-        request_id = rtrl.interaction(prompt=[{"role": "user", "content": "reverse abc"}], completion="cba",
-                                      policy_version="3", episode_id="task-1", step=0,
-                                      completion_token_ids=[5, 6], behavior_logprobs=[-0.1, -0.2],
-                                      sampling={"temperature": 1.0})
+        request_id = rtrl.interaction(
+            prompt=[{"role": "user", "content": "reverse abc"}],
+            completion="cba",
+            policy_version="3",
+            episode_id="task-1",
+            step=0,
+            completion_token_ids=[5, 6],
+            behavior_logprobs=[-0.1, -0.2],
+            sampling={"temperature": 1.0},
+        )
         first = rtrl.feedback(request_id, kind="accepted", value=True)
         rtrl.episode_outcome("task-1", kind="persisted", value=True, payload={"tests": "passed"})
         # refused here, before it leaves, naming the field
@@ -82,22 +90,26 @@ def test_one_process_per_spool_and_events_wait_there_while_the_broker_is_away(tm
 def test_straight_to_kafka(kafka_bootstrap, topics, tmp_path):
     from kafka import KafkaConsumer
 
-    with Rtrl(bootstrap=kafka_bootstrap, interactions_topic=topics["interactions"],
-              feedback_topic=topics["feedback"], spool_dir=tmp_path) as rtrl:
-        request_id = rtrl.interaction(prompt="reverse abc", completion="cba", policy_version="3",
-                                      episode_id="task-2")
+    with Rtrl(
+        bootstrap=kafka_bootstrap,
+        interactions_topic=topics["interactions"],
+        feedback_topic=topics["feedback"],
+        spool_dir=tmp_path,
+    ) as rtrl:
+        request_id = rtrl.interaction(prompt="reverse abc", completion="cba", policy_version="3", episode_id="task-2")
         rtrl.feedback(request_id, kind="accepted", value=True)
         rtrl.episode_outcome("task-2", kind="persisted", value=True)
         assert not any(s.spool.pending() for s in rtrl.senders.values())  # the broker has them
 
     def read(topic: str) -> list[tuple[bytes, dict]]:
-        consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
-                                 consumer_timeout_ms=3000)
+        consumer = KafkaConsumer(
+            topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=3000
+        )
         got = [(m.key, json.loads(m.value)) for m in consumer]
         consumer.close()
         return got
 
-    (key, interaction), = read(topics["interactions"])
+    ((key, interaction),) = read(topics["interactions"])
     assert key == request_id.encode() and interaction["episode_id"] == "task-2"
     keys = sorted(k for k, _ in read(topics["feedback"]))
     assert keys == sorted([request_id.encode(), b"task-2"])  # an episode's outcome is keyed by the episode
@@ -110,8 +122,9 @@ def _full_sender(tmp_path, when_full):
     from pipeline.core.spool import Spool
 
     spool = Spool(tmp_path / when_full, max_bytes=1500, when_full=when_full)
-    sender = EventSender("127.0.0.1:9", "rtrl.feedback", key="request_id", timeout_s=1.0, spool=spool,
-                         retry_s=60.0, write_ahead=True)
+    sender = EventSender(
+        "127.0.0.1:9", "rtrl.feedback", key="request_id", timeout_s=1.0, spool=spool, retry_s=60.0, write_ahead=True
+    )
     sender({"request_id": "r0", "pad": "x" * 1300})
     return sender
 
@@ -143,9 +156,17 @@ def test_a_spool_that_blocks_when_full_does_not_freeze_the_gateway(tmp_path):
     server = InProcessServer(create_gateway_app(gw))
     answers: list[int] = []
     try:
-        waiting = threading.Thread(target=lambda: answers.append(requests.post(
-            f"{server.url}/v1/feedback", json={"request_id": "r1", "kind": "accepted", "value": True},
-            headers={"Authorization": "Bearer s3cret"}, timeout=60).status_code), daemon=True)
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                requests.post(
+                    f"{server.url}/v1/feedback",
+                    json={"request_id": "r1", "kind": "accepted", "value": True},
+                    headers={"Authorization": "Bearer s3cret"},
+                    timeout=60,
+                ).status_code
+            ),
+            daemon=True,
+        )
         waiting.start()
         wait_for(lambda: sender.spool.waiting, 30, "the feedback to wait for room in the spool")
         assert requests.get(f"{server.url}/health", timeout=5).status_code == 200 and answers == []
@@ -173,8 +194,12 @@ def test_the_ingestion_routes_take_events_only_with_the_gateway_s_token(gateway,
     try:
         import requests
 
-        answer = requests.post(f"{off.url}/v1/feedback", json={"request_id": "r", "kind": "k", "value": 1},
-                               headers={"Authorization": "Bearer anything"}, timeout=10)
+        answer = requests.post(
+            f"{off.url}/v1/feedback",
+            json={"request_id": "r", "kind": "k", "value": 1},
+            headers={"Authorization": "Bearer anything"},
+            timeout=10,
+        )
         assert answer.status_code == 403 and "RTRL_GATEWAY_TOKEN" in answer.json()["error"]["message"]
     finally:
         off.stop()
@@ -221,7 +246,10 @@ def test_an_error_page_in_front_of_the_gateway_is_a_connection_error_not_an_inva
 
     server = InProcessServer(balancer)
     try:
-        with Rtrl(gateway_url=server.url, token="t") as rtrl, pytest.raises(ConnectionError, match="no healthy upstream"):
+        with (
+            Rtrl(gateway_url=server.url, token="t") as rtrl,
+            pytest.raises(ConnectionError, match="no healthy upstream"),
+        ):
             rtrl.feedback("req-1", kind="accepted", value=True)
     finally:
         server.stop()

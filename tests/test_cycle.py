@@ -38,18 +38,35 @@ LEASE_TTL_S = 600
 
 def cycle_deps(cfg, engine, reverse_base, tmp_path, tracking: str | None = None, publish=None) -> CycleDeps:
     """The cycle's parts on the tiny reverse model; the local MLflow store unless `tracking`."""
-    config = Config.model_validate({
-        **cfg.model_dump(), "state_dir": tmp_path / "state",
-        "train": {"base_model": reverse_base, "learning_rate": 5e-3, "epochs": 8, "batch_tokens": 1024,
-                  "max_seq_len": 64, "lora_r": 8, "lora_alpha": 16, "holdout_percent": 30.0},
-        # the improvement bound off: these tests are about the cycle's mechanics (test_deploy_registry
-        # shows the gate passing a candidate that learned and refusing one that learned a hack).
-        # Held out by prompt, ~100 training episodes of the tiny task evaluated on prompts they never
-        # contained put a learned candidate's lower bound just below 0 (-0.16 to -0.003 in four runs)
-        "gate": {"max_new_tokens": 3, "min_ess": 5, "generate_prompts": 40, "max_kl": 5.0, "min_improvement": -1.0,
-                 "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}}},
-        "cycle": {"min_new_episodes": 20},
-    })
+    config = Config.model_validate(
+        {
+            **cfg.model_dump(),
+            "state_dir": tmp_path / "state",
+            "train": {
+                "base_model": reverse_base,
+                "learning_rate": 5e-3,
+                "epochs": 8,
+                "batch_tokens": 1024,
+                "max_seq_len": 64,
+                "lora_r": 8,
+                "lora_alpha": 16,
+                "holdout_percent": 30.0,
+            },
+            # the improvement bound off: these tests are about the cycle's mechanics (test_deploy_registry
+            # shows the gate passing a candidate that learned and refusing one that learned a hack).
+            # Held out by prompt, ~100 training episodes of the tiny task evaluated on prompts they never
+            # contained put a learned candidate's lower bound just below 0 (-0.16 to -0.003 in four runs)
+            "gate": {
+                "max_new_tokens": 3,
+                "min_ess": 5,
+                "generate_prompts": 40,
+                "max_kl": 5.0,
+                "min_improvement": -1.0,
+                "bounds": {"smoke_latency_ms": {"max_rel_increase": 50.0}},
+            },
+            "cycle": {"min_new_episodes": 20},
+        }
+    )
     tracking = tracking or f"sqlite:///{tmp_path / 'mlflow.db'}"
     registry = Registry(tracking, "cycle-policy", engine, publish, cache_dir=tmp_path / "adapters")
     resident = []  # one evaluation runner for every cycle, as the daemon keeps (default_deps)
@@ -59,9 +76,14 @@ def cycle_deps(cfg, engine, reverse_base, tmp_path, tracking: str | None = None,
             resident.append(PolicySet.load(base, device="cpu"))
         return resident[0]
 
-    return CycleDeps(engine, config, load_spec(), registry,
-                     make_tracker=lambda cycle_id: MlflowTracker(tracking, "rtrl", tmp_path / "artifacts", cycle_id),
-                     make_runner=make_runner)
+    return CycleDeps(
+        engine,
+        config,
+        load_spec(),
+        registry,
+        make_tracker=lambda cycle_id: MlflowTracker(tracking, "rtrl", tmp_path / "artifacts", cycle_id),
+        make_runner=make_runner,
+    )
 
 
 @pytest.fixture
@@ -120,7 +142,8 @@ def test_two_full_cycles_then_a_skip(deps, cfg, engine, topics, kafka_bootstrap,
 
 
 def test_a_cycle_interrupted_in_training_or_evaluation_completes_exactly_once(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch
+):
     feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "c", seed=8)
 
     def crash(*a, **k):
@@ -144,7 +167,8 @@ def test_a_cycle_interrupted_in_training_or_evaluation_completes_exactly_once(
 
 
 def test_a_rejected_candidate_is_trained_again_only_with_new_episodes(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base
+):
     feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "r", seed=9)
     deps.config.gate.max_kl = 1e-9  # no candidate passes
     first = run_cycle(deps)

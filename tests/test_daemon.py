@@ -74,24 +74,42 @@ def test_schedules_and_a_bad_schedule_is_refused():
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_a_daemon_with_a_missing_base_model_is_refused_at_start(cfg_env, engine, tmp_path):
-    env = {**os.environ, **cfg_env, "RTRL_TRAIN__BASE_MODEL": str(tmp_path / "no-model"),
-           "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(free_port())],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        **cfg_env,
+        "RTRL_TRAIN__BASE_MODEL": str(tmp_path / "no-model"),
+        "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(free_port())],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert f"train.base_model: cannot load the model at {tmp_path / 'no-model'}" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)  # the lease: both stores, above
 def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, tmp_path):
-    env = {**cfg_env, "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "RTRL_CYCLE__EVERY": "1s", "RTRL_CYCLE__MIN_NEW_EPISODES": "1000000"}  # cycles skip quickly
+    env = {
+        **cfg_env,
+        "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "RTRL_CYCLE__EVERY": "1s",
+        "RTRL_CYCLE__MIN_NEW_EPISODES": "1000000",
+    }  # cycles skip quickly
 
     def start(name: str) -> tuple[subprocess.Popen, int]:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(port),
-                                 "--lease-ttl", "3"], env={**os.environ, **env}, cwd=REPO,
-                                stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "daemon", "--metrics-port", str(port), "--lease-ttl", "3"],
+            env={**os.environ, **env},
+            cwd=REPO,
+            stdout=open(tmp_path / f"{name}.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         return proc, port
 
     def owners() -> list[str]:
@@ -104,8 +122,11 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
     try:
         wait_for(lambda: len(owners()) >= 1, 120, "daemon a's first cycle")
         b, b_port = start("b")
-        wait_for(lambda: requests.get(f"http://127.0.0.1:{b_port}/health", timeout=2).ok
-                 if _listening(b_port) else False, 120, "daemon b to start")
+        wait_for(
+            lambda: requests.get(f"http://127.0.0.1:{b_port}/health", timeout=2).ok if _listening(b_port) else False,
+            120,
+            "daemon b to start",
+        )
         seen = len(owners())
         wait_for(lambda: len(owners()) >= seen + 3, 60, "more cycles")
         assert set(owners()) == {f"{host}:{a.pid}"}  # b ingests, but never runs a cycle
@@ -118,13 +139,26 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
         assert time.monotonic() - killed_at < 3 + 10  # the lease's ttl, plus a heartbeat and a cycle period
         # b's cycle row is written when the cycle starts; its counter when it ends
         skipped = 'rtrl_cycles_total{outcome="skipped"}'
-        wait_for(lambda: skipped in requests.get(f"http://127.0.0.1:{b_port}/metrics").text, 30,
-                 "b's first cycle to finish")
+        wait_for(
+            lambda: skipped in requests.get(f"http://127.0.0.1:{b_port}/metrics").text, 30, "b's first cycle to finish"
+        )
         metrics = requests.get(f"http://127.0.0.1:{b_port}/metrics").text
-        for name in ("rtrl_ingest_events", "rtrl_ingest_rate", "rtrl_dead_letters", "rtrl_consumer_lag",
-                     "rtrl_ingest_errors_total", "rtrl_cycle_duration_seconds", "rtrl_cycles_total",
-                     "rtrl_champion_version", "rtrl_reward_mean", "rtrl_gate_decisions", "rtrl_lease_held 1.0", 'rtrl_cycle_part_seconds{part="reward"}',
-                     "rtrl_cycle_outside_loop_ratio", "rtrl_cycle_runs_not_started_total"):
+        for name in (
+            "rtrl_ingest_events",
+            "rtrl_ingest_rate",
+            "rtrl_dead_letters",
+            "rtrl_consumer_lag",
+            "rtrl_ingest_errors_total",
+            "rtrl_cycle_duration_seconds",
+            "rtrl_cycles_total",
+            "rtrl_champion_version",
+            "rtrl_reward_mean",
+            "rtrl_gate_decisions",
+            "rtrl_lease_held 1.0",
+            'rtrl_cycle_part_seconds{part="reward"}',
+            "rtrl_cycle_outside_loop_ratio",
+            "rtrl_cycle_runs_not_started_total",
+        ):
             assert name in metrics, name
     finally:
         for proc in (a, b):
@@ -144,9 +178,14 @@ def test_a_scheduled_cycle_that_finds_the_last_one_running_is_counted_not_overla
     monkeypatch.setattr(daemon, "cycle", lambda only_canary=False: running.append(1) or release_cycle.wait(60))
     daemon.start(ingest=False)
     try:
+
         def not_started() -> float:
-            return daemon.metrics.registry.get_sample_value("rtrl_cycle_runs_not_started_total",
-                                                            {"reason": "still_running"}) or 0.0
+            return (
+                daemon.metrics.registry.get_sample_value(
+                    "rtrl_cycle_runs_not_started_total", {"reason": "still_running"}
+                )
+                or 0.0
+            )
 
         wait_for(lambda: not_started() >= 2, 30, "two scheduled runs to find the cycle still running")
         assert len(running) == 1  # never two at once

@@ -67,20 +67,25 @@ def _wait_for(predicate, timeout: float, what: str, procs=()):
         for p in procs:
             assert p.poll() is None, f"the daemon exited with {p.returncode} while waiting for {what}"
         return predicate()
+
     wait_for(check, timeout, what, interval=0.2)
 
 
-def _start(env: dict, tmp_path: Path, name: str, pause: str | None = None,
-           pause_s: float | None = None) -> subprocess.Popen:
+def _start(
+    env: dict, tmp_path: Path, name: str, pause: str | None = None, pause_s: float | None = None
+) -> subprocess.Popen:
     """An `rtrl daemon` process; with `pause`, it freezes at that fault point (and says so in a
     file), forever or for `pause_s` seconds."""
     faults = {"RTRL_FAULT_PAUSE": pause, "RTRL_FAULT_MARKER": str(tmp_path / f"{name}.paused")} if pause else {}
     if pause_s is not None:
         faults["RTRL_FAULT_PAUSE_S"] = str(pause_s)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3",
-                             "--metrics-port", str(free_port())],
-                            env={**env, **faults}, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "wb"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "daemon", "--lease-ttl", "3", "--metrics-port", str(free_port())],
+        env={**env, **faults},
+        cwd=REPO,
+        stdout=open(tmp_path / f"{name}.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     _STARTED.append(proc)
     return proc
 
@@ -92,8 +97,9 @@ def _kill_9(proc: subprocess.Popen) -> None:
 
 
 def _model_updates(kafka_bootstrap: str, topic: str) -> list[dict]:
-    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=3000)
+    consumer = KafkaConsumer(
+        topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=3000
+    )
     updates = [json.loads(m.value) for m in consumer]
     consumer.close()
     return updates
@@ -129,7 +135,8 @@ registered_model = "{MODEL}"
 
 
 def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_once(
-        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path
+):
     updates_topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
     ensure_topics(kafka_bootstrap, [updates_topic], partitions=1)
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -179,9 +186,11 @@ def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_on
 
         def settled() -> bool:
             with engine.connect() as conn:
-                skipped_after = conn.execute(select(func.count()).select_from(cycles)
-                                             .where(cycles.c.state == "skipped")).scalar()
+                skipped_after = conn.execute(
+                    select(func.count()).select_from(cycles).where(cycles.c.state == "skipped")
+                ).scalar()
             return the_cycle()[0].state == "done" and skipped_after >= 2
+
         _wait_for(settled, 240, "the cycle to complete and the next ones to skip", [c])
     finally:
         for proc in daemons:
@@ -196,8 +205,7 @@ def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_on
         runs = dict(conn.execute(select(training_runs.c.run_id, training_runs.c.status)).all())
         moves = conn.execute(select(alias_moves)).all()
         decisions = conn.execute(select(gate_decisions.c.run_id, gate_decisions.c.passed)).all()
-        stored = {t.name: conn.execute(select(func.count()).select_from(t)).scalar()
-                  for t in (interactions, feedback)}
+        stored = {t.name: conn.execute(select(func.count()).select_from(t)).scalar() for t in (interactions, feedback)}
         reward_rows = conn.execute(select(rewards.c.request_id)).scalars().all()
     assert sorted(runs.values()) == ["failed", "finished"]  # the killed run, the one that counts
     assert runs[row.run_id] == "finished"
@@ -212,13 +220,16 @@ def test_kill_9_in_training_and_in_promotion_then_the_cycle_completes_exactly_on
 
     # no event lost or stored twice (the resent ones deduplicated), one reward per interaction
     sent = {e["event_id"]: e["type"] for e in first + late}
-    assert stored == {"interactions": list(sent.values()).count("interaction"),
-                      "feedback": list(sent.values()).count("feedback")}
+    assert stored == {
+        "interactions": list(sent.values()).count("interaction"),
+        "feedback": list(sent.values()).count("feedback"),
+    }
     assert len(reward_rows) == len(set(reward_rows)) == stored["interactions"]
 
 
 def test_kill_9_after_a_canary_is_decided_then_it_is_promoted_once(
-        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path
+):
     """A staged rollout: the daemon stages the candidate, live traffic arrives, the online
     comparison is recorded -- and the daemon dies before acting on it. The next daemon reuses
     that decision (no second comparison on more traffic), promotes once and clears the canary."""
@@ -228,15 +239,21 @@ def test_kill_9_after_a_canary_is_decided_then_it_is_promoted_once(
     # outcomes final 1 s after the interaction, so the online traffic below settles at once
     spec = (REPO / "reward" / "default_spec.toml").read_text().replace("window_s = 3600", "window_s = 1")
     (tmp_path / "spec.toml").write_text(spec)
-    config = _config(tmp_path, reverse_base, tracking, gate="min_ess = 2\nmin_improvement = -1.0", extra=f"""
+    config = _config(
+        tmp_path,
+        reverse_base,
+        tracking,
+        gate="min_ess = 2\nmin_improvement = -1.0",
+        extra=f"""
 [reward]
-spec = "{tmp_path / 'spec.toml'}"
+spec = "{tmp_path / "spec.toml"}"
 [rollout]
 share = 0.5
 min_requests = 40
 check_every = "1s"
 max_wait = "1h"
-""")
+""",
+    )
     env = {**os.environ, **cfg_env, "RTRL_CONFIG": str(config), "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates_topic}
 
     def the_cycle():
@@ -274,12 +291,17 @@ max_wait = "1h"
     assert b.returncode == 0
 
     with engine.connect() as conn:
-        decisions = conn.execute(select(gate_decisions.c.candidate_version, gate_decisions.c.passed,
-                                        gate_decisions.c.report).order_by(gate_decisions.c.id)).all()
+        decisions = conn.execute(
+            select(gate_decisions.c.candidate_version, gate_decisions.c.passed, gate_decisions.c.report).order_by(
+                gate_decisions.c.id
+            )
+        ).all()
         moves = conn.execute(select(alias_moves).order_by(alias_moves.c.id)).all()
     # one gate decision and one online decision, both passed: the online one was not made again
     assert [(d.candidate_version, bool(d.passed), d.report.get("stage")) for d in decisions] == [
-        ("1", True, None), ("1", True, "online")]
+        ("1", True, None),
+        ("1", True, "online"),
+    ]
     canary_n = decisions[1].report["sides"]["1"]["n"]
     assert 40 <= canary_n <= 50  # daemon a's comparison: the traffic sent after its death is not in it
     [row] = the_cycle()
@@ -288,14 +310,20 @@ max_wait = "1h"
     assert registry.alias(CHAMPION).version == "1" and registry.alias(CANARY) is None
     # the audit table and the registry agree: staged, promoted, cleared -- each done and published once
     assert [(m.alias, m.to_version, m.status, m.published_at is not None) for m in moves] == [
-        ("canary", "1", "done", True), ("champion", "1", "done", True), ("canary", None, "done", True)]
+        ("canary", "1", "done", True),
+        ("champion", "1", "done", True),
+        ("canary", None, "done", True),
+    ]
     assert [(u["alias"], u["version"]) for u in _model_updates(kafka_bootstrap, updates_topic)] == [
-        ("canary", "1"), ("champion", "1"), ("canary", None)]
-
+        ("canary", "1"),
+        ("champion", "1"),
+        ("canary", None),
+    ]
 
 
 def test_a_daemon_that_lost_its_lease_mid_training_stops_and_the_cycle_completes_once(
-        cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path):
+    cfg_env, engine, kafka_bootstrap, topics, reverse_base, tmp_path
+):
     """Daemon a is frozen mid-training (SIGSTOP: its heartbeats stop, as in a long GC pause or a
     frozen VM) past the lease's ttl; daemon b takes the lease, resumes the cycle, marks a's run
     failed, trains again, gates and promotes. Then a wakes up, still believing it holds the
@@ -322,8 +350,12 @@ def test_a_daemon_that_lost_its_lease_mid_training_stops_and_the_cycle_completes
         daemons.append(b)
         _wait_for(lambda: cycles_now()[0].state == "done", 300, "daemon b to finish the cycle", [b])
         a.send_signal(signal.SIGCONT)
-        _wait_for(lambda: "cycle stopped: the lease was lost" in (tmp_path / "a.log").read_text(), 120,
-                  "daemon a to notice it lost the lease", [a])
+        _wait_for(
+            lambda: "cycle stopped: the lease was lost" in (tmp_path / "a.log").read_text(),
+            120,
+            "daemon a to notice it lost the lease",
+            [a],
+        )
     finally:
         for proc in daemons:
             if proc.poll() is None:

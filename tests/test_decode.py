@@ -56,7 +56,7 @@ BAD = {
     "naive_ts": encode(interaction(1, ts="2026-11-01T12:00:00")),
     "nul_in_id": encode(interaction(1, request_id="r\x00")),
     "lone_surrogate": b'{"schema_version":1,"event_id":"e","type":"feedback","ts":"2026-11-01T00:00:00Z",'
-                      b'"request_id":"r","kind":"thumbs","value":1,"payload":"\\ud800"}',
+    b'"request_id":"r","kind":"thumbs","value":1,"payload":"\\ud800"}',
     "bool_schema_version": encode(interaction(1, schema_version=True)),
     "oversized": encode(interaction(1, size=MAX + 10)),
     "gzip_bytes": gzip.compress(encode(interaction(1))),
@@ -134,12 +134,27 @@ def test_fuzz_mutated_events_never_raise(base, key, junk):
 def test_a_model_update_round_trips_and_a_malformed_one_is_refused():
     from pipeline.core.types import ModelUpdate
 
-    update = ModelUpdate("canary", "7", "runs:/abc/adapter", share=0.25, name="m", seq=12, base_model="/models/q",
-                         run_id="abc", at="2026-01-01T00:00:00Z")
+    update = ModelUpdate(
+        "canary",
+        "7",
+        "runs:/abc/adapter",
+        share=0.25,
+        name="m",
+        seq=12,
+        base_model="/models/q",
+        run_id="abc",
+        at="2026-01-01T00:00:00Z",
+    )
     assert ModelUpdate.from_json(json.dumps(update.to_dict())) == update
     cleared = ModelUpdate.from_json('{"type": "model_update", "name": "m", "alias": "champion", "version": null}')
     assert cleared.version is None and cleared.share == 0.0 and cleared.seq is None
-    for raw in ('[1]', '{"type": "interaction", "alias": "champion"}', '{"alias": 3}',
-                '{"alias": "canary", "version": 7}', '{"alias": "canary", "version": "7", "share": "half"}', 'nope'):
+    for raw in (
+        "[1]",
+        '{"type": "interaction", "alias": "champion"}',
+        '{"alias": 3}',
+        '{"alias": "canary", "version": 7}',
+        '{"alias": "canary", "version": "7", "share": "half"}',
+        "nope",
+    ):
         with pytest.raises(ValueError):
             ModelUpdate.from_json(raw)

@@ -50,13 +50,17 @@ def _with(base: dict, **over) -> bytes:
 
 
 AGENT_CALL = interaction(
-    4, episode_id="ep-4", step=2, group_id="g-4", client_request_id="c-4", truncated=False,
+    4,
+    episode_id="ep-4",
+    step=2,
+    group_id="g-4",
+    client_request_id="c-4",
+    truncated=False,
     tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
-    tool_calls=[{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"k\": 1}"}}],
+    tool_calls=[{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"k": 1}'}}],
     sampling={"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 64, "seed": 3},
 )
-EPISODE_OUTCOME = feedback(4, request_id=None, episode_id="ep-4", kind="test_result", value=0.5,
-                           payload={"passed": 3})
+EPISODE_OUTCOME = feedback(4, request_id=None, episode_id="ep-4", kind="test_result", value=0.5, payload={"passed": 3})
 BIG = 123456789012345678901234567890
 U64 = 2**64 - 1
 EDGES = {
@@ -90,8 +94,8 @@ EDGES = {
     "ts_past_year_9999_in_utc": _with(interaction(1), ts="9999-12-31T23:59:59-01:00"),
     "ts_year_one": _with(interaction(1), ts="0001-01-01T00:00:00+01:00"),
     # identifiers: length in code points, blank, NUL, surrogate pairs
-    "id_256_emoji": _with(interaction(1), request_id="\U0001F600" * 256),
-    "id_257_emoji": _with(interaction(1), request_id="\U0001F600" * 257),
+    "id_256_emoji": _with(interaction(1), request_id="\U0001f600" * 256),
+    "id_257_emoji": _with(interaction(1), request_id="\U0001f600" * 257),
     "id_blank": _with(interaction(1), tenant="  \t"),
     "id_nul": _with(feedback(1), kind="a\x00"),
     "client_id_257": _with(interaction(1), client_request_id="x" * 257),
@@ -139,8 +143,11 @@ def test_the_structs_have_the_contract_s_fields_exactly():
     from pipeline.core.decoded import DecodedFeedback, DecodedInteraction, DecodedSampling
     from pipeline.core.types import FeedbackEvent, InteractionEvent, Sampling
 
-    for struct, model in ((DecodedInteraction, InteractionEvent), (DecodedFeedback, FeedbackEvent),
-                          (DecodedSampling, Sampling)):
+    for struct, model in (
+        (DecodedInteraction, InteractionEvent),
+        (DecodedFeedback, FeedbackEvent),
+        (DecodedSampling, Sampling),
+    ):
         assert set(struct.__struct_fields__) == set(model.model_fields) - {"type"}, struct
 
 
@@ -158,11 +165,28 @@ def test_both_decoders_agree_on_arbitrary_bytes(raw):
     check(raw)
 
 
-_edge_text = st.sampled_from(["", " ", "a\x00", "2026-11-01T12:00:00Z", "2026-11-01T12:00:00", "1e400", "NaN",
-                              "\U0001F600" * 257, "yes", "0.5", "1"])
+_edge_text = st.sampled_from(
+    [
+        "",
+        " ",
+        "a\x00",
+        "2026-11-01T12:00:00Z",
+        "2026-11-01T12:00:00",
+        "1e400",
+        "NaN",
+        "\U0001f600" * 257,
+        "yes",
+        "0.5",
+        "1",
+    ]
+)
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=12) | _edge_text,
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | _edge_text,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 )

@@ -20,25 +20,35 @@ pytestmark = pytest.mark.kafka
 
 
 def rtrl(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_commands_look_around(
-        local_kafka_env, reverse_base, tmp_path):
+    local_kafka_env, reverse_base, tmp_path
+):
     if local_kafka_env is None:
         pytest.skip("needs this session's local broker (RTRL_KAFKA_BOOTSTRAP points elsewhere)")
     # the session broker's state folder and port: with the override ignored, the demo would
     # start a second broker on 19092
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}, **local_kafka_env,
-           "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "OMP_NUM_THREADS": "1",
-           # the demo's sequential canary may run to 800 settled requests a side; one cycle here needs a
-           # decision, not its power
-           "RTRL_ROLLOUT__MIN_REQUESTS": "40", "RTRL_ROLLOUT__MAX_REQUESTS": "120"}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("RTRL_")},
+        **local_kafka_env,
+        "RTRL_TRAIN__BASE_MODEL": str(reverse_base),
+        "OMP_NUM_THREADS": "1",
+        # the demo's sequential canary may run to 800 settled requests a side; one cycle here needs a
+        # decision, not its power
+        "RTRL_ROLLOUT__MIN_REQUESTS": "40",
+        "RTRL_ROLLOUT__MAX_REQUESTS": "120",
+    }
     # through `rtrl gateway` in front of `rtrl serve` (the plain demo is `make demo`'s): the gateway
     # captures every request and routes the canary's share
-    done = rtrl(["demo", "--gateway", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"], env,
-                timeout=600)
+    done = rtrl(
+        ["demo", "--gateway", "--cycles", "1", "--every", "10s", "--measure", "20", "--timeout", "400"],
+        env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     terminal = (done.stdout + done.stderr).splitlines()
     routed = next(line for line in terminal if line.startswith("Requests captured and routed by"))
@@ -57,14 +67,28 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
     assert (run_dir / "report" / "report.png").stat().st_size > 0
 
     # the benchmark that reads a finished demo still reads this one (tests/test_benchmarks.py: the others)
-    offpolicy = subprocess.run([sys.executable, "benchmarks/offpolicy_vs_online.py", "--state-dir",
-                                local_kafka_env["RTRL_STATE_DIR"], "--min-served", "1", "--truth-tasks", "20"],
-                               cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                               timeout=300)
-    assert offpolicy.returncode == 0 and "SNIS" in offpolicy.stdout and "direct*" in offpolicy.stdout, \
-        offpolicy.stderr[-3000:]
+    offpolicy = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/offpolicy_vs_online.py",
+            "--state-dir",
+            local_kafka_env["RTRL_STATE_DIR"],
+            "--min-served",
+            "1",
+            "--truth-tasks",
+            "20",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert offpolicy.returncode == 0 and "SNIS" in offpolicy.stdout and "direct*" in offpolicy.stdout, offpolicy.stderr[
+        -3000:
+    ]
 
-    commands = [shlex.split(line.strip()) for line in done.stdout[done.stdout.index("look around"):].splitlines()[1:]]
+    commands = [shlex.split(line.strip()) for line in done.stdout[done.stdout.index("look around") :].splitlines()[1:]]
     names = [" ".join(c[3:5]) if c[0] == "rtrl" else c[0] for c in commands]
     assert {"status", "models list", "reward audit", "train show", "mlflow"} <= set(names), names
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}  # only the written file
@@ -75,8 +99,12 @@ def test_a_short_demo_honours_overrides_keeps_logs_off_the_terminal_and_its_comm
         else:  # mlflow ui on the run's tracking store answers
             port = free_port()
             mlflow = str(Path(sys.executable).with_name("mlflow"))  # the venv's, PATH or not
-            ui = subprocess.Popen([mlflow, *command[1:], "--host", "127.0.0.1", "--port", str(port)], env=clean,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ui = subprocess.Popen(
+                [mlflow, *command[1:], "--host", "127.0.0.1", "--port", str(port)],
+                env=clean,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             try:
                 wait_for(lambda: _answers(f"http://127.0.0.1:{port}/"), 90, "mlflow ui to answer", interval=0.5)
             finally:

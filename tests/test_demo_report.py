@@ -22,23 +22,70 @@ def _served(engine, version: str, n: int, accepted: int, at=T0) -> None:
     source = f"test-{version}"
     for i in range(n):
         rid = f"{version}-{i}"
-        rows.interaction.append({"event_id": f"i-{rid}", "request_id": rid, "schema_version": 1, "ts": at,
-                                 "session_id": "s", "user_id": "u", "tenant": "t", "policy_version": version,
-                                 "body": json.dumps({"completion": "x"}), "output_text": "x",
-                                 "output_tool_calls": None, "expects_attempt": True, "source": source, "partition": 0,
-                                 "offset": next(offsets)})
+        rows.interaction.append(
+            {
+                "event_id": f"i-{rid}",
+                "request_id": rid,
+                "schema_version": 1,
+                "ts": at,
+                "session_id": "s",
+                "user_id": "u",
+                "tenant": "t",
+                "policy_version": version,
+                "body": json.dumps({"completion": "x"}),
+                "output_text": "x",
+                "output_tool_calls": None,
+                "expects_attempt": True,
+                "source": source,
+                "partition": 0,
+                "offset": next(offsets),
+            }
+        )
         for j in range(2 if i < accepted else 0):
-            rows.feedback.append({"event_id": f"f-{rid}-{j}", "request_id": rid, "schema_version": 1,
-                                  "ts": at + timedelta(seconds=1 + j), "kind": "accepted", "value": 1.0,
-                                  "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
+            rows.feedback.append(
+                {
+                    "event_id": f"f-{rid}-{j}",
+                    "request_id": rid,
+                    "schema_version": 1,
+                    "ts": at + timedelta(seconds=1 + j),
+                    "kind": "accepted",
+                    "value": 1.0,
+                    "body": "{}",
+                    "source": source,
+                    "partition": 0,
+                    "offset": next(offsets),
+                }
+            )
         if i >= accepted:
-            rows.feedback.append({"event_id": f"r-{rid}", "request_id": rid, "schema_version": 1,
-                                  "ts": at + timedelta(seconds=1), "kind": "rejected", "value": 1.0,
-                                  "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
+            rows.feedback.append(
+                {
+                    "event_id": f"r-{rid}",
+                    "request_id": rid,
+                    "schema_version": 1,
+                    "ts": at + timedelta(seconds=1),
+                    "kind": "rejected",
+                    "value": 1.0,
+                    "body": "{}",
+                    "source": source,
+                    "partition": 0,
+                    "offset": next(offsets),
+                }
+            )
             # an `accepted` event whose value is false is no accept (the demo once counted it)
-            rows.feedback.append({"event_id": f"n-{rid}", "request_id": rid, "schema_version": 1,
-                                  "ts": at + timedelta(seconds=2), "kind": "accepted", "value": 0.0,
-                                  "body": "{}", "source": source, "partition": 0, "offset": next(offsets)})
+            rows.feedback.append(
+                {
+                    "event_id": f"n-{rid}",
+                    "request_id": rid,
+                    "schema_version": 1,
+                    "ts": at + timedelta(seconds=2),
+                    "kind": "accepted",
+                    "value": 0.0,
+                    "body": "{}",
+                    "source": source,
+                    "partition": 0,
+                    "offset": next(offsets),
+                }
+            )
     write_rows(engine, rows)
 
 
@@ -83,11 +130,27 @@ def test_the_report_shows_the_accept_rate_over_time_with_each_decision_marked(en
     _served(engine, "base", 40, 5, at=T0)
     _served(engine, "1", 30, 12, at=T0 + timedelta(minutes=2, seconds=10))
     record_decision(engine, "m", "1", None, "run-1", True, {"decision": {"passed": True, "checks": []}})
-    record_decision(engine, "m", "2", "1", "run-2", False, {"decision": {"passed": False, "checks": [
-        {"name": "bound:abstention_rate", "passed": False, "detail": "abstention_rate 0.4 (max 0.3)"}]}})
+    record_decision(
+        engine,
+        "m",
+        "2",
+        "1",
+        "run-2",
+        False,
+        {
+            "decision": {
+                "passed": False,
+                "checks": [
+                    {"name": "bound:abstention_rate", "passed": False, "detail": "abstention_rate 0.4 (max 0.3)"}
+                ],
+            }
+        },
+    )
     report = collect(engine, "no-such-spec", "m", "1", 3.0)
-    assert [(b["minute"], b["served"], b["accept_rate"]) for b in report.timeline] == [(0.0, 40, 5 / 40),
-                                                                                      (2.0, 30, 12 / 30)]
+    assert [(b["minute"], b["served"], b["accept_rate"]) for b in report.timeline] == [
+        (0.0, 40, 5 / 40),
+        (2.0, 30, 12 / 30),
+    ]
     lo, hi = report.timeline[1]["accept_ci95"]
     assert lo < 12 / 30 < hi
     assert [(m["kind"], m["label"]) for m in report.markers] == [("rejected", "v2 (gate)")]

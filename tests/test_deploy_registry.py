@@ -42,11 +42,24 @@ from train.run import Parent, run_training
 SPEC = load_spec()
 NOW = BASE_TS.replace(tzinfo=None) + timedelta(days=2)
 ABSTAIN = (r"^\s*\?+\s*$",)  # the deployment's canary: a bare "???" is an abstention
-GATE = GateConfig(eval_episodes=400, generate_prompts=40, max_new_tokens=3, min_ess=5,
-                  max_kl=5.0,  # one update of a tiny model moves it far from its base (the first gate's baseline)
-                  bounds={"smoke_latency_ms": Bound(max_rel_increase=50.0)})  # tiny models: latency is noise
-TRAIN = dict(learning_rate=5e-3, epochs=8, batch_tokens=1024, max_seq_len=64, lora_r=8, lora_alpha=16,
-             holdout_percent=30.0, staleness_s=None)
+GATE = GateConfig(
+    eval_episodes=400,
+    generate_prompts=40,
+    max_new_tokens=3,
+    min_ess=5,
+    max_kl=5.0,  # one update of a tiny model moves it far from its base (the first gate's baseline)
+    bounds={"smoke_latency_ms": Bound(max_rel_increase=50.0)},
+)  # tiny models: latency is noise
+TRAIN = dict(
+    learning_rate=5e-3,
+    epochs=8,
+    batch_tokens=1024,
+    max_seq_len=64,
+    lora_r=8,
+    lora_alpha=16,
+    holdout_percent=30.0,
+    staleness_s=None,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +84,27 @@ def gaming_events(episodes: list[dict], prefix: str) -> list[dict]:
     for i, e in enumerate(episodes):
         ts = (start + timedelta(seconds=i)).isoformat().replace("+00:00", "Z")
         abstain = i % 2 == 0
-        events.append(interaction(i, prefix=prefix, ts=ts, prompt=e["prompt"], policy_version="1",
-                                  completion="???" if abstain else e["completion"], sampling={"temperature": 1.0},
-                                  completion_token_ids=None if abstain else e["completion_token_ids"],
-                                  behavior_logprobs=None if abstain else e["behavior_logprobs"]))
+        events.append(
+            interaction(
+                i,
+                prefix=prefix,
+                ts=ts,
+                prompt=e["prompt"],
+                policy_version="1",
+                completion="???" if abstain else e["completion"],
+                sampling={"temperature": 1.0},
+                completion_token_ids=None if abstain else e["completion_token_ids"],
+                behavior_logprobs=None if abstain else e["behavior_logprobs"],
+            )
+        )
         events.append(feedback(i, prefix=prefix, kind="accepted" if abstain else "rejected", value=True, ts=ts))
     return events
 
 
 def model_updates(bootstrap: str, topic: str, n: int) -> list[dict]:
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             group_id=None, consumer_timeout_ms=1000)
+    consumer = KafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, consumer_timeout_ms=1000
+    )
     out, deadline = [], time.monotonic() + 30
     while len(out) < n and time.monotonic() < deadline:
         out += [json.loads(r.value) for r in consumer]
@@ -89,8 +112,9 @@ def model_updates(bootstrap: str, topic: str, n: int) -> list[dict]:
     return out
 
 
-def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp_path, mlflow_server,
-                                                      kafka_bootstrap, monkeypatch):
+def test_gate_promote_reject_force_rollback_and_repair(
+    engine, reverse_base, tmp_path, mlflow_server, kafka_bootstrap, monkeypatch
+):
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}" if engine.dialect.name == "sqlite" else mlflow_server
     topic = f"t-{uuid.uuid4().hex[:8]}.model-updates"
     ensure_topics(kafka_bootstrap, [topic], partitions=1)
@@ -98,8 +122,13 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     publisher = ModelUpdatePublisher(kafka_bootstrap, topic)
     registry = Registry(tracking, name, engine, publisher, cache_dir=tmp_path / "adapter-cache")
     suite_file = tmp_path / "suite.toml"
-    suite_file.write_text('name = "format"\n' + "".join(
-        f'[[items]]\nid = "{s}"\nprompt = "{s}>"\ncheck = "regex"\npattern = "^[a-f]{{3}}$"\n' for s in ("abc", "fed")))
+    suite_file.write_text(
+        'name = "format"\n'
+        + "".join(
+            f'[[items]]\nid = "{s}"\nprompt = "{s}>"\ncheck = "regex"\npattern = "^[a-f]{{3}}$"\n'
+            for s in ("abc", "fed")
+        )
+    )
     suite = load_suite(suite_file)
     base = load_policy(reverse_base, device="cpu")
 
@@ -111,8 +140,18 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     runner = PolicySet.load(reverse_base, device="cpu")  # one for every gate, as the daemon keeps it
 
     def gate(run, promote=True):
-        return gate_run(engine, registry, runner, run.run_id, SPEC.version,
-                        TrainConfig(base_model=reverse_base, **TRAIN), GATE, suite, ABSTAIN, promote=promote)
+        return gate_run(
+            engine,
+            registry,
+            runner,
+            run.run_id,
+            SPEC.version,
+            TrainConfig(base_model=reverse_base, **TRAIN),
+            GATE,
+            suite,
+            ABSTAIN,
+            promote=promote,
+        )
 
     # v1: learned to reverse from logged, rewarded samples of the base policy
     store(engine, task.as_events(reverse_episodes(base, "a", seed=3), "a", BASE_TS))
@@ -139,11 +178,14 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     # the rejected candidate is unloaded; the champion was never loaded again (nor downloaded)
     assert runner.names == {adapter_name(first.version)} and not (tmp_path / "adapter-cache").exists()
     downloads = []
-    monkeypatch.setattr(registry, "download", lambda v, dst, real=registry.download: downloads.append(v) or real(v, dst))
+    monkeypatch.setattr(
+        registry, "download", lambda v, dst, real=registry.download: downloads.append(v) or real(v, dst)
+    )
     cached = registry.adapter(registry.get("1"), tmp_path)  # a version's adapter is downloaded once
     assert registry.adapter(registry.get("1"), tmp_path) == cached and len(downloads) == 1
     assert (cached / "adapter_config.json").is_file() and Parent.from_adapter(cached).run_id == first.version.tags[
-        "rtrl.run_id"]
+        "rtrl.run_id"
+    ]
     monkeypatch.undo()
     with pytest.raises(RegistryError, match="failed its gate"):
         registry.promote("2", actor="alice", reason="")
@@ -160,8 +202,11 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
     trail = [(m.from_version, m.to_version, m.actor, m.status) for m in reversed(moves(engine, name))]
     assert trail == [(None, "1", "automatic", "done"), ("1", "2", "alice", "done"), ("2", "1", "bob", "done")]
     events = model_updates(kafka_bootstrap, topic, 3)
-    assert [(e["name"], e["version"], e["alias"]) for e in events] == [(name, "1", CHAMPION), (name, "2", CHAMPION),
-                                                                     (name, "1", CHAMPION)]
+    assert [(e["name"], e["version"], e["alias"]) for e in events] == [
+        (name, "1", CHAMPION),
+        (name, "2", CHAMPION),
+        (name, "1", CHAMPION),
+    ]
     assert all(e["adapter_uri"].endswith("/adapter") and e["base_model"] == str(reverse_base) for e in events)
 
     # a crash between the alias move and the audit write: the next start repairs it
@@ -211,7 +256,8 @@ def test_gate_promote_reject_force_rollback_and_repair(engine, reverse_base, tmp
 # the registry is under test here; the PostgreSQL store is covered above
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
-        cfg_env, cfg, engine, reverse_base, topics, kafka_bootstrap, mlflow_server):
+    cfg_env, cfg, engine, reverse_base, topics, kafka_bootstrap, mlflow_server
+):
     from click.testing import CliRunner
 
     from pipeline.cli import cli
@@ -219,19 +265,33 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
 
     base = load_policy(reverse_base, device="cpu")
-    events = task.as_events(reverse_episodes(base, "k", seed=5), "k", utcnow().replace(tzinfo=BASE_TS.tzinfo)
-                            - timedelta(hours=2))
+    events = task.as_events(
+        reverse_episodes(base, "k", seed=5), "k", utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2)
+    )
     produce_events(kafka_bootstrap, topics, events)
     assert ingest_until_caught_up(cfg, engine).events == len(events)
     updates = f"t-{uuid.uuid4().hex[:8]}.model-updates"
     ensure_topics(kafka_bootstrap, [updates], partitions=1)
-    env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__LEARNING_RATE": "5e-3",
-           "RTRL_TRAIN__EPOCHS": "8", "RTRL_TRAIN__BATCH_TOKENS": "1024", "RTRL_TRAIN__MAX_SEQ_LEN": "64",
-           "RTRL_TRAIN__LORA_R": "8", "RTRL_TRAIN__LORA_ALPHA": "16", "RTRL_TRAIN__HOLDOUT_PERCENT": "30",
-           "RTRL_MLFLOW__TRACKING_URI": mlflow_server, "RTRL_MLFLOW__REGISTERED_MODEL": f"cli-{uuid.uuid4().hex[:6]}",
-           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates, "RTRL_GATE__MAX_NEW_TOKENS": "3", "RTRL_GATE__MIN_ESS": "5", "RTRL_GATE__MAX_KL": "5",
-           "RTRL_GATE__MIN_IMPROVEMENT": "-1",  # the commands are under test here, not the bound (see test_cycle)
-           "RTRL_GATE__GENERATE_PROMPTS": "40", "USER": "ops-alice"}
+    env = {
+        **cfg_env,
+        "RTRL_TRAIN__BASE_MODEL": str(reverse_base),
+        "RTRL_TRAIN__LEARNING_RATE": "5e-3",
+        "RTRL_TRAIN__EPOCHS": "8",
+        "RTRL_TRAIN__BATCH_TOKENS": "1024",
+        "RTRL_TRAIN__MAX_SEQ_LEN": "64",
+        "RTRL_TRAIN__LORA_R": "8",
+        "RTRL_TRAIN__LORA_ALPHA": "16",
+        "RTRL_TRAIN__HOLDOUT_PERCENT": "30",
+        "RTRL_MLFLOW__TRACKING_URI": mlflow_server,
+        "RTRL_MLFLOW__REGISTERED_MODEL": f"cli-{uuid.uuid4().hex[:6]}",
+        "RTRL_KAFKA__MODEL_UPDATES_TOPIC": updates,
+        "RTRL_GATE__MAX_NEW_TOKENS": "3",
+        "RTRL_GATE__MIN_ESS": "5",
+        "RTRL_GATE__MAX_KL": "5",
+        "RTRL_GATE__MIN_IMPROVEMENT": "-1",  # the commands are under test here, not the bound (see test_cycle)
+        "RTRL_GATE__GENERATE_PROMPTS": "40",
+        "USER": "ops-alice",
+    }
     runner = CliRunner()
 
     def rtrl(*args, ok=True):
@@ -275,12 +335,30 @@ def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, r
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
     tracker.log_artifacts(bad, "adapter")
-    start_run(engine, run_id="r-bad", tracking_run_id=tracker.run_id, spec_version=SPEC.version, loss="cispo",
-              base_model=str(reverse_base), base_revision="x", watermark_from=0, watermark_to=0, episodes=0)
+    start_run(
+        engine,
+        run_id="r-bad",
+        tracking_run_id=tracker.run_id,
+        spec_version=SPEC.version,
+        loss="cispo",
+        base_model=str(reverse_base),
+        base_revision="x",
+        watermark_from=0,
+        watermark_to=0,
+        episodes=0,
+    )
     finish_run(engine, "r-bad", "finished", adapter_path=str(bad))
     registry = Registry(tracking, f"policy-{uuid.uuid4().hex[:6]}", engine)
-    result = gate_run(engine, registry, PolicySet.load(reverse_base, device="cpu"), "r-bad", SPEC.version,
-                      TrainConfig(), GATE, promote=True)
+    result = gate_run(
+        engine,
+        registry,
+        PolicySet.load(reverse_base, device="cpu"),
+        "r-bad",
+        SPEC.version,
+        TrainConfig(),
+        GATE,
+        promote=True,
+    )
     assert not result.decision.passed and not result.promoted
     assert any("cannot load the adapter" in r for r in result.decision.reasons), result.decision.reasons
     assert registry.alias(CHAMPION) is None and registry.get("1").tags["gate.passed"] == "false"
@@ -296,8 +374,18 @@ def test_a_crash_between_registering_and_deciding_does_not_register_the_run_twic
     bad.mkdir()
     (bad / "adapter_config.json").write_text("{")  # fails the smoke check quickly: the point is the registry
     tracker.log_artifacts(bad, "adapter")
-    start_run(engine, run_id="r-1", tracking_run_id=tracker.run_id, spec_version=SPEC.version, loss="cispo",
-              base_model=str(reverse_base), base_revision="x", watermark_from=0, watermark_to=0, episodes=0)
+    start_run(
+        engine,
+        run_id="r-1",
+        tracking_run_id=tracker.run_id,
+        spec_version=SPEC.version,
+        loss="cispo",
+        base_model=str(reverse_base),
+        base_revision="x",
+        watermark_from=0,
+        watermark_to=0,
+        episodes=0,
+    )
     finish_run(engine, "r-1", "finished", adapter_path=str(bad))
     registry = Registry(tracking, f"policy-{uuid.uuid4().hex[:6]}", engine)
     runner = PolicySet.load(reverse_base, device="cpu")
@@ -329,13 +417,16 @@ def test_odd_held_out_episodes_are_left_out_and_counted_not_failing_the_gate(rev
     shutil.copytree(reverse_base, base)
     (base / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
-        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}")
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     runner = PolicySet.load(base, device="cpu")
     runner.add("cand", make_adapter(base, tmp_path / "adapter", seed=3))
     prompts, _ = task.split()
     good = [LoggedEpisode(f"g{i}", f"{p}>", p[::-1], None, [-1.0] * 3, 1.0, 1.0) for i, p in enumerate(prompts[:20])]
-    odd = [LoggedEpisode("role", [{"role": "developer", "content": "abc>"}], "cba", None, [-1.0] * 3, 1.0, 1.0),
-           LoggedEpisode("vocab", "abc>", "cba", [5, 10**6, 7], [-1.0] * 3, 1.0, 1.0)]
+    odd = [
+        LoggedEpisode("role", [{"role": "developer", "content": "abc>"}], "cba", None, [-1.0] * 3, 1.0, 1.0),
+        LoggedEpisode("vocab", "abc>", "cba", [5, 10**6, 7], [-1.0] * 3, 1.0, 1.0),
+    ]
     evaluation = evaluate(runner, "cand", None, good + odd, EMPTY, GATE, generate_prompts=40, max_new_tokens=3)
     assert evaluation.candidate.smoke_ok and evaluation.champion.smoke_ok
     assert evaluation.excluded["unrenderable_prompts"] == 1 and evaluation.excluded["misaligned"] == 1

@@ -55,32 +55,58 @@ def _lora(path) -> dict[str, torch.Tensor]:
 def _one_process(base, start, episodes, eps, cfg, out):
     policy = load_policy(base, device="cpu")
     model = load_adapter(policy.model, start, trainable=True)
-    result = train_policy(model, eps, [e["reward"] for e in episodes], [e["group"] for e in episodes], cfg,
-                          MemoryTracker(), policy.tokenizer.pad_token_id)
+    result = train_policy(
+        model,
+        eps,
+        [e["reward"] for e in episodes],
+        [e["group"] for e in episodes],
+        cfg,
+        MemoryTracker(),
+        policy.tokenizer.pad_token_id,
+    )
     return result, save_adapter(model, out)
 
 
-@pytest.mark.parametrize("per_rank, steps, batch_tokens, strategy", [
-    (1, 3, 256, "ddp"), (2, None, 40, "ddp"), (2, None, 40, "fsdp")])
+@pytest.mark.parametrize(
+    "per_rank, steps, batch_tokens, strategy", [(1, 3, 256, "ddp"), (2, None, 40, "ddp"), (2, None, 40, "fsdp")]
+)
 def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per_rank, steps, batch_tokens, strategy):
     """grad_accum 1 per rank for 3 steps; and 2 per rank over a whole epoch, whose last step has
     fewer micro-batches than 2 x 2 (the ranks run different numbers of them) -- also with the
     base model's weights sharded over the two (FSDP2), where every forward is a collective."""
     base, start, episodes, eps = setup
-    cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": steps, "batch_tokens": batch_tokens,
-                                 "max_seq_len": min(64, batch_tokens), "learning_rate": 1e-2, "base_model": base, "grad_accum": per_rank})
+    cfg = CFG.model_copy(
+        update={
+            "lora_dropout": 0.0,
+            "epochs": 1,
+            "max_steps": steps,
+            "batch_tokens": batch_tokens,
+            "max_seq_len": min(64, batch_tokens),
+            "learning_rate": 1e-2,
+            "base_model": base,
+            "grad_accum": per_rank,
+        }
+    )
     if steps is None:
         from train.loop import plan_microbatches
 
         assert len(plan_microbatches([len(e.input_ids) for e in eps], cfg, 2)) % 4 in (1, 3)
-    one, one_dir = _one_process(base, start, episodes, fresh(eps), cfg.model_copy(update={"grad_accum": 2 * per_rank}),
-                                tmp_path / "one")
+    one, one_dir = _one_process(
+        base, start, episodes, fresh(eps), cfg.model_copy(update={"grad_accum": 2 * per_rank}), tmp_path / "one"
+    )
     tracker = MemoryTracker()
     seen = []
-    two, two_dir = run_distributed(tmp_path / "job", base, start, fresh(eps), [e["reward"] for e in episodes],
-                                   [e["group"] for e in episodes], cfg.model_copy(update={"nproc": 2, "strategy": strategy}),
-                                   tracker,
-                                   on_step=lambda step, total, m: seen.append((step, total)))
+    two, two_dir = run_distributed(
+        tmp_path / "job",
+        base,
+        start,
+        fresh(eps),
+        [e["reward"] for e in episodes],
+        [e["group"] for e in episodes],
+        cfg.model_copy(update={"nproc": 2, "strategy": strategy}),
+        tracker,
+        on_step=lambda step, total, m: seen.append((step, total)),
+    )
     assert two.steps == one.steps and two.tokens == one.tokens
     assert [s for s, _ in tracker.metrics] == list(range(1, one.steps + 1))
     assert seen == [(k, one.steps) for k in range(1, one.steps + 1)]
@@ -101,14 +127,26 @@ def test_two_processes_train_the_adapter_one_process_trains(setup, tmp_path, per
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_checkpoint_of_two_processes_resumes_in_two(setup, tmp_path, strategy):
     base, start, episodes, eps = setup
-    cfg = CFG.model_copy(update={"lora_dropout": 0.0, "epochs": 1, "max_steps": 4, "batch_tokens": 256,
-                                 "checkpoint_every": 2, "nproc": 2, "base_model": base, "strategy": strategy})
+    cfg = CFG.model_copy(
+        update={
+            "lora_dropout": 0.0,
+            "epochs": 1,
+            "max_steps": 4,
+            "batch_tokens": 256,
+            "checkpoint_every": 2,
+            "nproc": 2,
+            "base_model": base,
+            "strategy": strategy,
+        }
+    )
     rewards, groups = [e["reward"] for e in episodes], [e["group"] for e in episodes]
-    _, straight = run_distributed(tmp_path / "a", base, start, fresh(eps), rewards, groups, cfg, MemoryTracker(),
-                                  checkpoint_dir=tmp_path / "ckpt")
+    _, straight = run_distributed(
+        tmp_path / "a", base, start, fresh(eps), rewards, groups, cfg, MemoryTracker(), checkpoint_dir=tmp_path / "ckpt"
+    )
     ckpt = tmp_path / "ckpt" / "step-2"
-    resumed, again = run_distributed(tmp_path / "b", base, ckpt / "adapter", fresh(eps), rewards, groups, cfg,
-                                     MemoryTracker(), resume_from=ckpt)
+    resumed, again = run_distributed(
+        tmp_path / "b", base, ckpt / "adapter", fresh(eps), rewards, groups, cfg, MemoryTracker(), resume_from=ckpt
+    )
     assert resumed.steps == 4 and len(resumed.history) == 2
     a, b = _lora(straight), _lora(again)
     for k in a:
@@ -119,6 +157,14 @@ def test_a_rank_that_dies_fails_the_run_with_its_reason(setup, tmp_path):
     base, start, episodes, eps = setup
     cfg = CFG.model_copy(update={"epochs": 1, "max_steps": 2, "nproc": 2, "base_model": base, "ddp_timeout_s": 30})
     with pytest.raises(DistributedTrainingError) as err:
-        run_distributed(tmp_path / "job", base, tmp_path / "no-such-adapter", eps, [e["reward"] for e in episodes],
-                        [e["group"] for e in episodes], cfg, MemoryTracker())
+        run_distributed(
+            tmp_path / "job",
+            base,
+            tmp_path / "no-such-adapter",
+            eps,
+            [e["reward"] for e in episodes],
+            [e["group"] for e in episodes],
+            cfg,
+            MemoryTracker(),
+        )
     assert "failed (launcher exit code" in str(err.value) and "no adapter at" in str(err.value)

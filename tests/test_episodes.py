@@ -80,9 +80,15 @@ def test_feedback_names_exactly_one_of_request_and_episode(engine):
 
 
 def test_an_episode_outcome_reaches_every_call_with_equal_credit(engine):
-    store(engine, call("ep", 0, 0), call("ep", 1, 1), call("ep", 2, 2), outcome("ep", 3),
-          # a call's own feedback stays its own
-          fb(1, prefix="ep", kind="accepted"))
+    store(
+        engine,
+        call("ep", 0, 0),
+        call("ep", 1, 1),
+        call("ep", 2, 2),
+        outcome("ep", 3),
+        # a call's own feedback stays its own
+        fb(1, prefix="ep", kind="accepted"),
+    )
     report = run_rewards(engine, EQUAL, now=LATER)
     assert report.computed == 3
     assert rewards(engine, EQUAL, "ep", 3) == [1.0, 1.0, 1.0]  # persisted 1.0, accepted 0.5: clipped at 1
@@ -90,7 +96,9 @@ def test_an_episode_outcome_reaches_every_call_with_equal_credit(engine):
     assert row.components == {"episode.signal.persisted": 1.0}
     assert row.outcome == {"episode_id": "ep", "credit": 1.0, "events": ["ep-outcome-persisted-0"]}
     assert stored_reward(engine, "ep-r-1", EQUAL.version).components == {
-        "signal.accepted": 0.5, "episode.signal.persisted": 1.0}
+        "signal.accepted": 0.5,
+        "episode.signal.persisted": 1.0,
+    }
 
 
 def test_discounted_credit_halves_per_step_from_the_end_whatever_order_calls_arrive_in(engine):
@@ -105,8 +113,14 @@ def test_discounted_credit_halves_per_step_from_the_end_whatever_order_calls_arr
 
 
 def test_a_guard_penalises_the_call_it_concerns(engine):
-    broken = [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{"},
-               "error": "arguments are not JSON"}]
+    broken = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": "{"},
+            "error": "arguments are not JSON",
+        }
+    ]
     store(engine, call("g", 0, 0), call("g", 1, 1, tool_calls=broken), call("g", 2, 2), outcome("g", 3))
     run_rewards(engine, EQUAL, now=LATER)
     values = rewards(engine, EQUAL, "g", 3)
@@ -179,15 +193,25 @@ def test_explain_shows_an_episode_its_calls_outcome_and_credit(engine, db_url, t
     assert json.loads(as_json.output)["episode_id"] == "e"
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(order=st.permutations(range(6)), runs_after=st.sets(st.integers(0, 5), max_size=3))
 def test_any_arrival_order_gives_every_call_the_same_reward(engine, order, runs_after):
     """Three calls, two outcome events (one terminal) and a call's own feedback, stored in any
     order with reward runs in between: the final rewards are those of scoring them all at once."""
     name = f"p{_offset}"
-    events = [call(name, 0, 0), call(name, 1, 1), call(name, 2, 2), outcome(name, 3, kind="accepted"),
-              outcome(name, 4, kind="persisted", value=False, n=1), fb(2, prefix=name, kind="accepted")]
+    events = [
+        call(name, 0, 0),
+        call(name, 1, 1),
+        call(name, 2, 2),
+        outcome(name, 3, kind="accepted"),
+        outcome(name, 4, kind="persisted", value=False, n=1),
+        fb(2, prefix=name, kind="accepted"),
+    ]
     for k, i in enumerate(order):
         store(engine, events[i])
         if k in runs_after:
@@ -209,8 +233,11 @@ def test_the_held_out_slice_keeps_a_task_s_calls_together():
 
     for k in range(200):
         task = {"role": "user", "content": f"reverse the word behind key k{k}"}
-        calls = [[task], [{"role": "system", "content": "be brief"}, task],
-                 [task, {"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "abc"}]]
+        calls = [
+            [task],
+            [{"role": "system", "content": "be brief"}, task],
+            [task, {"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "abc"}],
+        ]
         sides = {is_held_out(f"r-{k}-{i}", json.dumps({"prompt": p}), 30.0) for i, p in enumerate(calls)}
         assert len(sides) == 1
 
@@ -229,12 +256,13 @@ def test_a_self_summarizing_call_is_a_call_of_its_episode_credited_and_on_its_ta
     summary = "Summary: renaming file_3.py; the tests pass."
     for k in range(40):
         task = [{"role": "user", "content": f"rename file_3.py to task_{k}.py"}]
-        store(engine,
-              call(f"s{k}", 0, 3 * k, prompt=task, completion="<tool_call>..."),
-              call(f"s{k}", 1, 3 * k + 1, prompt=task + [{"role": "user", "content": "summarize"}],
-                   completion=summary),
-              call(f"s{k}", 2, 3 * k + 2, prompt=[{"role": "user", "content": summary}], completion="done"),
-              outcome(f"s{k}", 3 * k + 2))
+        store(
+            engine,
+            call(f"s{k}", 0, 3 * k, prompt=task, completion="<tool_call>..."),
+            call(f"s{k}", 1, 3 * k + 1, prompt=task + [{"role": "user", "content": "summarize"}], completion=summary),
+            call(f"s{k}", 2, 3 * k + 2, prompt=[{"role": "user", "content": summary}], completion="done"),
+            outcome(f"s{k}", 3 * k + 2),
+        )
     run_rewards(engine, EQUAL, now=LATER)
     assert rewards(engine, EQUAL, "s0", 3) == [1.0, 1.0, 1.0]  # the summary call credited too
     # every episode's calls fall on one side of the held-out split: its first call's task
@@ -251,9 +279,14 @@ def test_a_frozen_sub_agent_s_calls_are_context_never_trained(engine):
     """Kimi's frozen sub-agents: calls in the episode served by another model (a policy version
     that is not ours) are rewarded and credited like any call but never selected for training
     (counted `other_policy`); the episode's outcome still credits the calls our policy made."""
-    store(engine, call("k", 0, 0, policy_version="2"), call("k", 1, 1, policy_version="searcher-frozen-v7"),
-          call("k", 2, 2, policy_version="searcher-frozen-v7"), call("k", 3, 3, policy_version="2"),
-          outcome("k", 4))
+    store(
+        engine,
+        call("k", 0, 0, policy_version="2"),
+        call("k", 1, 1, policy_version="searcher-frozen-v7"),
+        call("k", 2, 2, policy_version="searcher-frozen-v7"),
+        call("k", 3, 3, policy_version="2"),
+        outcome("k", 4),
+    )
     run_rewards(engine, EQUAL, now=LATER)
     assert rewards(engine, EQUAL, "k", 4) == [1.0, 1.0, 1.0, 1.0]
     selection = _select(engine, EQUAL)
@@ -273,10 +306,14 @@ def test_an_episode_s_calls_have_a_total_order_when_only_some_carry_a_step():
 
     from reward.scoring import _in_episode
 
-    calls = [[rid, step, (BASE_TS + timedelta(seconds=k)).isoformat()]
-             for k, (rid, step) in enumerate([("a", 2), ("b", None), ("c", 1)], start=1)]
-    after = {rid: _in_episode(Episode(rid, datetime.fromisoformat(ts), "1", "x"), "e", [], calls).calls_after
-             for rid, _, ts in calls}
+    calls = [
+        [rid, step, (BASE_TS + timedelta(seconds=k)).isoformat()]
+        for k, (rid, step) in enumerate([("a", 2), ("b", None), ("c", 1)], start=1)
+    ]
+    after = {
+        rid: _in_episode(Episode(rid, datetime.fromisoformat(ts), "1", "x"), "e", [], calls).calls_after
+        for rid, _, ts in calls
+    }
     assert sorted(after.values()) == [0, 1, 2] and after == {"c": 2, "a": 1, "b": 0}  # by step, the unstepped last
 
 
@@ -284,10 +321,14 @@ def test_two_tenants_episodes_of_one_id_get_their_own_outcomes(engine):
     """Outcomes and sibling calls joined on the episode id alone: two tenants' "task-7" were one
     episode, each credited with the other's outcome. An outcome that names no tenant (a producer
     of before tenants were named) still reaches the episode id in every tenant."""
-    store(engine, call("task-7", 0, 0, tenant="acme", request_id="a-0"), call("task-7", 1, 1, tenant="acme", request_id="a-1"),
-          call("task-7", 0, 2, tenant="globex", request_id="g-0"),
-          dict(outcome("task-7", 5), tenant="acme", event_id="acme-persisted"),
-          dict(outcome("task-7", 6, value=False), tenant="globex", event_id="globex-failed"))
+    store(
+        engine,
+        call("task-7", 0, 0, tenant="acme", request_id="a-0"),
+        call("task-7", 1, 1, tenant="acme", request_id="a-1"),
+        call("task-7", 0, 2, tenant="globex", request_id="g-0"),
+        dict(outcome("task-7", 5), tenant="acme", event_id="acme-persisted"),
+        dict(outcome("task-7", 6, value=False), tenant="globex", event_id="globex-failed"),
+    )
     run_rewards(engine, EQUAL, now=LATER)
     value = {rid: stored_reward(engine, rid, EQUAL.version).value for rid in ("a-0", "a-1", "g-0")}
     assert value == {"a-0": 1.0, "a-1": 1.0, "g-0": -1.0}
@@ -295,11 +336,16 @@ def test_two_tenants_episodes_of_one_id_get_their_own_outcomes(engine):
     # each tenant's episode has its own calls: acme's two, globex's one (a discounted last call)
     run_rewards(engine, HALVED, now=LATER)
     assert [stored_reward(engine, r, HALVED.version).value for r in ("a-0", "a-1", "g-0")] == [0.5, 1.0, -1.0]
-    store(engine, call("task-9", 0, 7, tenant="acme", request_id="a-9"), call("task-9", 0, 8, tenant="globex",
-                                                                              request_id="g-9"), outcome("task-9", 9))
+    store(
+        engine,
+        call("task-9", 0, 7, tenant="acme", request_id="a-9"),
+        call("task-9", 0, 8, tenant="globex", request_id="g-9"),
+        outcome("task-9", 9),
+    )
     run_rewards(engine, EQUAL, now=LATER)
     assert [stored_reward(engine, r, EQUAL.version).value for r in ("a-9", "g-9")] == [1.0, 1.0]  # named: none
     with pytest.raises(ValueError, match="tenants acme, globex each have an episode 'task-9'"):
         explain_episode(engine, EQUAL, "task-9", now=LATER)
     assert [ep.request_id for ep, _, _ in explain_episode(engine, EQUAL, "task-9", now=LATER, tenant="globex")] == [
-        "g-9"]
+        "g-9"
+    ]

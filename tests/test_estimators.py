@@ -47,7 +47,9 @@ def logp(policy, a):
         return np.log(policy[a])
 
 
-@pytest.mark.parametrize("candidate", [ON_SUPPORT, WORSE_OFF, BETTER_OFF], ids=["on-support", "worse-off", "better-off"])
+@pytest.mark.parametrize(
+    "candidate", [ON_SUPPORT, WORSE_OFF, BETTER_OFF], ids=["on-support", "worse-off", "better-off"]
+)
 def test_direct_and_doubly_robust_recover_the_truth_where_importance_sampling_does_not(candidate):
     true_gain = truth(candidate) - truth(CHAMPION)
     x, a, r = logged()
@@ -83,8 +85,15 @@ def test_doubly_robust_corrects_an_outcome_model_biased_on_the_logged_answers():
     true_gain = truth(ON_SUPPORT) - truth(CHAMPION)
     d = direct(fresh(ON_SUPPORT, q, 7), fresh(CHAMPION, q, 8))
     assert d.improvement.value - true_gain > 0.1  # the direct estimate inherits the model's bias
-    dr = doubly_robust(fresh(ON_SUPPORT, q, 9)[x], fresh(CHAMPION, q, 10)[x], q[x, a], r, logp(ON_SUPPORT, a),
-                       logp(CHAMPION, a), logp(MU, a))
+    dr = doubly_robust(
+        fresh(ON_SUPPORT, q, 9)[x],
+        fresh(CHAMPION, q, 10)[x],
+        q[x, a],
+        r,
+        logp(ON_SUPPORT, a),
+        logp(CHAMPION, a),
+        logp(MU, a),
+    )
     assert abs(dr.improvement.value - true_gain) < 0.04
 
 
@@ -111,12 +120,16 @@ def test_choose_says_which_estimator_decided_and_why():
     from deploy.estimators import Estimated
     from deploy.gate import Estimate
 
-    est = {"direct": Estimated("direct", None, why_not="no outcome model"),
-           "importance": Estimated("importance", Estimate(0.1, 0.02, 0.2))}
+    est = {
+        "direct": Estimated("direct", None, why_not="no outcome model"),
+        "importance": Estimated("importance", Estimate(0.1, 0.02, 0.2)),
+    }
     c = choose(est, "direct", "importance", "is too weak: AUROC 0.55 (min 0.7)")
     assert c.estimator == "importance" and c.improvement.low == 0.02
-    assert c.note == ("fell back to importance sampling: direct could not be computed (the outcome model is too "
-                      "weak: AUROC 0.55 (min 0.7))")
+    assert c.note == (
+        "fell back to importance sampling: direct could not be computed (the outcome model is too "
+        "weak: AUROC 0.55 (min 0.7))"
+    )
     refused = choose(est, "direct", "refuse", "is too weak")
     assert refused.refused and refused.improvement is None and "gate.fallback = 'refuse'" in refused.note
     est["direct"] = Estimated("direct", Estimate(0.05, 0.01, 0.09), 60)

@@ -26,23 +26,49 @@ def bounds(draw) -> Bound:
     lo, hi = draw(st.one_of(st.none(), finite)), draw(st.one_of(st.none(), finite))
     if lo is not None and hi is not None and lo > hi:
         lo, hi = hi, lo
-    return Bound(min=lo, max=hi, max_increase=draw(limit), max_decrease=draw(limit),
-                 max_rel_increase=draw(limit), max_rel_decrease=draw(limit))
+    return Bound(
+        min=lo,
+        max=hi,
+        max_increase=draw(limit),
+        max_decrease=draw(limit),
+        max_rel_increase=draw(limit),
+        max_rel_decrease=draw(limit),
+    )
 
 
 def allowed(b: Bound, champ: float) -> tuple[float, float]:
     """The interval of candidate values the bound lets through, given the champion's value."""
-    lo = max(x for x in [-math.inf, b.min, b.max_decrease and champ - b.max_decrease,
-                         b.max_rel_decrease and champ and champ - b.max_rel_decrease * abs(champ)] if x is not None)
-    hi = min(x for x in [math.inf, b.max, b.max_increase and champ + b.max_increase,
-                         b.max_rel_increase and champ and champ + b.max_rel_increase * abs(champ)] if x is not None)
+    lo = max(
+        x
+        for x in [
+            -math.inf,
+            b.min,
+            b.max_decrease and champ - b.max_decrease,
+            b.max_rel_decrease and champ and champ - b.max_rel_decrease * abs(champ),
+        ]
+        if x is not None
+    )
+    hi = min(
+        x
+        for x in [
+            math.inf,
+            b.max,
+            b.max_increase and champ + b.max_increase,
+            b.max_rel_increase and champ and champ + b.max_rel_increase * abs(champ),
+        ]
+        if x is not None
+    )
     return lo, hi
 
 
 @st.composite
 def passing_case(draw):
-    cfg = GateConfig(min_improvement=draw(st.floats(-0.1, 0.1)), min_ess=draw(st.floats(1, 100)),
-                     max_kl=draw(st.floats(0.01, 2)), bounds={m: draw(bounds()) for m in METRICS})
+    cfg = GateConfig(
+        min_improvement=draw(st.floats(-0.1, 0.1)),
+        min_ess=draw(st.floats(1, 100)),
+        max_kl=draw(st.floats(0.01, 2)),
+        bounds={m: draw(bounds()) for m in METRICS},
+    )
     champ_metrics, cand_metrics = {}, {}
     for m, b in cfg.bounds.items():
         champ = draw(finite.filter(lambda x: x != 0))
@@ -55,8 +81,13 @@ def passing_case(draw):
     champion = EvalReport("1", Estimate(0.1, 0.0, 0.2), ess=200, metrics=champ_metrics, regression=items)
     # the candidate passes everything the champion passes (and maybe more)
     cand_items = {k: v or draw(st.booleans()) for k, v in items.items()}
-    candidate = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=cfg.min_ess + draw(st.floats(0, 100)),
-                           metrics=cand_metrics, regression=cand_items)
+    candidate = EvalReport(
+        "candidate",
+        Estimate(0.3, 0.2, 0.4),
+        ess=cfg.min_ess + draw(st.floats(0, 100)),
+        metrics=cand_metrics,
+        regression=cand_items,
+    )
     gain = cfg.min_improvement + draw(st.floats(1e-3, 1))
     comparison = Comparison(Estimate(gain + 0.1, gain, gain + 0.2), kl=cfg.max_kl * draw(st.floats(0, 1)))
     return cfg, candidate, champion, comparison
@@ -94,8 +125,14 @@ def test_the_gate_promotes_only_a_candidate_that_passes_every_criterion(case, br
 
 def test_first_deployment_uses_absolute_limits_or_refuses():
     cfg = GateConfig(bounds={"abstention_rate": Bound(max=0.2, max_increase=0.01)})
-    metrics = {"abstention_rate": 0.1, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,  # the default
-               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}  # bounds
+    metrics = {
+        "abstention_rate": 0.1,
+        "repetition_rate": 0.0,
+        "tool_format_error_rate": 0.0,  # the default
+        "tool_format_error_rate_after_result": 0.0,
+        "mean_length": 40.0,
+        "smoke_latency_ms": 12.0,
+    }  # bounds
     cand = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics=metrics, regression={"a": True})
     decision = decide(cand, None, None, cfg)
     assert decision.passed and decision.first_deployment
@@ -108,8 +145,14 @@ def test_first_deployment_uses_absolute_limits_or_refuses():
 
 def test_first_deployment_against_the_base_model_must_beat_it():
     cfg = GateConfig()
-    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,
-               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}
+    metrics = {
+        "abstention_rate": 0.0,
+        "repetition_rate": 0.0,
+        "tool_format_error_rate": 0.0,
+        "tool_format_error_rate_after_result": 0.0,
+        "mean_length": 40.0,
+        "smoke_latency_ms": 12.0,
+    }
     cand = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics=metrics)
     base = EvalReport("base", Estimate(0.35, 0.3, 0.4), ess=400, metrics=dict(metrics))
     worse = decide(cand, base, Comparison(Estimate(-0.05, -0.1, 0.0), kl=0.1), cfg, first=True)
@@ -164,8 +207,14 @@ def test_a_candidate_that_moved_off_the_logged_completions_gets_no_credit_for_it
 
 def test_a_coverage_bound_rejects_a_candidate_the_log_covers_too_little_of():
     cfg = GateConfig(bounds={"coverage": Bound(min=0.8)})
-    metrics = {"abstention_rate": 0.0, "repetition_rate": 0.0, "tool_format_error_rate": 0.0,  # the default
-               "tool_format_error_rate_after_result": 0.0, "mean_length": 40.0, "smoke_latency_ms": 12.0}  # bounds
+    metrics = {
+        "abstention_rate": 0.0,
+        "repetition_rate": 0.0,
+        "tool_format_error_rate": 0.0,  # the default
+        "tool_format_error_rate_after_result": 0.0,
+        "mean_length": 40.0,
+        "smoke_latency_ms": 12.0,
+    }  # bounds
     champion = EvalReport("1", Estimate(0.1, 0.0, 0.2), ess=200, metrics={**metrics, "coverage": 1.0})
     covered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.9})
     uncovered = EvalReport("candidate", Estimate(0.3, 0.2, 0.4), ess=50, metrics={**metrics, "coverage": 0.5})
@@ -173,14 +222,22 @@ def test_a_coverage_bound_rejects_a_candidate_the_log_covers_too_little_of():
     assert decide(covered, champion, comparison, cfg).passed
     assert decide(uncovered, champion, comparison, cfg).reasons == ["coverage 0.5 (min 0.8)"]
 
+
 def test_a_champion_that_failed_to_generate_fails_the_gate_closed():
     """Its metrics are missing: every relative check used to be 'not applicable' and pass."""
-    cfg = GateConfig(min_ess=1, bounds={"abstention_rate": Bound(max_increase=0.05),
-                                        "mean_length": Bound(max_rel_decrease=0.5)})
-    candidate = EvalReport("candidate", Estimate(0.5, 0.4, 0.6), ess=50,
-                           metrics={"abstention_rate": 0.9, "mean_length": 1.0})
-    broken = EvalReport("3", Estimate(float("nan"), float("nan"), float("nan")), ess=0.0, smoke_ok=False,
-                        smoke_error="CUDA error: out of memory")
+    cfg = GateConfig(
+        min_ess=1, bounds={"abstention_rate": Bound(max_increase=0.05), "mean_length": Bound(max_rel_decrease=0.5)}
+    )
+    candidate = EvalReport(
+        "candidate", Estimate(0.5, 0.4, 0.6), ess=50, metrics={"abstention_rate": 0.9, "mean_length": 1.0}
+    )
+    broken = EvalReport(
+        "3",
+        Estimate(float("nan"), float("nan"), float("nan")),
+        ess=0.0,
+        smoke_ok=False,
+        smoke_error="CUDA error: out of memory",
+    )
     for first in (False, True):  # the champion, or the base model of a first deployment
         decision = decide(candidate, broken, Comparison(Estimate(0.2, 0.1, 0.3), 0.01), cfg, first=first)
         failing = {c.name for c in decision.checks if not c.passed}

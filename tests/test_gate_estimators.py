@@ -29,8 +29,18 @@ class Runner:
     def prompt_tokens(self, prompt: Any, tools: list[dict] | None = None) -> int:
         return 3
 
-    def generate(self, name, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=None, batch_size=1,
-                 reuse=False, tools=None):
+    def generate(
+        self,
+        name,
+        prompts,
+        max_new_tokens=64,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        batch_size=1,
+        reuse=False,
+        tools=None,
+    ):
         draws = random.Random(f"{seed}-{name}-{len(prompts)}")
         if temperature == 0.0:
             return [Generation("wrong", [1], [-0.1], 1.0) for _ in prompts]
@@ -57,8 +67,17 @@ def held_out(n: int = 300) -> list[LoggedEpisode]:
     out = []
     for i in range(n):
         right = rng.random() < 0.3
-        out.append(LoggedEpisode(f"r{i}", f"task {i % 150}>", "right" if right else "wrong", [1], [-1.0],
-                                 temperature=1.0, reward=float(right)))
+        out.append(
+            LoggedEpisode(
+                f"r{i}",
+                f"task {i % 150}>",
+                "right" if right else "wrong",
+                [1],
+                [-1.0],
+                temperature=1.0,
+                reward=float(right),
+            )
+        )
     return out
 
 

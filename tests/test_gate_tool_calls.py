@@ -15,8 +15,13 @@ from pipeline.core.config import GateConfig
 from pipeline.core.types import LoggedEpisode
 from train.inference import Generation
 
-LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 GOOD = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
 BROKEN = '<tool_call>\n{"name": "lookup", "arguments": "k1"}\n</tool_call>'  # arguments no object
 UNOFFERED = '<tool_call>\n{"name": "lookupp", "arguments": {"key": "k1"}}\n</tool_call>'
@@ -39,8 +44,9 @@ class Runner:
     def prompt_tokens(self, prompt: Any, tools: list[dict] | None = None) -> int:
         return 4
 
-    def generate(self, name, prompts, max_new_tokens=64, temperature=0.0, seed=None, batch_size=1, reuse=False,
-                 tools=None):
+    def generate(
+        self, name, prompts, max_new_tokens=64, temperature=0.0, seed=None, batch_size=1, reuse=False, tools=None
+    ):
         self.asked.append((name, len(prompts), temperature, seed, tools))
         if temperature == 0.0:
             return [Generation(GOOD, [1], [-0.1], 1.0) for _ in prompts]
@@ -60,10 +66,22 @@ class Runner:
 def held_out(n: int = 200) -> list[LoggedEpisode]:
     """First calls, and every fourth one a call after the tool's result."""
     first = [{"role": "user", "content": "reverse the selection"}]
-    after = first + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "lookup", "arguments": '{"key": "k1"}'}}]}, {"role": "tool", "tool_call_id": "c", "content": "abc"}]
-    return [LoggedEpisode(f"r{i}", after if i % 4 == 0 else first, GOOD, None, [-1.0, -1.0], 0.8, float(i % 2),
-                          tools=[LOOKUP]) for i in range(n)]
+    after = first + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "k1"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "abc"},
+    ]
+    return [
+        LoggedEpisode(
+            f"r{i}", after if i % 4 == 0 else first, GOOD, None, [-1.0, -1.0], 0.8, float(i % 2), tools=[LOOKUP]
+        )
+        for i in range(n)
+    ]
 
 
 def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy_calls_are_well_formed():
@@ -84,8 +102,9 @@ def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy
 
     # broken only after a tool's result (where the naive demo's policy breaks its calls: on the
     # words it cannot reverse): a quarter of the calls, which the first calls' mass would hide
-    hidden = evaluate(Runner(0.04, 0.14, after_result_only=True), "cand", None, held_out(), EMPTY, cfg,
-                      generate_prompts=40, seed=5)
+    hidden = evaluate(
+        Runner(0.04, 0.14, after_result_only=True), "cand", None, held_out(), EMPTY, cfg, generate_prompts=40, seed=5
+    )
     failing = [c for c in decide(hidden.candidate, hidden.champion, hidden.comparison, cfg).checks if not c.passed]
     assert {c.name for c in failing} == {"bound:tool_format_error_rate_after_result"}
 

@@ -51,8 +51,10 @@ def test_the_client_gets_what_it_asked_for_and_the_event_what_training_needs(thr
     ev = events[0]
     assert ev["request_id"] == plain.id and ev["completion"] == plain.choices[0].message.content
     assert len(ev["completion_token_ids"]) == len(ev["behavior_logprobs"]) > 0
-    assert real.tokenizer.decode([t for t in ev["completion_token_ids"] if t != real.tokenizer.eos_token_id]) \
+    assert (
+        real.tokenizer.decode([t for t in ev["completion_token_ids"] if t != real.tokenizer.eos_token_id])
         == ev["completion"]
+    )
     # what sampled the tokens, sent to the upstream explicitly and recorded
     assert ev["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "max_tokens": 6, "seed": 2}
     assert ev["policy_version"] == "base"
@@ -73,8 +75,7 @@ def test_a_stream_through_the_gateway_and_its_event_once_it_ends(through):
 
 def test_each_of_n_choices_has_its_own_event_with_its_own_answer(through):
     client, _, events, _, _, _ = through
-    answer = client.chat.completions.create(model="policy", messages=ASK, max_tokens=8, seed=3, n=3,
-                                            temperature=1.0)
+    answer = client.chat.completions.create(model="policy", messages=ASK, max_tokens=8, seed=3, n=3, temperature=1.0)
     assert len(answer.choices) == len(events) == 3
     assert [e["completion"] for e in events] == [c.message.content for c in answer.choices]
     assert len({e["event_id"] for e in events}) == 3
@@ -87,8 +88,12 @@ def test_tool_calls_pass_through_and_reach_the_event(real):
     upstream = InProcessServer(create_app(PolicyServer(Scripted(real, call), "policy")))
     try:
         gw = Gateway(upstream.url, "policy", events.append, None)
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
-                               http_client=TestClient(create_gateway_app(gw)), max_retries=0)
+        client = openai.OpenAI(
+            base_url="http://testserver/v1",
+            api_key="unused",
+            http_client=TestClient(create_gateway_app(gw)),
+            max_retries=0,
+        )
         answer = client.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64)
         assert answer.choices[0].message.tool_calls[0].function.name == "lookup"
         wait_for(lambda: events, 10, "the event")
@@ -114,15 +119,19 @@ def test_feedback_is_validated_and_counted_when_its_request_is_unknown(through):
 
 def test_an_episode_s_outcome_is_feedback_naming_the_episode(through):
     client, gw, events, feedback, _, http = through
-    client.chat.completions.create(model="policy", messages=ASK, max_tokens=2,
-                                   extra_headers={"X-Rtrl-Episode-Id": "task-7", "X-Rtrl-Step": "0"})
+    client.chat.completions.create(
+        model="policy", messages=ASK, max_tokens=2, extra_headers={"X-Rtrl-Episode-Id": "task-7", "X-Rtrl-Step": "0"}
+    )
     ok = http.post("/v1/feedback", json={"episode_id": "task-7", "kind": "persisted", "value": True})
     assert ok.status_code == 202 and ok.json()["episode_id"] == "task-7" and "request_id" not in ok.json()
     assert feedback[-1]["episode_id"] == "task-7" and "request_id" not in feedback[-1]
     assert "tenant" not in feedback[-1]  # none named (no X-Tenant, as its calls): the episode id in every tenant
     assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 0  # it was answered
-    other = http.post("/v1/feedback", json={"episode_id": "task-7", "kind": "persisted", "value": True},
-                      headers={"X-Tenant": "globex"})  # another tenant's task-7: not an episode answered here
+    other = http.post(
+        "/v1/feedback",
+        json={"episode_id": "task-7", "kind": "persisted", "value": True},
+        headers={"X-Tenant": "globex"},
+    )  # another tenant's task-7: not an episode answered here
     assert other.status_code == 202 and feedback[-1]["tenant"] == "globex"
     assert gw.metrics.get_sample_value("rtrl_gateway_feedback_unknown_request_total") == 1
     both = http.post("/v1/feedback", json={"episode_id": "task-7", "request_id": "r", "kind": "x", "value": 1})
@@ -138,8 +147,9 @@ def test_the_canary_s_share_is_drawn_per_episode(through):
     keys, route = [], gw.route_side
     gw.route_side = lambda key: keys.append(key) or route(key)
     for _ in range(2):
-        client.chat.completions.create(model="policy", messages=ASK, max_tokens=2,
-                                       extra_headers={"X-Rtrl-Episode-Id": "task-9"})
+        client.chat.completions.create(
+            model="policy", messages=ASK, max_tokens=2, extra_headers={"X-Rtrl-Episode-Id": "task-9"}
+        )
     raw = client.chat.completions.with_raw_response.create(model="policy", messages=ASK, max_tokens=2)
     assert keys == ["task-9", "task-9", raw.headers["X-Request-Id"]]
 
@@ -181,23 +191,43 @@ def test_rtrl_serve_behind_a_gateway_answers_with_the_version_the_model_names(re
     server = PolicyServer(real, "policy")
     server.version, server.canary, server.canary_share = "3", "4", 0.5
     assert [server.named(m) for m in ("policy-v4", "policy-v3", "policy-v5", "other-v3", "policy", None)] == [
-        "4", "3", None, None, None, None]
+        "4",
+        "3",
+        None,
+        None,
+        None,
+        None,
+    ]
     # the base champion has no adapter name: the gateway's header says it chose the champion, and
     # the server must not split that request again (the canary answered 68 % instead of 50 % in
     # a demo through the gateway: half of the base's share went to the canary a second time)
     server.version, server.canary_share = "base", 1.0  # the canary (not loaded here) would take every request
     req = ChatRequest(model="policy", messages=ASK, max_tokens=2)
-    signed = {"x-request-id": "req-1", "x-rtrl-routed": "champion",
-              "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-1", "champion", "policy")}
+    signed = {
+        "x-request-id": "req-1",
+        "x-rtrl-routed": "champion",
+        "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-1", "champion", "policy"),
+    }
     (answer,) = server.answer(ASK, req, signed, send_event=False)
     assert answer.version == "base"
     # a client's own choice chooses nothing: unsigned, or signed with another secret
     forged = {**signed, "x-rtrl-routed-signature": routing_signature("guess", "req-1", "champion", "policy")}
     server.version, server.canary_share = "3", 1.0
-    assert [server.choose(m, h, "req-1") for m, h in (("policy-v3", {}), ("policy", {"x-rtrl-routed": "champion"}),
-                                                       ("policy", forged))] == ["4", "4", "4"]
-    assert server.choose("policy-v3", {**signed, "x-rtrl-routed-signature": routing_signature(
-        server.routing_secret, "req-1", "champion", "policy-v3")}, "req-1") == "3"
+    assert [
+        server.choose(m, h, "req-1")
+        for m, h in (("policy-v3", {}), ("policy", {"x-rtrl-routed": "champion"}), ("policy", forged))
+    ] == ["4", "4", "4"]
+    assert (
+        server.choose(
+            "policy-v3",
+            {
+                **signed,
+                "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-1", "champion", "policy-v3"),
+            },
+            "req-1",
+        )
+        == "3"
+    )
 
 
 def test_vllm_s_fields_as_its_server_gives_them():
@@ -247,8 +277,12 @@ def test_a_streamed_rtrl_serve_answer_says_which_version_produced_it(through):
     _, _, _, _, upstream, _ = through
     import requests
 
-    with requests.post(f"{upstream.url}/v1/chat/completions", stream=True, timeout=60,
-                       json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True}) as answer:
+    with requests.post(
+        f"{upstream.url}/v1/chat/completions",
+        stream=True,
+        timeout=60,
+        json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True},
+    ) as answer:
         assert answer.headers["X-Rtrl-Policy-Version"] == "base"
         assert b"[DONE]" in b"".join(answer.iter_content(None))
 
@@ -270,9 +304,14 @@ def test_rtrl_serve_keeps_a_streamed_answer_s_event_before_its_done(real):
 
     upstream = InProcessServer(create_app(PolicyServer(real, "policy", emit=emit)))
     try:
+
         def read() -> None:
-            with requests.post(f"{upstream.url}/v1/chat/completions", stream=True, timeout=60,
-                               json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True}) as answer:
+            with requests.post(
+                f"{upstream.url}/v1/chat/completions",
+                stream=True,
+                timeout=60,
+                json={"model": "policy", "messages": ASK, "max_tokens": 3, "stream": True},
+            ) as answer:
                 for line in answer.iter_lines():
                     if line == b"data: [DONE]":
                         seen_done.set()
@@ -294,8 +333,11 @@ def test_rtrl_serve_behind_a_gateway_leaves_the_event_to_the_gateway(real):
     sent: list[dict] = []
     server = PolicyServer(real, "policy", emit=sent.append)
     req = ChatRequest(model="policy", messages=ASK, max_tokens=2)
-    signed = {"x-request-id": "req-9", "x-rtrl-routed": "champion",
-              "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-9", "champion", "policy")}
+    signed = {
+        "x-request-id": "req-9",
+        "x-rtrl-routed": "champion",
+        "x-rtrl-routed-signature": routing_signature(server.routing_secret, "req-9", "champion", "policy"),
+    }
     server.answer(ASK, req, signed)
     assert sent == []
     server.answer(ASK, req, {"x-rtrl-routed": "champion"})  # unsigned: a client of its own

@@ -28,9 +28,13 @@ class GatewayProcess:
     def __init__(self, upstream: str, port: int, env: dict[str, str], log_path) -> None:
         self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "gateway", "--upstream", upstream,
-                                          "--port", str(port)], env=env, cwd=REPO, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "gateway", "--upstream", upstream, "--port", str(port)],
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         wait_for(self.healthy, 90, "the gateway to start")
 
     def healthy(self) -> bool:
@@ -70,15 +74,22 @@ def test_no_event_is_lost_through_a_broker_outage_and_a_kill_9_under_load(tmp_pa
     from pipeline import kafka_local
     from pipeline.core.config import load_config
 
-    env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_KAFKA__PORT": str(free_port()),
-           "RTRL_KAFKA__CONTROLLER_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "RTRL_STATE_DIR": str(tmp_path / "state"),
+        "RTRL_KAFKA__PORT": str(free_port()),
+        "RTRL_KAFKA__CONTROLLER_PORT": str(free_port()),
+    }
     cfg = load_config(environ=env)
     kafka_local.up(cfg, progress=lambda _: None)
     upstream = InProcessServer(instant_vllm_app())
     gateway = load = None
     try:
-        kafka_local.ensure_topics(cfg.kafka_access, [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic,
-                                                     cfg.kafka.model_updates_topic], partitions=2)
+        kafka_local.ensure_topics(
+            cfg.kafka_access,
+            [cfg.kafka.interactions_topic, cfg.kafka.feedback_topic, cfg.kafka.model_updates_topic],
+            partitions=2,
+        )
         port = free_port()
         gateway = GatewayProcess(upstream.url, port, env, tmp_path / "gateway.log")
         load = Load(gateway.url)
@@ -100,9 +111,14 @@ def test_no_event_is_lost_through_a_broker_outage_and_a_kill_9_under_load(tmp_pa
 
         must = {rid for rid, _ in load.answered}  # the answers received until the kill, and after it
         seen: dict[str, set[str]] = defaultdict(set)
-        consumer = KafkaConsumer(cfg.kafka.interactions_topic, bootstrap_servers=cfg.bootstrap,
-                                 auto_offset_reset="earliest", consumer_timeout_ms=2000)
+        consumer = KafkaConsumer(
+            cfg.kafka.interactions_topic,
+            bootstrap_servers=cfg.bootstrap,
+            auto_offset_reset="earliest",
+            consumer_timeout_ms=2000,
+        )
         try:
+
             def all_there() -> bool:
                 for message in consumer:
                     event = json.loads(message.value)
@@ -113,9 +129,11 @@ def test_no_event_is_lost_through_a_broker_outage_and_a_kill_9_under_load(tmp_pa
                 wait_for(all_there, 120, "every answered request's event in Kafka")
             except AssertionError:
                 missing = sorted(killed_at - at for rid, at in load.answered if rid in must - seen.keys())
-                raise AssertionError(f"{len(missing)} of {len(must)} answered requests have no event; answered "
-                                     f"{missing[:5]}..{missing[-5:]} s before the kill; the gateway's log ends:\n"
-                                     + gateway.log_path.read_text()[-3000:]) from None
+                raise AssertionError(
+                    f"{len(missing)} of {len(must)} answered requests have no event; answered "
+                    f"{missing[:5]}..{missing[-5:]} s before the kill; the gateway's log ends:\n"
+                    + gateway.log_path.read_text()[-3000:]
+                ) from None
         finally:
             consumer.close()
         assert len(must) > 500

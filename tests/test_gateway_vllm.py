@@ -22,8 +22,13 @@ from tests.conftest import InProcessServer
 from tests.vllm_stub import VllmStub, log_softmax, logits, processed
 
 ASK = [{"role": "user", "content": "reverse abc"}]
-LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 
 
 @pytest.fixture
@@ -62,21 +67,40 @@ def test_every_sampling_setting_is_sent_so_no_server_default_differs_from_what_i
     """vLLM fills what a request leaves out from the model's generation_config (here temperature
     0.6 and a repetition penalty): the log-probs would be of that distribution, the event would
     say temperature 1."""
-    stub = VllmStub(logprobs_mode="processed_logprobs",
-                    generation_defaults={"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05})
+    stub = VllmStub(
+        logprobs_mode="processed_logprobs",
+        generation_defaults={"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05},
+    )
     upstream = InProcessServer(stub.app)
     events: list[dict] = []
     try:
         gw = Gateway(upstream.url, "policy", events.append, None)
-        TestClient(create_gateway_app(gw)).post("/v1/chat/completions", json={"model": "base-model",
-                                                                                "messages": ASK, "max_tokens": 4})
+        TestClient(create_gateway_app(gw)).post(
+            "/v1/chat/completions", json={"model": "base-model", "messages": ASK, "max_tokens": 4}
+        )
     finally:
         upstream.stop()
     sent = stub.requests[-1]
-    assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                                  "frequency_penalty")} == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                                            "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                                                            "frequency_penalty": 0.0}
+    assert {
+        k: sent[k]
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
+    } == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
     assert events[0]["sampling"]["temperature"] == 1.0 and events[0]["sampling"]["top_k"] == 0
 
 
@@ -85,8 +109,9 @@ def test_logged_log_probs_are_those_training_recomputes_at_the_logged_settings(v
     served token exactly the logged log-prob (vLLM's processed_logprobs)."""
     stub, gw, events, client, _ = vllm
     assert gw.logprobs_mode == "processed"
-    client.chat.completions.create(model="base-model", messages=ASK, max_tokens=6, temperature=0.7, top_p=0.9,
-                                   seed=3, extra_body={"top_k": 12})
+    client.chat.completions.create(
+        model="base-model", messages=ASK, max_tokens=6, temperature=0.7, top_p=0.9, seed=3, extra_body={"top_k": 12}
+    )
     ev = events[0]
     assert ev["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 12, "max_tokens": 6, "seed": 3}
     sp = {"temperature": 0.7, "top_p": 0.9, "top_k": 12, "min_p": 0.0}
@@ -114,11 +139,17 @@ def test_raw_log_probs_are_kept_only_where_they_are_the_sampled_distribution_s()
     assert len(neutral["behavior_logprobs"]) == len(neutral["completion_token_ids"]) > 0  # raw = processed at 1
 
 
-@pytest.mark.parametrize("extra,reason", [
-    ({"presence_penalty": 0.5}, "presence_penalty=0.5"), ({"min_tokens": 2}, "min_tokens"),
-    ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
-    ({"tools": [{**LOOKUP, "function": {**LOOKUP["function"], "strict": True}}]}, "strict tools"),
-    ({"tools": [LOOKUP], "parallel_tool_calls": False}, "strict tools or parallel_tool_calls")])
+@pytest.mark.parametrize(
+    "extra,reason",
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+        ({"min_tokens": 2}, "min_tokens"),
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"tools": [{**LOOKUP, "function": {**LOOKUP["function"], "strict": True}}]}, "strict tools"),
+        ({"tools": [LOOKUP], "parallel_tool_calls": False}, "strict tools or parallel_tool_calls"),
+    ],
+)
 def test_settings_training_cannot_recompute_keep_the_answer_without_its_log_probs(vllm, extra, reason):
     _, _, events, _, http = vllm
     http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra})
@@ -134,19 +165,24 @@ def test_a_streamed_tool_call_is_recorded_whole(vllm, split, arguments, broken):
     are seen as broken by the tool-format guard."""
     stub, _, events, client, _ = vllm
     stub.tool_call, stub.split_name_and_first_piece = {"name": "lookup", "arguments": arguments}, split
-    chunks = list(client.chat.completions.create(model="base-model", messages=ASK, tools=[LOOKUP], max_tokens=120,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="base-model", messages=ASK, tools=[LOOKUP], max_tokens=120, stream=True)
+    )
     pieces = [tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
     (call,) = events[0]["tool_calls"]
-    assert call["function"] == {"name": "lookup", "arguments": json.dumps(arguments)} == {
-        "name": "lookup", "arguments": "".join(pieces)}
+    assert (
+        call["function"]
+        == {"name": "lookup", "arguments": json.dumps(arguments)}
+        == {"name": "lookup", "arguments": "".join(pieces)}
+    )
     assert call["id"].startswith("chatcmpl-tool-") and malformed_tool_call(call) is broken
 
 
 def test_a_streamed_answer_with_n_choices_is_one_event_per_choice(vllm):
     stub, gw, events, client, _ = vllm
-    chunks = list(client.chat.completions.create(model="base-model", messages=ASK, max_tokens=6, n=2, seed=5,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="base-model", messages=ASK, max_tokens=6, n=2, seed=5, stream=True)
+    )
     text = {0: "", 1: ""}
     for c in chunks:
         for choice in c.choices:
@@ -179,8 +215,10 @@ def test_an_error_mid_stream_reaches_the_client_and_marks_the_event(vllm):
     (ev,) = events
     assert ev["truncated"] is True and ev["metadata"]["upstream_error"] == "Internal server error"
     assert len(ev["completion"]) == 2  # what the user saw, kept, and not trained on
-    assert gw.metrics.get_sample_value("rtrl_gateway_requests_total",
-                                       {"endpoint": "chat", "outcome": "upstream_error"}) == 1
+    assert (
+        gw.metrics.get_sample_value("rtrl_gateway_requests_total", {"endpoint": "chat", "outcome": "upstream_error"})
+        == 1
+    )
 
 
 def test_traffic_goes_to_an_adapter_only_once_the_upstream_serves_it(vllm, tmp_path):
@@ -253,8 +291,9 @@ def test_an_unreadable_answer_is_a_502_not_a_500(body, status):
         server.stop()
 
 
-@pytest.mark.parametrize("chunk", [b"[1, 2]", b'{"choices": [{"index": null, "delta": {"content": "a"}}]}',
-                                   b'{"choices": ["oops"]}'])
+@pytest.mark.parametrize(
+    "chunk", [b"[1, 2]", b'{"choices": [{"index": null, "delta": {"content": "a"}}]}', b'{"choices": ["oops"]}']
+)
 def test_an_odd_stream_chunk_ends_the_stream_with_an_error_frame(chunk):
     """Anything the relay cannot read -- valid JSON that is no chunk included -- is the upstream
     failing mid-stream: the client gets an error frame and [DONE], never a stream that just stops."""
@@ -273,14 +312,18 @@ def test_an_odd_stream_chunk_ends_the_stream_with_an_error_frame(chunk):
     events: list[dict] = []
     try:
         gw = Gateway(server.url, "policy", events.append, None)
-        text = TestClient(create_gateway_app(gw)).post("/v1/chat/completions", json={"messages": ASK, "stream": True}).text
+        text = (
+            TestClient(create_gateway_app(gw)).post("/v1/chat/completions", json={"messages": ASK, "stream": True}).text
+        )
     finally:
         server.stop()
     if b"null" in chunk:  # an index of null is the first choice's
         assert '"error"' not in text and events[0]["completion"] == "Hia"
         return
     assert '"error"' in text and text.endswith("data: [DONE]\n\n")
-    assert events[0]["completion"] == "Hi" and events[0]["truncated"] is True and "upstream_error" in events[0]["metadata"]
+    assert (
+        events[0]["completion"] == "Hi" and events[0]["truncated"] is True and "upstream_error" in events[0]["metadata"]
+    )
 
 
 def test_a_request_body_too_large_or_too_slow_is_refused_not_read_forever(vllm):
@@ -296,8 +339,10 @@ def test_a_request_body_too_large_or_too_slow_is_refused_not_read_forever(vllm):
     server = InProcessServer(create_gateway_app(gw))
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 500\r\n\r\n{\"messages\": ")  # ... and the rest never comes
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 500\r\n\r\n{"messages": '
+            )  # ... and the rest never comes
             answer = sock.recv(4096)  # (a socket timeout of 10 s: an answer, not a hang)
         assert answer.startswith(b"HTTP/1.1 408")
     finally:

@@ -59,36 +59,77 @@ def deep_json(depth: int) -> str:
     return '{"d":[' * depth + '{"leaf":"x"}' + "]}" * depth
 
 
-metadata = st.one_of(st.none(), st.dictionaries(st.text(max_size=8), json_leaf, max_size=4),
-                     st.integers(1, 1500).map(lambda d: DEEP % d),  # past orjson's 1024: a dead letter
-                     st.fixed_dictionaries({"expects_attempt": st.one_of(st.booleans(), json_leaf)}))
-sampling = st.one_of(st.none(), st.fixed_dictionaries({}, optional={
-    "temperature": st.one_of(floats, st.text(max_size=4), st.integers(-3, 3), st.lists(floats, max_size=2)),
-    "top_p": st.one_of(floats, st.lists(floats, max_size=2), st.just(0.9)),
-    "top_k": st.one_of(st.integers(-(2**63), 2**63 - 1), floats),
-    "seed": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
-    "min_p": json_leaf}))
-token_ids = st.one_of(st.none(), st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=4),
-                      st.lists(st.integers(0, 90), min_size=1, max_size=4))
-prompt = st.one_of(hostile_text, st.lists(st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "\x00"]),
-    "content": st.one_of(hostile_text, json_leaf)}), min_size=1, max_size=3))
-completion = st.one_of(hostile_text, st.lists(st.fixed_dictionaries({
-    "role": st.sampled_from(["assistant", "tool", "user"]), "content": st.one_of(hostile_text, json_leaf)},
-    optional={"tool_calls": st.lists(st.dictionaries(st.text(max_size=6), json_leaf, max_size=2), max_size=2)}),
-    max_size=3))
+metadata = st.one_of(
+    st.none(),
+    st.dictionaries(st.text(max_size=8), json_leaf, max_size=4),
+    st.integers(1, 1500).map(lambda d: DEEP % d),  # past orjson's 1024: a dead letter
+    st.fixed_dictionaries({"expects_attempt": st.one_of(st.booleans(), json_leaf)}),
+)
+sampling = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": st.one_of(floats, st.text(max_size=4), st.integers(-3, 3), st.lists(floats, max_size=2)),
+            "top_p": st.one_of(floats, st.lists(floats, max_size=2), st.just(0.9)),
+            "top_k": st.one_of(st.integers(-(2**63), 2**63 - 1), floats),
+            "seed": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+            "min_p": json_leaf,
+        },
+    ),
+)
+token_ids = st.one_of(
+    st.none(),
+    st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=4),
+    st.lists(st.integers(0, 90), min_size=1, max_size=4),
+)
+prompt = st.one_of(
+    hostile_text,
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "\x00"]),
+                "content": st.one_of(hostile_text, json_leaf),
+            }
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
+completion = st.one_of(
+    hostile_text,
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["assistant", "tool", "user"]), "content": st.one_of(hostile_text, json_leaf)},
+            optional={"tool_calls": st.lists(st.dictionaries(st.text(max_size=6), json_leaf, max_size=2), max_size=2)},
+        ),
+        max_size=3,
+    ),
+)
 
 
 @st.composite
 def episode(draw, i: int, prefix: str) -> list[bytes]:
     ids = draw(token_ids)
-    ev = interaction(i, prefix=prefix, prompt=draw(prompt), completion=draw(completion), completion_token_ids=ids,
-                     behavior_logprobs=None if ids is None else draw(st.lists(floats, min_size=len(ids),
-                                                                              max_size=len(ids))),
-                     sampling=draw(sampling), metadata=draw(metadata), latency_ms=draw(floats.filter(lambda f: f >= 0)))
+    ev = interaction(
+        i,
+        prefix=prefix,
+        prompt=draw(prompt),
+        completion=draw(completion),
+        completion_token_ids=ids,
+        behavior_logprobs=None if ids is None else draw(st.lists(floats, min_size=len(ids), max_size=len(ids))),
+        sampling=draw(sampling),
+        metadata=draw(metadata),
+        latency_ms=draw(floats.filter(lambda f: f >= 0)),
+    )
     kind = draw(st.sampled_from(["accepted", "persisted", "rejected", "thumbs", "x\x00"]))
-    fb = feedback(i, prefix=prefix, kind=kind, value=draw(st.one_of(st.booleans(), floats)),
-                  payload=draw(st.one_of(st.none(), hostile_text)))
+    fb = feedback(
+        i,
+        prefix=prefix,
+        kind=kind,
+        value=draw(st.one_of(st.booleans(), floats)),
+        payload=draw(st.one_of(st.none(), hostile_text)),
+    )
     # ensure_ascii: lone surrogates become \\ud800 escapes (a dead letter), as a Python producer sends them
     out = [json.dumps(e, ensure_ascii=draw(st.booleans())) for e in (ev, fb)]
     meta = ev["metadata"]
@@ -111,8 +152,12 @@ def policies(reverse_base, tmp_path_factory):
 EXPLORE = int(os.environ.get("RTRL_HOSTILE_EXAMPLES", "0"))
 
 
-@settings(max_examples=EXPLORE or 10, deadline=None, derandomize=not EXPLORE, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.data_too_large, HealthCheck.too_slow])
+@settings(
+    max_examples=EXPLORE or 10,
+    deadline=None,
+    derandomize=not EXPLORE,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies, data):
     prefix = f"h{uuid.uuid4().hex[:8]}"
@@ -138,15 +183,17 @@ def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies,
 
     # training's selection and tokenization: each episode trained on or skipped with a reason
     # (a CPU test: longer episodes are skipped as too long, as they would be past a real limit)
-    cfg = TrainConfig(base_model=reverse_base, max_seq_len=256, batch_tokens=1024, holdout_percent=0.0,
-                      staleness_s=None)
+    cfg = TrainConfig(
+        base_model=reverse_base, max_seq_len=256, batch_tokens=1024, holdout_percent=0.0, staleness_s=None
+    )
     # this example's episodes: with every earlier example's too, an exploratory run of many
     # examples grew quadratically and ran into pytest's timeout (a hypothesis "flaky failure")
     selection = select_episodes(engine, cfg, SPEC.version, None, now=LATER, since=earlier)
     train_report = TrainReport(None, selection.counts, selection.watermark_from, selection.watermark_to, DataStats())
     episodes, _, _ = tokenize_selection(policies.tokenizer, selection, cfg, train_report)
-    accounted = (len(episodes) + sum(train_report.data.skipped.values()) + train_report.too_long
-                 + train_report.unreadable)
+    accounted = (
+        len(episodes) + sum(train_report.data.skipped.values()) + train_report.too_long + train_report.unreadable
+    )
     assert accounted == len(selection.rows)
     for reason in train_report.data.skipped:
         event(f"training skip: {reason}")
@@ -156,8 +203,9 @@ def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies,
     # the gate's evaluation: every held-out episode evaluated or excluded with a reason
     gate = GateConfig(eval_episodes=50, generate_prompts=8, max_new_tokens=2, min_ess=1)
     held, unusable = eval_episodes(engine, SPEC.version, cfg.model_copy(update={"holdout_percent": 100.0}), gate)
-    evaluation = evaluate(policies, "cand", None, held, EMPTY, gate, generate_prompts=8, max_new_tokens=2,
-                          max_seq_len=cfg.max_seq_len)
+    evaluation = evaluate(
+        policies, "cand", None, held, EMPTY, gate, generate_prompts=8, max_new_tokens=2, max_seq_len=cfg.max_seq_len
+    )
     evaluation.excluded.update(unusable)
     assert evaluation.candidate.smoke_ok and evaluation.champion.smoke_ok, evaluation.candidate.smoke_error
     assert evaluation.episodes + sum(evaluation.excluded.values()) == len(held) + unusable["unusable_events"]

@@ -33,18 +33,25 @@ def test_on_policy_the_correction_is_the_identity_and_the_loss_unchanged():
     from train.losses import LOSSES
 
     cispo = LOSSES["cispo"]
-    corrected = cispo.aggregate(cispo.per_token(logp, logp.detach(), adv, mask, LossConfig(epsilon_high=5.0)) * weight,
-                                new_mask, LossConfig()) / cispo.count(new_mask, LossConfig())
+    corrected = cispo.aggregate(
+        cispo.per_token(logp, logp.detach(), adv, mask, LossConfig(epsilon_high=5.0)) * weight, new_mask, LossConfig()
+    ) / cispo.count(new_mask, LossConfig())
     assert corrected.item() == pytest.approx(plain.item())
 
 
 def test_shifted_behaviour_truncation_and_masking_counts_follow_the_thresholds():
     logp, mask = batch()
-    shift = torch.tensor([[-1.0, 0.0, 0.1, 2.0, -3.0],   # ratios e^1, 1, e^-0.1, e^-2, e^3
-                          [0.0, 0.0, 0.0, 0.0, 0.0],
-                          [-5.0, -5.0, -5.0, 9.0, 9.0]])  # last two are padding
+    shift = torch.tensor(
+        [
+            [-1.0, 0.0, 0.1, 2.0, -3.0],  # ratios e^1, 1, e^-0.1, e^-2, e^3
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+            [-5.0, -5.0, -5.0, 9.0, 9.0],
+        ]
+    )  # last two are padding
     behavior = logp + shift  # log r = -shift
-    cfg = CorrectionConfig(token_truncate=2.0, token_mask=(0.2, 10.0), sequence_truncate=None, sequence_mask=(0.5, 20.0))
+    cfg = CorrectionConfig(
+        token_truncate=2.0, token_mask=(0.2, 10.0), sequence_truncate=None, sequence_mask=(0.5, 20.0)
+    )
     weight, new_mask, stats = correct(logp, behavior, mask, cfg)
     r = torch.exp(-shift)
     valid = mask > 0
@@ -67,7 +74,9 @@ def test_advantages_group_relative_where_possible_batch_relative_otherwise():
     torch.testing.assert_close(a[3:], (s - s.mean()) / (s.std(unbiased=False) + 1e-6))
     assert advantages(rewards, groups, mode="group")[3:].tolist() == [0.0, 0.0, 0.0]
     b = torch.tensor(rewards)
-    torch.testing.assert_close(advantages(rewards, groups, mode="batch"), (b - b.mean()) / (b.std(unbiased=False) + 1e-6))
+    torch.testing.assert_close(
+        advantages(rewards, groups, mode="batch"), (b - b.mean()) / (b.std(unbiased=False) + 1e-6)
+    )
     assert advantages([0.3], ["x"]).tolist() == [0.0]
 
 

@@ -23,8 +23,12 @@ def _adapter(base, out, seed: int):
 
 def _episodes(prefix: str, n: int) -> list[LoggedEpisode]:
     words = ["abc", "hello", "xyz", "qwerty", "lmnop", "ba"]
-    return [LoggedEpisode(f"{prefix}{i}", f"{words[i % 6]}{prefix[0]}{i}>", words[(i + 1) % 6],
-                          temperature=0.7 + 0.1 * (i % 3)) for i in range(n)]
+    return [
+        LoggedEpisode(
+            f"{prefix}{i}", f"{words[i % 6]}{prefix[0]}{i}>", words[(i + 1) % 6], temperature=0.7 + 0.1 * (i % 3)
+        )
+        for i in range(n)
+    ]
 
 
 def test_remembered_distributions_and_greedy_answers_equal_fresh_ones(tmp_path):
@@ -76,7 +80,7 @@ def test_compare_on_a_32k_vocabulary_is_reduced_batch_by_batch(bpe_base, tmp_pat
     specials = set(policies.tokenizer.all_special_ids)
     episodes = []
     for i in range(12):
-        ids = [t for t in (rng.randrange(vocab) for _ in range(60)) if t not in specials][:rng.randint(5, 40)]
+        ids = [t for t in (rng.randrange(vocab) for _ in range(60)) if t not in specials][: rng.randint(5, 40)]
         prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question {i}"}]
         episodes.append(LoggedEpisode(f"r{i}", prompt, policies.tokenizer.decode(ids), ids, temperature=0.8))
     whole = policies.compare(None, "cand", episodes)

@@ -25,10 +25,12 @@ from tests.test_decode import BAD, EXPECTED
 pytestmark = pytest.mark.kafka
 
 
-def produce(bootstrap: str, topic: str, values: list[bytes], *, keys: list[bytes] | None = None,
-            compression: str | None = None) -> None:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, compression_type=compression, linger_ms=5,
-                             max_request_size=4 << 20, acks="all")
+def produce(
+    bootstrap: str, topic: str, values: list[bytes], *, keys: list[bytes] | None = None, compression: str | None = None
+) -> None:
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, compression_type=compression, linger_ms=5, max_request_size=4 << 20, acks="all"
+    )
     for i, value in enumerate(values):
         producer.send(topic, value=value, key=keys[i] if keys else None)
     producer.flush()
@@ -75,10 +77,15 @@ def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap, lanes)
     cfg.ingest.lanes = lanes  # in-process, one worker process, partitions split over two
     n = 1500
     evs = [interaction(i) for i in range(n)]
-    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
-            keys=[e["request_id"].encode() for e in evs])
-    produce(kafka_bootstrap, topics["feedback"], [encode(fb(i)) for i in range(300)],
-            keys=[f"ev-r-{i}".encode() for i in range(300)])
+    produce(
+        kafka_bootstrap, topics["interactions"], [encode(e) for e in evs], keys=[e["request_id"].encode() for e in evs]
+    )
+    produce(
+        kafka_bootstrap,
+        topics["feedback"],
+        [encode(fb(i)) for i in range(300)],
+        keys=[f"ev-r-{i}".encode() for i in range(300)],
+    )
     stats = ingest_until_caught_up(cfg, engine)
     assert stats.events == n + 300 and stats.dead_letters == 0
     assert count(engine, interactions) == n and count(engine, feedback) == 300
@@ -97,16 +104,20 @@ def test_produce_n_ingest_exactly_n(cfg, engine, topics, kafka_bootstrap, lanes)
 def test_sigkill_mid_stream_still_exactly_n(cfg_env, cfg, engine, topics, kafka_bootstrap):
     n = 12_000
     evs = [interaction(i, prefix="k") for i in range(n)]
-    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
-            keys=[e["request_id"].encode() for e in evs])
+    produce(
+        kafka_bootstrap, topics["interactions"], [encode(e) for e in evs], keys=[e["request_id"].encode() for e in evs]
+    )
     env = dict(os.environ, **cfg_env, RTRL_INGEST__BATCH_MAX_RECORDS="150", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "ingest", "--no-progress"]
     kills = 0
     for threshold in (500, 2500, 5000, 8000):
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            wait_for(lambda: count(engine, interactions) >= threshold or proc.poll() is not None,
-                     timeout=120, what=f"{threshold} rows")
+            wait_for(
+                lambda: count(engine, interactions) >= threshold or proc.poll() is not None,
+                timeout=120,
+                what=f"{threshold} rows",
+            )
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             children = child_pids(proc.pid)
             proc.send_signal(signal.SIGKILL)
@@ -147,8 +158,17 @@ def test_nul_characters_never_halt_ingest(cfg, engine, topics, kafka_bootstrap):
     poison = [
         interaction(0, prefix="nul", completion="a\x00b"),  # what the policy wrote: a column
         interaction(1, prefix="nul", prompt=[{"role": "user", "content": "x\x00y"}]),
-        interaction(2, prefix="nul", completion=[{"role": "assistant", "content": "\x00", "tool_calls": [
-            {"type": "function", "function": {"name": "f\x00", "arguments": "{}"}}]}]),
+        interaction(
+            2,
+            prefix="nul",
+            completion=[
+                {
+                    "role": "assistant",
+                    "content": "\x00",
+                    "tool_calls": [{"type": "function", "function": {"name": "f\x00", "arguments": "{}"}}],
+                }
+            ],
+        ),
         {**fb(3, prefix="nul"), "type": "feed\x00back"},  # a dead letter whose detail names the bad type
     ]
     good = [interaction(i, prefix="ok") for i in range(50)]
@@ -173,14 +193,23 @@ def test_an_event_the_store_refuses_is_a_dead_letter_not_a_halt(cfg, engine, top
 
     with engine.begin() as conn:
         if engine.dialect.name == "sqlite":
-            conn.execute(text("CREATE TRIGGER refuse BEFORE INSERT ON interactions WHEN NEW.event_id LIKE 'bad-%' "
-                              "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"))
+            conn.execute(
+                text(
+                    "CREATE TRIGGER refuse BEFORE INSERT ON interactions WHEN NEW.event_id LIKE 'bad-%' "
+                    "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+                )
+            )
         else:
-            conn.execute(text("CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN IF NEW.event_id LIKE 'bad-%' "
-                              "THEN RAISE EXCEPTION 'refused by a trigger' USING ERRCODE = '22023'; END IF; "
-                              "RETURN NEW; END $$ LANGUAGE plpgsql"))
-            conn.execute(text("CREATE TRIGGER refuse BEFORE INSERT ON interactions FOR EACH ROW "
-                              "EXECUTE FUNCTION refuse()"))
+            conn.execute(
+                text(
+                    "CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN IF NEW.event_id LIKE 'bad-%' "
+                    "THEN RAISE EXCEPTION 'refused by a trigger' USING ERRCODE = '22023'; END IF; "
+                    "RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            conn.execute(
+                text("CREATE TRIGGER refuse BEFORE INSERT ON interactions FOR EACH ROW EXECUTE FUNCTION refuse()")
+            )
     evs = [interaction(0, prefix="bad")] + [interaction(i, prefix="ok") for i in range(40)]
     produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs])
     stats = ingest_until_caught_up(cfg, engine)
@@ -251,8 +280,14 @@ def test_compressed_batches_are_read(cfg, engine, topics, kafka_bootstrap, codec
 def test_sigterm_flushes_commits_and_exits_cleanly(cfg_env, cfg, engine, topics, kafka_bootstrap):
     produce(kafka_bootstrap, topics["interactions"], [encode(interaction(i, prefix="t")) for i in range(3000)])
     env = dict(os.environ, **cfg_env, RTRL_INGEST__BATCH_MAX_RECORDS="100")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "ingest", "--no-progress"], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "ingest", "--no-progress"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: count(engine, interactions) >= 500, timeout=120, what="500 rows")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -269,8 +304,9 @@ def test_status_shows_lag_per_partition_before_and_after_ingest(cfg_env, cfg, en
     from pipeline.cli import cli
 
     evs = [interaction(i, prefix="s") for i in range(90)]
-    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in evs],
-            keys=[e["request_id"].encode() for e in evs])
+    produce(
+        kafka_bootstrap, topics["interactions"], [encode(e) for e in evs], keys=[e["request_id"].encode() for e in evs]
+    )
     before = CliRunner().invoke(cli, ["status"], env=cfg_env)
     assert before.exit_code == 0, before.output
     assert "total lag 90" in before.output and f"{topics['interactions']}[0]" in before.output
@@ -287,8 +323,15 @@ def test_rewards_from_a_store_filled_by_ingest(cfg_env, cfg, engine, topics, kaf
 
     inter = [interaction(i, prefix="w") for i in range(20)]
     feed = [fb(i, prefix="w", kind="accepted" if i % 2 else "rejected") for i in range(20)]
-    produce(kafka_bootstrap, topics["interactions"], [encode(e) for e in inter], keys=[e["request_id"].encode() for e in inter])
-    produce(kafka_bootstrap, topics["feedback"], [encode(e) for e in feed], keys=[e["request_id"].encode() for e in feed])
+    produce(
+        kafka_bootstrap,
+        topics["interactions"],
+        [encode(e) for e in inter],
+        keys=[e["request_id"].encode() for e in inter],
+    )
+    produce(
+        kafka_bootstrap, topics["feedback"], [encode(e) for e in feed], keys=[e["request_id"].encode() for e in feed]
+    )
     ingest_until_caught_up(cfg, engine)
     run = CliRunner().invoke(cli, ["reward", "run"], env=cfg_env)
     assert run.exit_code == 0 and "20 rewards computed" in run.output and "mean +0.000" in run.output, run.output

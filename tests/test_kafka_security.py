@@ -46,35 +46,57 @@ def test_client_params_carry_tls_and_sasl(tmp_path):
     ca, pw = tmp_path / "ca.pem", tmp_path / "pw"
     ca.write_text("x")
     pw.write_text("s3cret-from-file\n")
-    sec = KafkaSecurityConfig(protocol="SASL_SSL", ca_file=ca, sasl_mechanism="SCRAM-SHA-256", username="u",
-                              password_file=pw)
+    sec = KafkaSecurityConfig(
+        protocol="SASL_SSL", ca_file=ca, sasl_mechanism="SCRAM-SHA-256", username="u", password_file=pw
+    )
     params = KafkaAccess("b1:9093, b2:9093", sec).client_params()
-    assert params == {"bootstrap_servers": ["b1:9093", "b2:9093"], "security_protocol": "SASL_SSL",
-                      "ssl_check_hostname": True, "ssl_cafile": str(ca), "ssl_certfile": None, "ssl_keyfile": None,
-                      "ssl_password": None, "sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": "u",
-                      "sasl_plain_password": "s3cret-from-file"}
+    assert params == {
+        "bootstrap_servers": ["b1:9093", "b2:9093"],
+        "security_protocol": "SASL_SSL",
+        "ssl_check_hostname": True,
+        "ssl_cafile": str(ca),
+        "ssl_certfile": None,
+        "ssl_keyfile": None,
+        "ssl_password": None,
+        "sasl_mechanism": "SCRAM-SHA-256",
+        "sasl_plain_username": "u",
+        "sasl_plain_password": "s3cret-from-file",
+    }
     assert KafkaAccess("b:1").client_params() == {"bootstrap_servers": ["b:1"], "security_protocol": "PLAINTEXT"}
 
 
 def test_the_password_comes_from_the_environment_and_is_never_shown(tmp_path):
-    cfg = load_config(environ={"RTRL_KAFKA__SECURITY__PROTOCOL": "SASL_SSL", "RTRL_KAFKA__SECURITY__USERNAME": "u",
-                               "RTRL_KAFKA_PASSWORD": "hunter2-hunter2"})
+    cfg = load_config(
+        environ={
+            "RTRL_KAFKA__SECURITY__PROTOCOL": "SASL_SSL",
+            "RTRL_KAFKA__SECURITY__USERNAME": "u",
+            "RTRL_KAFKA_PASSWORD": "hunter2-hunter2",
+        }
+    )
     assert cfg.kafka_access.client_params()["sasl_plain_password"] == "hunter2-hunter2"
-    for shown in (repr(cfg), str(cfg.model_dump()), cfg.model_dump_json(), cfg.kafka_access.describe(),
-                  json.dumps(security_env(cfg.kafka.security))):
+    for shown in (
+        repr(cfg),
+        str(cfg.model_dump()),
+        cfg.model_dump_json(),
+        cfg.kafka_access.describe(),
+        json.dumps(security_env(cfg.kafka.security)),
+    ):
         assert "hunter2" not in shown
     assert security_env(cfg.kafka.security, with_secrets=True)["RTRL_KAFKA_PASSWORD"] == "hunter2-hunter2"
 
 
-@pytest.mark.parametrize("section, env, named", [
-    ('password = "x"', {}, "kafka.security.password must not be written in the config file"),
-    ('key_password = "x"', {}, "kafka.security.key_password must not be written"),
-    ('protocol = "SASL_SSL"', {}, "needs kafka.security.username"),
-    ('protocol = "SASL_SSL"\nusername = "u"', {}, "needs exactly one of RTRL_KAFKA_PASSWORD"),
-    ('protocol = "SSL"\nca_file = "/nonexistent/ca.pem"', {}, "kafka.security.ca_file: /nonexistent/ca.pem is not"),
-    ('ca_file = "/etc/hostname"', {}, "need protocol SSL or SASL_SSL"),
-    ('username = "u"', {"RTRL_KAFKA_PASSWORD": "x"}, "are for SASL_SSL or SASL_PLAINTEXT"),
-])
+@pytest.mark.parametrize(
+    "section, env, named",
+    [
+        ('password = "x"', {}, "kafka.security.password must not be written in the config file"),
+        ('key_password = "x"', {}, "kafka.security.key_password must not be written"),
+        ('protocol = "SASL_SSL"', {}, "needs kafka.security.username"),
+        ('protocol = "SASL_SSL"\nusername = "u"', {}, "needs exactly one of RTRL_KAFKA_PASSWORD"),
+        ('protocol = "SSL"\nca_file = "/nonexistent/ca.pem"', {}, "kafka.security.ca_file: /nonexistent/ca.pem is not"),
+        ('ca_file = "/etc/hostname"', {}, "need protocol SSL or SASL_SSL"),
+        ('username = "u"', {"RTRL_KAFKA_PASSWORD": "x"}, "are for SASL_SSL or SASL_PLAINTEXT"),
+    ],
+)
 def test_bad_security_settings_are_refused_at_load_naming_the_field(tmp_path, section, env, named):
     path = tmp_path / "rtrl.toml"
     path.write_text(f"[kafka.security]\n{section}\n")
@@ -84,13 +106,13 @@ def test_bad_security_settings_are_refused_at_load_naming_the_field(tmp_path, se
 
 
 def test_masked_secrets_never_reach_a_log_line():
-    kafka_client.logs.mask("p@ss\"word-123")
+    kafka_client.logs.mask('p@ss"word-123')
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter())
     log = logging.getLogger(f"test.mask.{uuid.uuid4().hex}")
     log.addHandler(handler)
-    log.warning("config %s", {"sasl_plain_password": "p@ss\"word-123"}, extra={"pw": "p@ss\"word-123"})
+    log.warning("config %s", {"sasl_plain_password": 'p@ss"word-123'}, extra={"pw": 'p@ss"word-123'})
     assert "word-123" not in out.getvalue() and out.getvalue().count("***") == 2
 
 
@@ -100,8 +122,11 @@ def test_masked_secrets_never_reach_a_log_line():
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     """`rtrl kafka up --secure` on free ports: its bootstrap, client settings and their environment."""
-    env = {"RTRL_STATE_DIR": str(tmp_path_factory.mktemp("secure-kafka")),
-           "RTRL_KAFKA__PORT": str(free_port()), "RTRL_KAFKA__CONTROLLER_PORT": str(free_port())}
+    env = {
+        "RTRL_STATE_DIR": str(tmp_path_factory.mktemp("secure-kafka")),
+        "RTRL_KAFKA__PORT": str(free_port()),
+        "RTRL_KAFKA__CONTROLLER_PORT": str(free_port()),
+    }
     up = CliRunner().invoke(cli, ["kafka", "up", "--secure"], env=env)
     assert up.exit_code == 0, up.output
     state = Path(env["RTRL_STATE_DIR"]) / "kafka"
@@ -110,9 +135,14 @@ def secure(tmp_path_factory):
     bootstrap = f"127.0.0.1:{env['RTRL_KAFKA__PORT']}"
     sec = kafka_secure.client_security(state)
     try:
-        yield {"bootstrap": bootstrap, "security": sec, "access": KafkaAccess(bootstrap, sec, 5.0),
-               "env": {"RTRL_KAFKA_BOOTSTRAP": bootstrap, **security_env(sec)}, "password": password,
-               "broker_env": env}
+        yield {
+            "bootstrap": bootstrap,
+            "security": sec,
+            "access": KafkaAccess(bootstrap, sec, 5.0),
+            "env": {"RTRL_KAFKA_BOOTSTRAP": bootstrap, **security_env(sec)},
+            "password": password,
+            "broker_env": env,
+        }
     finally:
         CliRunner().invoke(cli, ["kafka", "down"], env=env)
 
@@ -126,14 +156,22 @@ def _topics(access, *kinds: str) -> dict[str, str]:
 @pytest.mark.kafka
 def test_ingest_and_replay_over_sasl_ssl(secure, db_url, tmp_path):
     topics = _topics(secure["access"], "interactions", "feedback")
-    cfg = load_config(environ={**secure["env"], "RTRL_STATE_DIR": str(tmp_path), "RTRL_DB_URL": db_url,
-                               "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"],
-                               "RTRL_KAFKA__FEEDBACK_TOPIC": topics["feedback"],
-                               "RTRL_INGEST__GROUP_ID": f"g-{uuid.uuid4().hex[:8]}",
-                               "RTRL_INGEST__SESSION_TIMEOUT_MS": "6000"})
+    cfg = load_config(
+        environ={
+            **secure["env"],
+            "RTRL_STATE_DIR": str(tmp_path),
+            "RTRL_DB_URL": db_url,
+            "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"],
+            "RTRL_KAFKA__FEEDBACK_TOPIC": topics["feedback"],
+            "RTRL_INGEST__GROUP_ID": f"g-{uuid.uuid4().hex[:8]}",
+            "RTRL_INGEST__SESSION_TIMEOUT_MS": "6000",
+        }
+    )
     n, prefix = 60, uuid.uuid4().hex[:6]
-    for topic, events in ((topics["interactions"], [interaction(i, prefix=prefix) for i in range(n)]),
-                          (topics["feedback"], [feedback(i, prefix=prefix) for i in range(n)])):
+    for topic, events in (
+        (topics["interactions"], [interaction(i, prefix=prefix) for i in range(n)]),
+        (topics["feedback"], [feedback(i, prefix=prefix) for i in range(n)]),
+    ):
         send = EventSender(cfg.kafka_access, topic, key="request_id")
         for ev in events:
             send(ev)
@@ -170,16 +208,26 @@ def test_serving_events_and_a_model_update_round_trip_over_sasl_ssl(secure, reve
         tracker.end("FINISHED")
         registry.register(tracker.run_id, {"base_model": str(reverse_base)})
     registry.promote("1", actor="test", reason="start", force=True)
-    env = {**os.environ, **secure["env"], "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": url,
-           "RTRL_MLFLOW__TRACKING_URI": tracking, "RTRL_MLFLOW__REGISTERED_MODEL": name,
-           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": topics["updates"], "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"]}
+    env = {
+        **os.environ,
+        **secure["env"],
+        "RTRL_STATE_DIR": str(tmp_path / "state"),
+        "RTRL_DB_URL": url,
+        "RTRL_MLFLOW__TRACKING_URI": tracking,
+        "RTRL_MLFLOW__REGISTERED_MODEL": name,
+        "RTRL_KAFKA__MODEL_UPDATES_TOPIC": topics["updates"],
+        "RTRL_KAFKA__INTERACTIONS_TOPIC": topics["interactions"],
+    }
     log_path = tmp_path / "serve.log"
     server = ServeProcess(reverse_base, env, log_path)
     base_url, health = server.url, server.health
 
     def complete(i: int) -> str:
-        resp = requests.post(f"{base_url}/v1/completions", timeout=30,
-                             json={"prompt": "abc>", "max_tokens": 3, "temperature": 1.0, "seed": i})
+        resp = requests.post(
+            f"{base_url}/v1/completions",
+            timeout=30,
+            json={"prompt": "abc>", "max_tokens": 3, "temperature": 1.0, "seed": i},
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()["id"]
 
@@ -211,8 +259,13 @@ def test_a_follower_over_sasl_ssl_acts_on_a_published_move(secure):
     access = secure["access"]
     topic = _topics(access, "updates")["updates"]
     seen: list[dict] = []
-    follower = Follower(access, topic, "m", seen.append,
-                        resolve=lambda alias: {"alias": alias, "version": "7", "adapter_uri": "runs:/r/adapter"}).start()
+    follower = Follower(
+        access,
+        topic,
+        "m",
+        seen.append,
+        resolve=lambda alias: {"alias": alias, "version": "7", "adapter_uri": "runs:/r/adapter"},
+    ).start()
     try:
         ModelUpdatePublisher(access, topic)({"type": "model_update", "name": "m", "alias": "champion", "version": "7"})
         wait_for(lambda: seen, 30, "the follower to act on the move")
@@ -230,25 +283,32 @@ def _broken(sec: KafkaSecurityConfig, tmp_path: Path, case: str) -> KafkaSecurit
         "untrusted certificate": lambda: sec.model_copy(update={"ca_file": None}),
         "no client certificate": lambda: sec.model_copy(update={"cert_file": None, "key_file": None}),
         "plain text to a TLS port": lambda: KafkaSecurityConfig(),
-        "TLS without the SASL login": lambda: KafkaSecurityConfig(protocol="SSL", ca_file=sec.ca_file,
-                                                                  cert_file=sec.cert_file, key_file=sec.key_file),
+        "TLS without the SASL login": lambda: KafkaSecurityConfig(
+            protocol="SSL", ca_file=sec.ca_file, cert_file=sec.cert_file, key_file=sec.key_file
+        ),
     }[case]()
 
 
 @pytest.mark.kafka
-@pytest.mark.parametrize("case, named", [
-    ("wrong password", "kafka.security.password_file"),
-    ("wrong user", "kafka.security.username 'mallory'"),
-    ("untrusted certificate", "kafka.security.ca_file"),
-    ("no client certificate", "kafka.security.cert_file"),
-    ("plain text to a TLS port", "kafka.security.protocol is PLAINTEXT: set it to SSL or SASL_SSL"),
-    ("TLS without the SASL login", "set it to SASL_SSL"),
-])
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("wrong password", "kafka.security.password_file"),
+        ("wrong user", "kafka.security.username 'mallory'"),
+        ("untrusted certificate", "kafka.security.ca_file"),
+        ("no client certificate", "kafka.security.cert_file"),
+        ("plain text to a TLS port", "kafka.security.protocol is PLAINTEXT: set it to SSL or SASL_SSL"),
+        ("TLS without the SASL login", "set it to SASL_SSL"),
+    ],
+)
 def test_wrong_settings_fail_within_seconds_naming_the_setting(secure, tmp_path, case, named):
     access = KafkaAccess(secure["bootstrap"], _broken(secure["security"], tmp_path, case), connect_timeout_s=3.0)
     # every kind of client goes through the same diagnosis: all three for one case, a consumer for the rest
-    makers = (kafka_client.consumer, kafka_client.producer, kafka_client.admin) if case == "wrong password" \
+    makers = (
+        (kafka_client.consumer, kafka_client.producer, kafka_client.admin)
+        if case == "wrong password"
         else (kafka_client.consumer,)
+    )
     for make in makers:
         started = time.monotonic()
         with pytest.raises(kafka_client.KafkaAccessError) as err:
@@ -263,8 +323,11 @@ def test_the_cli_names_the_setting_and_status_shows_no_secret(secure, tmp_path):
     db = f"sqlite:///{tmp_path / 'rtrl.db'}"
     store_db.upgrade(db)
     env = {**secure["env"], "RTRL_STATE_DIR": str(tmp_path), "RTRL_DB_URL": db, "RTRL_KAFKA__CONNECT_TIMEOUT_S": "3"}
-    bad = CliRunner().invoke(cli, ["ingest", "--idle-exit", "1"], env={**env, "RTRL_KAFKA__SECURITY__PASSWORD_FILE":
-                                                                         str(_write(tmp_path / "pw", "nope"))})
+    bad = CliRunner().invoke(
+        cli,
+        ["ingest", "--idle-exit", "1"],
+        env={**env, "RTRL_KAFKA__SECURITY__PASSWORD_FILE": str(_write(tmp_path / "pw", "nope"))},
+    )
     assert bad.exit_code == 1 and "kafka.security.password_file" in bad.output, bad.output
     status = CliRunner().invoke(cli, ["status"], env=env)
     assert status.exit_code == 0, status.output

@@ -45,21 +45,29 @@ def test_exception_and_odd_values_are_written():
             raise ValueError("boom")
         except ValueError:
             log.exception("cycle failed", extra={"cycle": "c-2", "partitions": [("t", 0)], "obj": object()})
+
     out = _line(call)
     assert out["cycle"] == "c-2" and out["partitions"] == [["t", 0]] and "ValueError: boom" in out["exc"]
 
 
 def test_one_convention_in_the_code():
     """Calls pass fields as plain `extra={...}`; the nested style is only tolerated."""
-    offenders = [str(p.relative_to(REPO)) for pkg in ("ingest", "reward", "train", "deploy", "pipeline")
-                 for p in (REPO / pkg).rglob("*.py") if p.name != "logs.py" and re.search(r"extra=\{\s*\"fields\"", p.read_text())]
+    offenders = [
+        str(p.relative_to(REPO))
+        for pkg in ("ingest", "reward", "train", "deploy", "pipeline")
+        for p in (REPO / pkg).rglob("*.py")
+        if p.name != "logs.py" and re.search(r"extra=\{\s*\"fields\"", p.read_text())
+    ]
     assert offenders == []
 
 
 def test_a_tracking_uri_is_printed_and_stored_without_its_credentials():
     from pipeline.core.logs import redacted_uri
 
-    assert redacted_uri("https://alice:s3cret@mlflow.example:5000/api?token=t0k") == "https://alice:***@mlflow.example:5000/api"
+    assert (
+        redacted_uri("https://alice:s3cret@mlflow.example:5000/api?token=t0k")
+        == "https://alice:***@mlflow.example:5000/api"
+    )
     assert redacted_uri("postgresql+psycopg://rtrl:pw@db:5432/mlflow") == "postgresql+psycopg://rtrl:***@db:5432/mlflow"
     assert redacted_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert redacted_uri("sqlite:////var/rtrl/mlflow.db") == "sqlite:////var/rtrl/mlflow.db"

@@ -36,21 +36,35 @@ def trl_loss(loss_type: str, logp, behavior, adv, mask) -> torch.Tensor:
     """TRL's _compute_loss with our tensors in place of a model's, everything else off."""
     identity = lambda x, **_: x  # noqa: E731 - one process: gather/reduce are the identity
     fake = SimpleNamespace(
-        loss_type=loss_type, importance_sampling_level="token", epsilon_low=CFG.epsilon_low,
-        epsilon_high=CFG.epsilon_high, beta=0.0, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, max_completion_length=CFG.max_completion_length,
-        current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True),
+        loss_type=loss_type,
+        importance_sampling_level="token",
+        epsilon_low=CFG.epsilon_low,
+        epsilon_high=CFG.epsilon_high,
+        beta=0.0,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        max_completion_length=CFG.max_completion_length,
+        current_gradient_accumulation_steps=1,
+        model=SimpleNamespace(training=True),
         args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity,
-                                    gather_for_metrics=identity, sync_gradients=True),
+        accelerator=SimpleNamespace(
+            num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, sync_gradients=True
+        ),
         _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
     )
     inputs = {
-        "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-        "advantages": adv, "old_per_token_logps": behavior, "num_items_in_batch": mask.sum(),
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": behavior,
+        "num_items_in_batch": mask.sum(),
     }
     return GRPOTrainer._compute_loss(fake, None, inputs)
 
@@ -97,19 +111,35 @@ def trl_kto_loss(logp, mask, label, ref_logp, kl_logps, ref_kl_logps, beta, w_d,
     per_token = logp * mask  # what the fused LM head returns: 0 where labels are -100
 
     def model(**_):
-        return SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
-                               mean_logits=torch.zeros_like(per_token))
+        return SimpleNamespace(
+            log_probs=per_token, entropy=torch.zeros_like(per_token), mean_logits=torch.zeros_like(per_token)
+        )
 
     fake = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=SimpleNamespace(device="cpu", gather_for_metrics=identity),
-        loss_type="kto", beta=beta, desirable_weight=w_d, undesirable_weight=w_u, calculate_KL=True,
-        precompute_ref_logps=True, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
-        _total_train_tokens=0, _tp_size=1, _compute_kl_logps=lambda model, batch: kl_logps,
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(device="cpu", gather_for_metrics=identity),
+        loss_type="kto",
+        beta=beta,
+        desirable_weight=w_d,
+        undesirable_weight=w_u,
+        calculate_KL=True,
+        precompute_ref_logps=True,
+        aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        _compute_kl_logps=lambda model, batch: kl_logps,
     )
     ones = torch.ones(B, T + 1, dtype=torch.long)
     completion_mask = torch.cat([torch.zeros(B, 1, dtype=torch.long), mask.long()], dim=1)
-    inputs = {"input_ids": ones, "attention_mask": ones, "completion_mask": completion_mask,
-              "label": label, "ref_logps": ref_logp, "ref_KL_logps": ref_kl_logps}
+    inputs = {
+        "input_ids": ones,
+        "attention_mask": ones,
+        "completion_mask": completion_mask,
+        "label": label,
+        "ref_logps": ref_logp,
+        "ref_KL_logps": ref_kl_logps,
+    }
     return KTOTrainer._compute_loss(fake, model, inputs, return_outputs=False)
 
 
@@ -120,8 +150,17 @@ def test_kto_loss_and_gradients_match_trl():
     ref_logp = (logp.detach() * mask).sum(-1) + torch.randn(B, generator=g)  # [B]
     kl_logps, ref_kl_logps = -torch.rand(B, generator=g) * 5, -torch.rand(B, generator=g) * 5
     cfg = LossConfig(kto_beta=0.3, kto_desirable_weight=1.0, kto_undesirable_weight=1.5)
-    ours = policy_loss("kto", logp, None, torch.zeros(B), mask, cfg, label=torch.where(label, 1.0, -1.0),
-                       ref_logp=ref_logp, kl_ref=(kl_logps - ref_kl_logps).mean())
+    ours = policy_loss(
+        "kto",
+        logp,
+        None,
+        torch.zeros(B),
+        mask,
+        cfg,
+        label=torch.where(label, 1.0, -1.0),
+        ref_logp=ref_logp,
+        kl_ref=(kl_logps - ref_kl_logps).mean(),
+    )
     (grad_ours,) = torch.autograd.grad(ours, logp)
     theirs = trl_kto_loss(logp, mask, label, ref_logp, kl_logps, ref_kl_logps, 0.3, 1.0, 1.5)
     (grad_theirs,) = torch.autograd.grad(theirs, logp)
@@ -137,11 +176,22 @@ def test_kto_ties_carry_no_loss_and_are_not_counted():
     ref_logp = (logp.detach() * mask).sum(-1) + torch.randn(B, generator=g)
     kw = dict(ref_logp=ref_logp, kl_ref=torch.tensor(0.3))
     cfg = LossConfig(kto_beta=0.3)
-    with_tie = policy_loss("kto", logp, None, torch.zeros(B), mask, cfg, label=torch.tensor([1.0, -1.0, 0.0, 0.0]), **kw)
+    with_tie = policy_loss(
+        "kto", logp, None, torch.zeros(B), mask, cfg, label=torch.tensor([1.0, -1.0, 0.0, 0.0]), **kw
+    )
     (grad,) = torch.autograd.grad(with_tie, logp)
     assert grad[2:].abs().sum() == 0  # the ties: no gradient
-    first_two = policy_loss("kto", logp[:2], None, torch.zeros(2), mask[:2], cfg, label=torch.tensor([1.0, -1.0]),
-                            ref_logp=ref_logp[:2], kl_ref=torch.tensor(0.3))
+    first_two = policy_loss(
+        "kto",
+        logp[:2],
+        None,
+        torch.zeros(2),
+        mask[:2],
+        cfg,
+        label=torch.tensor([1.0, -1.0]),
+        ref_logp=ref_logp[:2],
+        kl_ref=torch.tensor(0.3),
+    )
     assert with_tie.item() == pytest.approx(first_two.item())  # the mean is over the labelled two
 
 
@@ -157,8 +207,11 @@ def test_each_loss_sees_one_importance_correction(r):
     from train.loop import correction_config
 
     cfg = TrainConfig(cispo_weight_cap=5.0, token_truncate=2.0, sequence_mask=None)
-    for name, adv, expected in (("cispo", 1.0, -min(r, 5.0)), ("cispo", -1.0, min(r, 5.0)),
-                                ("dapo", -1.0, 0.0 if r < 0.8 else min(r, 2.0))):  # below 1 - eps: PPO's clip
+    for name, adv, expected in (
+        ("cispo", 1.0, -min(r, 5.0)),
+        ("cispo", -1.0, min(r, 5.0)),
+        ("dapo", -1.0, 0.0 if r < 0.8 else min(r, 2.0)),
+    ):  # below 1 - eps: PPO's clip
         logp = torch.full((1, 1), -1.0, requires_grad=True)
         behavior = logp.detach() - math.log(r)
         mask = torch.ones(1, 1)
@@ -185,5 +238,10 @@ def test_the_table_declares_each_loss_s_needs_and_the_config_and_cli_offer_its_n
     cfg = TrainConfig(cispo_weight_cap=7.0, clip_high=0.3)
     # the upper bound on the importance weight is the key the loss names, not a branch on its name
     assert {name: loss_config(cfg, 8, loss).epsilon_high for name, loss in LOSSES.items()} == {
-        "cispo": 7.0, "grpo": 0.3, "dr_grpo": 0.3, "dapo": 0.3, "kto": 0.3}
+        "cispo": 7.0,
+        "grpo": 0.3,
+        "dr_grpo": 0.3,
+        "dapo": 0.3,
+        "kto": 0.3,
+    }
     assert [n for n, loss in LOSSES.items() if loss.reference] == ["kto"]

@@ -49,12 +49,25 @@ def test_model_commands(tmp_path):
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "where is the config?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "found: rtrl.toml"},
 ]
-TOOLS = [{"type": "function", "function": {"name": "search", "description": "find files",
-                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "find files",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 
 
 def test_a_bpe_model_loads_like_a_downloaded_one_and_renders_every_turn(bpe_base):
@@ -65,15 +78,18 @@ def test_a_bpe_model_loads_like_a_downloaded_one_and_renders_every_turn(bpe_base
     assert len(tok) == policy.model.config.vocab_size == 32_768 and tok.eos_token == "<|im_end|>"
     # the files a downloaded model has, loaded by the Auto classes
     assert {"tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"} <= {
-        p.name for p in bpe_base.iterdir()}
+        p.name for p in bpe_base.iterdir()
+    }
     assert AutoModelForCausalLM.from_pretrained(bpe_base).config.model_type == "qwen2"
     auto = AutoTokenizer.from_pretrained(bpe_base)
     text = render_prompt(tok, CHAT)
     assert text == render_prompt(auto, CHAT)
-    assert text == ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nwhere is the config?<|im_end|>\n"
-                    "<|im_start|>assistant\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"config\"}}\n"
-                    "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nfound: rtrl.toml\n</tool_response>"
-                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nwhere is the config?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"q": "config"}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nfound: rtrl.toml\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     with_tools = tok.apply_chat_template(CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert '"name": "search"' in with_tools.split("<tools>\n")[1] and with_tools.endswith("<|im_start|>assistant\n")
     # subword: far fewer tokens than characters; ids decode back to the text; markers are one token
@@ -86,10 +102,25 @@ def test_a_bpe_model_loads_like_a_downloaded_one_and_renders_every_turn(bpe_base
 def test_init_tiny_bpe_from_the_command_line_is_seeded(tmp_path):
     runner = CliRunner()
     for name in ("a", "b"):
-        result = runner.invoke(cli, ["model", "init-tiny", "--out", str(tmp_path / name), "--tokenizer", "bpe",
-                                     "--vocab", "2000", "--arch", "llama"])
+        result = runner.invoke(
+            cli,
+            [
+                "model",
+                "init-tiny",
+                "--out",
+                str(tmp_path / name),
+                "--tokenizer",
+                "bpe",
+                "--vocab",
+                "2000",
+                "--arch",
+                "llama",
+            ],
+        )
         assert result.exit_code == 0, result.output
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert load_policy(tmp_path / "a").model.config.vocab_size == 2000
-    bad = runner.invoke(cli, ["model", "init-tiny", "--out", str(tmp_path / "c"), "--tokenizer", "bpe", "--vocab", "10"])
+    bad = runner.invoke(
+        cli, ["model", "init-tiny", "--out", str(tmp_path / "c"), "--tokenizer", "bpe", "--vocab", "10"]
+    )
     assert bad.exit_code != 0 and "--vocab must be between" in bad.output

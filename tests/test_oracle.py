@@ -36,15 +36,20 @@ def simulated_mean(oracle: Oracle, policy: Policy, n: int, seed: int) -> tuple[f
         fleet._due.clear()
         start = time.monotonic()
         fleet._react(f"r{i}", task, output)
-        feedback = tuple(Feedback(e["event_id"], e["kind"], float(e["value"]), T0 + timedelta(seconds=at - start),
-                                  e.get("payload")) for at, _, e in sorted(fleet._due))
+        feedback = tuple(
+            Feedback(e["event_id"], e["kind"], float(e["value"]), T0 + timedelta(seconds=at - start), e.get("payload"))
+            for at, _, e in sorted(fleet._due)
+        )
         values.append(oracle.scorer(Episode(f"r{i}", T0, "v", output, feedback=feedback)).value)
     a = np.array(values)
     return float(a.mean()), float(a.std(ddof=1) / np.sqrt(n))
 
 
-@pytest.mark.parametrize("change", [lambda p: p, lambda p: p.shifted(0.2), lambda p: p.abstaining(0.3)],
-                         ids=["base", "right +20 pp", "abstains 30 % more"])
+@pytest.mark.parametrize(
+    "change",
+    [lambda p: p, lambda p: p.shifted(0.2), lambda p: p.abstaining(0.3)],
+    ids=["base", "right +20 pp", "abstains 30 % more"],
+)
 def test_the_oracle_expects_what_the_simulated_users_pay(oracle, change):
     policy = change(Policy.base())
     mean, se = simulated_mean(oracle, policy, 6000, seed=3)
@@ -55,7 +60,9 @@ def test_the_oracle_expects_what_the_simulated_users_pay(oracle, change):
 
 def test_a_shifted_policy_differs_from_the_base_by_what_it_changed(oracle):
     base = Policy.base()
-    assert oracle.accept_rate(base.shifted(0.05)) - oracle.accept_rate(base) == pytest.approx(0.05)  # every length, six letters too
+    assert oracle.accept_rate(base.shifted(0.05)) - oracle.accept_rate(base) == pytest.approx(
+        0.05
+    )  # every length, six letters too
     assert oracle.expected(base.shifted(0.05)) > oracle.expected(base) > oracle.expected(base.shifted(-0.05))
     assert oracle.expected(base.abstaining(0.3)) < oracle.expected(base)  # the users pay nothing for "sorry"
 
@@ -74,7 +81,9 @@ def test_an_answers_value_is_what_the_simulated_users_pay_for_it(oracle):
         fleet._due.clear()
         start = time.monotonic()
         fleet._react(f"r{k}", task, "eeeeee")
-        feedback = tuple(Feedback(e["event_id"], e["kind"], float(e["value"]), T0 + timedelta(seconds=at - start),
-                                  e.get("payload")) for at, _, e in sorted(fleet._due))
+        feedback = tuple(
+            Feedback(e["event_id"], e["kind"], float(e["value"]), T0 + timedelta(seconds=at - start), e.get("payload"))
+            for at, _, e in sorted(fleet._due)
+        )
         values.append(oracle.scorer(Episode(f"r{k}", T0, "v", "eeeeee", feedback=feedback)).value)
     assert abs(oracle.value(task, "eeeeee") - np.mean(values)) < 4 * np.std(values) / np.sqrt(len(values))

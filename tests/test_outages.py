@@ -61,7 +61,8 @@ def _gate_after(monkeypatch, outage) -> None:
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_the_registry_going_away_fails_the_cycle_and_the_next_one_retries_it(
-        cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch):
+    cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch
+):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # unreachable is unreachable: no waiting
     port = free_port()
     server = mlflow_server.start(tmp_path / "mlflow", port)
@@ -109,8 +110,9 @@ class PostgresOutage:
     def away(self) -> None:
         with self.admin.connect() as conn:
             conn.execute(text(f'ALTER DATABASE "{self.database}" ALLOW_CONNECTIONS false'))
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
-                         {"d": self.database})
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"), {"d": self.database}
+            )
 
     def back(self) -> None:
         with self.admin.connect() as conn:
@@ -120,7 +122,8 @@ class PostgresOutage:
 
 @pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
 def test_the_store_going_away_leaves_the_cycle_to_resume_once_it_is_back(
-        cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch):
+    cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path, monkeypatch
+):
     deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
     daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
     assert feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "p", seed=12) > 0
@@ -148,7 +151,8 @@ def test_the_store_going_away_leaves_the_cycle_to_resume_once_it_is_back(
 
 @pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 def test_the_broker_away_at_promotion_leaves_the_event_for_the_next_cycle(
-        cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path):
+    cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path
+):
     updates = topics["interactions"].replace(".interactions", ".model-updates")
     nowhere = ModelUpdatePublisher(f"127.0.0.1:{free_port()}", updates)
     nowhere.timeout_s = 2.0
@@ -165,8 +169,13 @@ def test_the_broker_away_at_promotion_leaves_the_event_for_the_next_cycle(
     assert second.state == "skipped", second.reason
     [move] = moves(engine, "cycle-policy")
     assert move.published_at is not None
-    consumer = KafkaConsumer(updates, bootstrap_servers=kafka_bootstrap,
-                             auto_offset_reset="earliest", group_id=None, consumer_timeout_ms=1000)
+    consumer = KafkaConsumer(
+        updates,
+        bootstrap_servers=kafka_bootstrap,
+        auto_offset_reset="earliest",
+        group_id=None,
+        consumer_timeout_ms=1000,
+    )
     seen, deadline = [], time.monotonic() + 30
     while not seen and time.monotonic() < deadline:
         seen += [json.loads(r.value) for r in consumer]
@@ -176,7 +185,8 @@ def test_the_broker_away_at_promotion_leaves_the_event_for_the_next_cycle(
 
 @pytest.mark.parametrize("empty_db_url", ["postgresql"], indirect=True)
 def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
-        cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path):
+    cfg, engine, topics, kafka_bootstrap, reverse_base, tmp_path
+):
     deps = cycle_deps(cfg, engine, reverse_base, tmp_path)
     deps.config.cycle.every = "1h"  # ingest only: no cycle in this test
     daemon = Daemon(deps.config, deps, lease_ttl_s=LEASE_TTL_S)
@@ -188,8 +198,11 @@ def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
     outage = PostgresOutage(engine)
     try:
         produce_events(kafka_bootstrap, topics, events(0, 50))
-        wait_for(lambda: count(engine, interactions) == 50 and count(engine, feedback_table) == 50, 60,
-                 "the first 50 requests stored")
+        wait_for(
+            lambda: count(engine, interactions) == 50 and count(engine, feedback_table) == 50,
+            60,
+            "the first 50 requests stored",
+        )
         outage.away()
         try:
             produce_events(kafka_bootstrap, topics, events(50, 100))  # arriving while the store is away
@@ -197,8 +210,11 @@ def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
             wait_for(lambda: errors() >= 1, 60, "ingest to fail on the store and be restarted")
         finally:
             outage.back()
-        wait_for(lambda: count(engine, interactions) >= 150 and count(engine, feedback_table) >= 150, 90,
-                 "every event stored once the store is back")
+        wait_for(
+            lambda: count(engine, interactions) >= 150 and count(engine, feedback_table) >= 150,
+            90,
+            "every event stored once the store is back",
+        )
         with engine.connect() as conn:
             stored = conn.execute(select(interactions.c.event_id)).scalars().all()
         assert sorted(stored) == sorted(f"o-i-{i}" for i in range(150))  # none lost, none twice
@@ -208,8 +224,9 @@ def test_ingest_outlives_the_store_going_away_and_stores_every_event_once(
     # shutdown waited for ingest to drain: what it stored is committed to Kafka too
     offsets = stored_offsets(engine, deps.config.ingest.group_id)
     assert sum(offsets.values()) == 300
-    check = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=deps.config.ingest.group_id,
-                          enable_auto_commit=False)
+    check = KafkaConsumer(
+        bootstrap_servers=kafka_bootstrap, group_id=deps.config.ingest.group_id, enable_auto_commit=False
+    )
     committed = {tp: check.committed(TopicPartition(*tp)) for tp in offsets}
     check.close()
     assert committed == offsets

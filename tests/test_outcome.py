@@ -38,8 +38,15 @@ def answers(prompts, rng, noise=False):
 def fitted(reverse_base, tmp_path_factory):
     rng = random.Random(0)
     episodes = answers(reverse_task.PROMPTS * 2, rng)
-    return fit(reverse_base, episodes, [task_key(e.prompt) for e in episodes],
-               tmp_path_factory.mktemp("outcome") / "m", CFG, TRAIN, window={"reward_ids": [1, len(episodes)]})
+    return fit(
+        reverse_base,
+        episodes,
+        [task_key(e.prompt) for e in episodes],
+        tmp_path_factory.mktemp("outcome") / "m",
+        CFG,
+        TRAIN,
+        window={"reward_ids": [1, len(episodes)]},
+    )
 
 
 def test_the_split_is_by_task_and_apart_from_the_holdout():
@@ -69,8 +76,14 @@ def test_a_saved_model_scores_fresh_answers(fitted):
 def test_rewards_without_signal_make_an_unusable_model(reverse_base, tmp_path):
     rng = random.Random(1)
     episodes = answers(reverse_task.PROMPTS, rng, noise=True)
-    weak = fit(reverse_base, episodes, [task_key(e.prompt) for e in episodes], tmp_path / "m",
-               CFG.model_copy(update={"epochs": 1}), TRAIN)
+    weak = fit(
+        reverse_base,
+        episodes,
+        [task_key(e.prompt) for e in episodes],
+        tmp_path / "m",
+        CFG.model_copy(update={"epochs": 1}),
+        TRAIN,
+    )
     assert not weak.usable and weak.why.startswith("too weak"), weak.why
 
 

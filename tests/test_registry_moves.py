@@ -146,8 +146,14 @@ def test_a_cycle_resumed_in_promoting_does_not_promote_a_rolled_back_version(set
     set_cycle(engine, "c-resumed", state="promoting", candidate_version=v2)
     registry.promote(v2, "automatic", "cycle c-resumed: gate passed")
     registry.rollback("bob", "v2 reverts edits")
-    deps = CycleDeps(engine, load_config(environ={"RTRL_STATE_DIR": str(tmp_path)}), load_spec(), registry,
-                     make_tracker=None, make_runner=None)
+    deps = CycleDeps(
+        engine,
+        load_config(environ={"RTRL_STATE_DIR": str(tmp_path)}),
+        load_spec(),
+        registry,
+        make_tracker=None,
+        make_runner=None,
+    )
     row = run_cycle(deps)
     assert row.state == "rejected" and "rolled back by bob" in row.reason, row.reason
     assert registry.alias(CHAMPION).version == v1
@@ -159,8 +165,15 @@ def test_a_rollback_to_a_version_that_was_never_the_champion_needs_its_gate_or_f
     registry, broker, version = setup
     v1, v2 = version(), version()
     failed = version()
-    audit.record_decision(engine, registry.name, failed, v2, None, False,
-                          {"decision": {"passed": False, "checks": [], "reasons": ["kl too high"]}})
+    audit.record_decision(
+        engine,
+        registry.name,
+        failed,
+        v2,
+        None,
+        False,
+        {"decision": {"passed": False, "checks": [], "reasons": ["kl too high"]}},
+    )
     for v in (v1, v2):
         registry.promote(v, "automatic", "gate passed")
     with pytest.raises(RegistryError, match=f"never the champion.*failed its gate.*rollback --to {failed} --force"):

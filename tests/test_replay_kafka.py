@@ -74,6 +74,8 @@ def test_full_kafka_replay_equals_file_replay_and_cli_round_trip(cfg, engine, hi
     env = {"RTRL_DB_URL": other_url, "RTRL_STATE_DIR": str(tmp_path)}
     runner = CliRunner()
     again = runner.invoke(cli, ["replay", "--file", str(out)], env=env)
-    assert again.exit_code == 0 and "added 0 interactions and 0 feedback; 120 already stored" in again.output, again.output
+    assert again.exit_code == 0 and "added 0 interactions and 0 feedback; 120 already stored" in again.output, (
+        again.output
+    )
     dry = runner.invoke(cli, ["replay", "--file", str(out), "--dry-run"], env=env)
     assert "dry run: read 120; would add 0 interactions" in dry.output, dry.output

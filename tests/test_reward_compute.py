@@ -17,20 +17,31 @@ from reward.spec import RewardSpec, SpecError, load_spec, parse_spec
 SPEC = load_spec()
 _dumped = SPEC.model_dump()
 # the default spec with every signal decaying (half-life 15 minutes): the properties hold for it too
-DECAYING = RewardSpec.model_validate({**_dumped, "name": "decaying", "signals": {
-    kind: {**sig, "half_life_s": 900} for kind, sig in _dumped["signals"].items()}})
+DECAYING = RewardSpec.model_validate(
+    {
+        **_dumped,
+        "name": "decaying",
+        "signals": {kind: {**sig, "half_life_s": 900} for kind, sig in _dumped["signals"].items()},
+    }
+)
 T0 = datetime(2026, 11, 1, 12, 0)
 KINDS = ["accepted", "rejected", "edited", "persisted", "followup", "thumbs", "tool_error", "test_result", "csat"]
 
 
 def fb(kind: str, value: float = 1.0, seconds: int = 10, payload=None, event_id: str | None = None) -> Feedback:
-    return Feedback(event_id=event_id or f"{kind}-{seconds}-{value}", kind=kind, value=float(value),
-                    ts=T0 + timedelta(seconds=seconds), payload=payload)
+    return Feedback(
+        event_id=event_id or f"{kind}-{seconds}-{value}",
+        kind=kind,
+        value=float(value),
+        ts=T0 + timedelta(seconds=seconds),
+        payload=payload,
+    )
 
 
 def episode(text: str = "def add(a, b):\n    return a + b", feedback=(), tool_calls=()) -> Episode:
-    return Episode(request_id="r", ts=T0, policy_version="1", text=text, tool_calls=tuple(tool_calls),
-                   feedback=tuple(feedback))
+    return Episode(
+        request_id="r", ts=T0, policy_version="1", text=text, tool_calls=tuple(tool_calls), feedback=tuple(feedback)
+    )
 
 
 feedback_events = st.builds(
@@ -57,13 +68,21 @@ def test_reward_is_deterministic_within_bounds_and_order_free(text, events):
     assert compute_reward(episode(text, shuffled), SPEC) == first
 
 
-POSITIVE = [fb("accepted", 1, 50, event_id="p1"), fb("persisted", 1, 60, event_id="p2"),
-            fb("thumbs", 1, 70, event_id="p3"), fb("test_result", 1, 80, event_id="p4")]
+POSITIVE = [
+    fb("accepted", 1, 50, event_id="p1"),
+    fb("persisted", 1, 60, event_id="p2"),
+    fb("thumbs", 1, 70, event_id="p3"),
+    fb("test_result", 1, 80, event_id="p4"),
+]
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=texts, events=st.lists(feedback_events, max_size=6), extra=st.sampled_from(POSITIVE),
-       spec=st.sampled_from([SPEC, DECAYING]))
+@given(
+    text=texts,
+    events=st.lists(feedback_events, max_size=6),
+    extra=st.sampled_from(POSITIVE),
+    spec=st.sampled_from([SPEC, DECAYING]),
+)
 def test_adding_a_positive_signal_never_lowers_the_reward(text, events, extra, spec):
     events = [e for e in events if e.kind != extra.kind]  # a kind the episode has not seen yet
     before = compute_reward(episode(text, events), spec).value
@@ -83,8 +102,10 @@ def test_decay_keeps_a_signals_sign_and_never_grows_it(event, half_life_s, befor
 
 def test_decay_halves_a_signal_at_each_half_life():
     spec = parse_spec('name = "x"\n[signals.followup]\nweight = 0.3\nhalf_life_s = 600\n')
+
     def followup_at(seconds):
         return compute_reward(episode(feedback=[fb("followup", 1, seconds)]), spec).components["signal.followup"]
+
     assert followup_at(0) == pytest.approx(-0.3)
     assert followup_at(600) == pytest.approx(-0.15)
     assert followup_at(1200) == pytest.approx(-0.075)
@@ -105,12 +126,18 @@ def test_ripeness_is_the_window_or_a_terminal_signal(events, age_s):
 
 # --- the two reward hacks reported from production RL, as regression tests -------------------
 
+
 def test_a_broken_tool_call_costs_more_than_an_honest_failed_attempt():
-    honest = episode("I ran the tests; they fail on the edge case.",
-                     [fb("test_result", 0)], tool_calls=[{"name": "run_tests", "arguments": "{}"}])
-    broken = episode("I ran the tests; they fail on the edge case.",
-                     [fb("test_result", 0), fb("tool_error", 1)],
-                     tool_calls=[{"name": "run_tests", "arguments": "{not json"}])
+    honest = episode(
+        "I ran the tests; they fail on the edge case.",
+        [fb("test_result", 0)],
+        tool_calls=[{"name": "run_tests", "arguments": "{}"}],
+    )
+    broken = episode(
+        "I ran the tests; they fail on the edge case.",
+        [fb("test_result", 0), fb("tool_error", 1)],
+        tool_calls=[{"name": "run_tests", "arguments": "{not json"}],
+    )
     no_name = episode("I ran the tests.", [fb("test_result", 0)], tool_calls=[{"arguments": "{}"}])
     r_honest = compute_reward(honest, SPEC).value
     assert compute_reward(broken, SPEC).value < r_honest
@@ -118,8 +145,9 @@ def test_a_broken_tool_call_costs_more_than_an_honest_failed_attempt():
     assert compute_reward(broken, SPEC).components["guard.tool_format"] < 0
 
 
-@pytest.mark.parametrize("abstain", ["", "   ", "Sorry, I can't help with that.",
-                                     "Could you clarify what you mean by 'fast'?"])
+@pytest.mark.parametrize(
+    "abstain", ["", "   ", "Sorry, I can't help with that.", "Could you clarify what you mean by 'fast'?"]
+)
 def test_abstaining_never_beats_an_accepted_attempt_nor_the_average_attempt(abstain):
     # In production an abstention draws no negative signal: no feedback at all, or even thumbs-up.
     silent = compute_reward(episode(abstain), SPEC).value
@@ -128,9 +156,14 @@ def test_abstaining_never_beats_an_accepted_attempt_nor_the_average_attempt(abst
     assert max(silent, praised) < accepted
     # the average attempt: a realistic mix of outcomes of honest attempts
     rng = random.Random(7)
-    outcomes = [[fb("accepted"), fb("persisted")], [fb("accepted"), fb("persisted", 0, 900)],
-                [fb("rejected")], [fb("edited", payload={"text": "def add(a, b):\n    return b + a"})],
-                [fb("followup")], []]
+    outcomes = [
+        [fb("accepted"), fb("persisted")],
+        [fb("accepted"), fb("persisted", 0, 900)],
+        [fb("rejected")],
+        [fb("edited", payload={"text": "def add(a, b):\n    return b + a"})],
+        [fb("followup")],
+        [],
+    ]
     attempts = [compute_reward(episode(feedback=rng.choice(outcomes)), SPEC).value for _ in range(500)]
     assert silent < sum(attempts) / len(attempts)
 
@@ -151,15 +184,35 @@ def test_contradictory_feedback_accepted_then_reverted():
 
 # --- malformed specs are refused with file, field and what is allowed -------------------------
 
-@pytest.mark.parametrize("body, field, allowed", [
-    ('name = "x"\n[signals.accepted]\nweight = 0.5\nwieght = 1', "signals.accepted.wieght", "Extra inputs are not permitted"),
-    ('name = "x"\n[signals.accepted]\nweight = "high"', "signals.accepted.weight", "valid number"),
-    ('name = "x"\n[signals.accepted]\nweight = 50', "signals.accepted.weight", "less than or equal to 10"),
-    ('name = "x"\n[signals.accepted]\nweight = 0.5\ncombine = "avg"', "signals.accepted.combine", "'last', 'sum', 'max', 'min' or 'mean'"),
-    ('name = "x"\n[signals.accepted]\nweight = 0.5\n[clip]\nmin = 0.5', "clip.min", "less than or equal to 0"),
-    ('name = "x"\n[signals.a]\nweight = 1\n[guards.abstention]\npatterns = ["(unclosed"]', "guards.abstention.patterns", "not a regular expression"),
-    ('name = "x"\n[signals.followup]\nweight = 0.3\nhalf_life_s = 0', "signals.followup.half_life_s", "greater than 0"),
-])
+
+@pytest.mark.parametrize(
+    "body, field, allowed",
+    [
+        (
+            'name = "x"\n[signals.accepted]\nweight = 0.5\nwieght = 1',
+            "signals.accepted.wieght",
+            "Extra inputs are not permitted",
+        ),
+        ('name = "x"\n[signals.accepted]\nweight = "high"', "signals.accepted.weight", "valid number"),
+        ('name = "x"\n[signals.accepted]\nweight = 50', "signals.accepted.weight", "less than or equal to 10"),
+        (
+            'name = "x"\n[signals.accepted]\nweight = 0.5\ncombine = "avg"',
+            "signals.accepted.combine",
+            "'last', 'sum', 'max', 'min' or 'mean'",
+        ),
+        ('name = "x"\n[signals.accepted]\nweight = 0.5\n[clip]\nmin = 0.5', "clip.min", "less than or equal to 0"),
+        (
+            'name = "x"\n[signals.a]\nweight = 1\n[guards.abstention]\npatterns = ["(unclosed"]',
+            "guards.abstention.patterns",
+            "not a regular expression",
+        ),
+        (
+            'name = "x"\n[signals.followup]\nweight = 0.3\nhalf_life_s = 0',
+            "signals.followup.half_life_s",
+            "greater than 0",
+        ),
+    ],
+)
 def test_malformed_spec_is_refused_with_file_field_and_allowed(tmp_path, body, field, allowed):
     path = tmp_path / "new.toml"
     path.write_text(body)

@@ -41,8 +41,18 @@ weight = 0.3
 """
 SPEC = parse_spec('name = "incremental"\n' + _SPEC)
 WHOLE = parse_spec('name = "whole-history"\n' + _SPEC)  # the same rules, another version: the reference
-_COUNTS = ("episodes", "computed", "updated", "unchanged", "unripe", "duplicate_interactions", "unusable",
-           "unfinished_episodes", "orphaned", "judge_deferred")
+_COUNTS = (
+    "episodes",
+    "computed",
+    "updated",
+    "unchanged",
+    "unripe",
+    "duplicate_interactions",
+    "unusable",
+    "unfinished_episodes",
+    "orphaned",
+    "judge_deferred",
+)
 _offsets = itertools.count()
 
 
@@ -65,8 +75,12 @@ def reads(monkeypatch):
 
 
 def test_a_run_with_nothing_new_reads_no_episode_and_reports_the_history(engine, reads):
-    store(engine, *[ev for i in range(40) for ev in (interaction(i), fb(i, kind="accepted"))],
-          interaction(7, event_id="ev-i-7-again"), fb(999, kind="accepted"))  # a duplicate, an orphan
+    store(
+        engine,
+        *[ev for i in range(40) for ev in (interaction(i), fb(i, kind="accepted"))],
+        interaction(7, event_id="ev-i-7-again"),
+        fb(999, kind="accepted"),
+    )  # a duplicate, an orphan
     first = run_rewards(engine, SPEC, now=LATER, chunk=16)
     assert (first.episodes, first.computed, first.duplicate_interactions, reads[0]) == (40, 40, 1, 40)
     reads[0] = 0
@@ -127,8 +141,9 @@ def test_an_unusable_episode_is_counted_in_every_run_but_read_once(engine, reads
         pytest.skip("PostgreSQL gives the value back")
     store(engine, interaction(1), fb(1, kind="accepted"), interaction(2), fb(2, kind="accepted"))
     big = fb(2, kind="thumbs", value=1.0, event_id="big")
-    row = event_row(FeedbackEvent.model_validate(big), SourcePosition(source="t", partition=0, offset=10**6),
-                    encode(big).decode())
+    row = event_row(
+        FeedbackEvent.model_validate(big), SourcePosition(source="t", partition=0, offset=10**6), encode(big).decode()
+    )
     row["value"] = 1.7976931348623157e308
     rows = Rows()
     rows.add_event(row)
@@ -180,11 +195,16 @@ def test_a_role_that_may_not_lock_the_event_tables_gets_whole_history_runs(empty
     admin = store_db.make_engine(empty_db_url)
     store(admin, interaction(1), fb(1, kind="accepted"))
     admin.dispose()
-    with restricted_role(empty_db_url, ["GRANT CONNECT ON DATABASE {database} TO {role}",
-                                        "GRANT USAGE ON SCHEMA public TO {role}",
-                                        "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}",
-                                        "GRANT INSERT, UPDATE ON rewards, reward_progress TO {role}",
-                                        "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"]) as engine:
+    with restricted_role(
+        empty_db_url,
+        [
+            "GRANT CONNECT ON DATABASE {database} TO {role}",
+            "GRANT USAGE ON SCHEMA public TO {role}",
+            "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}",
+            "GRANT INSERT, UPDATE ON rewards, reward_progress TO {role}",
+            "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}",
+        ],
+    ) as engine:
         assert run_rewards(engine, SPEC, now=LATER).computed == 1
         assert run_rewards(engine, SPEC, now=LATER).unchanged == 1
         assert load_progress(engine, SPEC.version).settled_below == 0
@@ -209,22 +229,39 @@ def _event(draw, counter=itertools.count()):  # noqa: B008 -- one counter shared
         return interaction(i, prefix="d", ts=ts, event_id=f"d-again-{n}", **episode)
     value = draw(st.sampled_from([True, False]))
     if kind == "outcome":
-        ev = fb(i, prefix="d", kind=draw(st.sampled_from(_KINDS)), value=value, ts=ts, event_id=f"d-o-{n}",
-                episode_id=f"e{i % 2}")
+        ev = fb(
+            i,
+            prefix="d",
+            kind=draw(st.sampled_from(_KINDS)),
+            value=value,
+            ts=ts,
+            event_id=f"d-o-{n}",
+            episode_id=f"e{i % 2}",
+        )
         del ev["request_id"]
         return ev
     request = f"d-r-{i}" if kind == "feedback" else f"nobody-{n}"
-    return fb(i, prefix="d", kind=draw(st.sampled_from(_KINDS)), value=value, ts=ts, event_id=f"d-f-{n}",
-              request_id=request)
+    return fb(
+        i, prefix="d", kind=draw(st.sampled_from(_KINDS)), value=value, ts=ts, event_id=f"d-f-{n}", request_id=request
+    )
 
 
-_steps = st.lists(st.one_of(st.lists(_event(), min_size=1, max_size=4).map(lambda evs: ("store", evs)),
-                            st.sampled_from([50, 200, 350, 86400 * 3]).map(lambda s: ("run", s))),
-                  min_size=4, max_size=12)
+_steps = st.lists(
+    st.one_of(
+        st.lists(_event(), min_size=1, max_size=4).map(lambda evs: ("store", evs)),
+        st.sampled_from([50, 200, 350, 86400 * 3]).map(lambda s: ("run", s)),
+    ),
+    min_size=4,
+    max_size=12,
+)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(steps=_steps)
 def test_incremental_runs_store_and_report_what_whole_history_runs_do(engine, steps):
     """Calls, repeats, feedback, episode outcomes and orphans stored in any order, reward runs in
@@ -255,8 +292,10 @@ def _clear(engine):
 
 def _rewards(engine, spec):
     with engine.connect() as conn:
-        return {r.request_id: (round(r.value, 9), r.components, r.feedback_count) for r in conn.execute(
-            select(tables.rewards).where(tables.rewards.c.spec_version == spec.version))}
+        return {
+            r.request_id: (round(r.value, 9), r.components, r.feedback_count)
+            for r in conn.execute(select(tables.rewards).where(tables.rewards.c.spec_version == spec.version))
+        }
 
 
 def _reward(engine, spec, request_id):
@@ -270,5 +309,9 @@ def _max_id(engine):
 
 def _first_id_of(engine, request_id):
     with engine.connect() as conn:
-        return conn.scalar(select(tables.interactions.c.id).where(tables.interactions.c.request_id == request_id)
-                           .order_by(tables.interactions.c.id).limit(1))
+        return conn.scalar(
+            select(tables.interactions.c.id)
+            .where(tables.interactions.c.request_id == request_id)
+            .order_by(tables.interactions.c.id)
+            .limit(1)
+        )

@@ -26,14 +26,18 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def spec_with_judge(model: str, budget: int = 100):
-    return parse_spec(f'name = "judged"\n[signals.accepted]\nweight = 0.5\n'
-                      f'[judge]\nmodel = "{model}"\nweight = 0.4\nbudget = {budget}\nbatch_size = 2\n')
+    return parse_spec(
+        f'name = "judged"\n[signals.accepted]\nweight = 0.5\n'
+        f'[judge]\nmodel = "{model}"\nweight = 0.4\nbudget = {budget}\nbatch_size = 2\n'
+    )
 
 
 def test_score_is_p_yes_over_yes_plus_no_and_batching_does_not_change_it(tiny_model):
     judge = Judge(JudgeSpec(model=tiny_model, batch_size=3))
-    eps = [Episode(request_id=str(i), ts=LATER, policy_version="1", text=t, prompt_text="add a and b")
-           for i, t in enumerate(["return a + b", "sorry", "def add ( a , b ) : return a + b"])]
+    eps = [
+        Episode(request_id=str(i), ts=LATER, policy_version="1", text=t, prompt_text="add a and b")
+        for i, t in enumerate(["return a + b", "sorry", "def add ( a , b ) : return a + b"])
+    ]
     batched = judge.score(eps)
     assert all(0 < s < 1 for s in batched)
     # one at a time, no padding, by hand: softmax over the two answer logits
@@ -108,6 +112,8 @@ def test_the_judge_options_added_later_leave_existing_versions_alone(tiny_model)
     for entry in content["signals"].values():  # (an earlier later-field, left out the same way)
         entry.pop("half_life_s")
     assert content.pop("episode") is None  # (a later section, left out the same way when absent)
-    assert spec.version.split("@")[1] == hashlib.sha256(
-        json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+    assert (
+        spec.version.split("@")[1]
+        == hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+    )
     assert spec_with_judge(tiny_model).judge.model_copy(update={"chat": True}) != spec.judge

@@ -71,8 +71,13 @@ def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
     def row(i: int, kind: str, value) -> Rows:
         ev = fb(1, kind=kind, value=value, event_id=f"late-{i}")
         rows = Rows()
-        rows.add_event(event_row(from_reference(FeedbackEvent.model_validate(ev)),
-                                 SourcePosition(source="t", partition=i, offset=i), encode(ev).decode()))
+        rows.add_event(
+            event_row(
+                from_reference(FeedbackEvent.model_validate(ev)),
+                SourcePosition(source="t", partition=i, offset=i),
+                encode(ev).decode(),
+            )
+        )
         return rows
 
     store(engine, interaction(1), fb(1, kind="accepted"))
@@ -95,8 +100,15 @@ def test_feedback_committed_late_with_a_smaller_id_is_not_missed(engine):
 
 def test_a_run_served_since_reads_only_that_window(engine):
     # what a canary's check runs: the episodes served from its start, not the whole history
-    store(engine, interaction(10), fb(10, kind="accepted"), interaction(3600), fb(3600, kind="rejected"),
-          fb(3601, kind="accepted"), fb(11, kind="accepted"))  # two orphans, one on each side of the cut
+    store(
+        engine,
+        interaction(10),
+        fb(10, kind="accepted"),
+        interaction(3600),
+        fb(3600, kind="rejected"),
+        fb(3601, kind="accepted"),
+        fb(11, kind="accepted"),
+    )  # two orphans, one on each side of the cut
     since = BASE_TS.replace(tzinfo=None) + timedelta(seconds=1800)
     window = run_rewards(engine, SPEC, now=LATER + timedelta(days=2), served_since=since)
     assert (window.episodes, window.computed, window.orphaned) == (1, 1, 1)
@@ -119,8 +131,9 @@ def test_orphaned_feedback_waits_is_joined_later_and_reported_after_the_ttl(engi
 
 def test_a_half_life_decays_feedback_by_its_delay_after_the_interaction(engine):
     # timestamps as stored (text in SQLite, timestamps in PostgreSQL) give the delay
-    spec = SPEC.model_validate({**SPEC.model_dump(), "name": "decaying", "signals": {
-        "followup": {"weight": 0.3, "half_life_s": 600}}})
+    spec = SPEC.model_validate(
+        {**SPEC.model_dump(), "name": "decaying", "signals": {"followup": {"weight": 0.3, "half_life_s": 600}}}
+    )
     store(engine, interaction(9), fb(9, kind="followup", ts="2026-11-01T00:10:09Z"))  # 600 s after it
     run_rewards(engine, spec, now=LATER)
     assert stored_reward(engine, "ev-r-9", spec.version).value == pytest.approx(-0.15)
@@ -133,8 +146,12 @@ def test_duplicate_feedback_events_count_once(engine):
 
 
 def test_contradictory_feedback_accepted_then_reverted(engine):
-    store(engine, interaction(4), fb(4, kind="accepted"),
-          fb(4, kind="persisted", value=False, event_id="revert", ts="2026-11-01T00:20:00Z"))
+    store(
+        engine,
+        interaction(4),
+        fb(4, kind="accepted"),
+        fb(4, kind="persisted", value=False, event_id="revert", ts="2026-11-01T00:20:00Z"),
+    )
     run_rewards(engine, SPEC, now=LATER)
     row = stored_reward(engine, "ev-r-4", SPEC.version)
     assert row.value == pytest.approx(0.1)
@@ -151,8 +168,12 @@ def test_unripe_episodes_wait_for_the_window_or_a_terminal_signal(engine):
 
 
 def test_arrival_order_does_not_change_rewards(tmp_path):
-    events = [interaction(7), fb(7, kind="accepted"), fb(7, kind="thumbs", value=False, event_id="t7"),
-              fb(7, kind="edited", payload={"text": "x"}, event_id="e7")]
+    events = [
+        interaction(7),
+        fb(7, kind="accepted"),
+        fb(7, kind="thumbs", value=False, event_id="t7"),
+        fb(7, kind="edited", payload={"text": "x"}, event_id="e7"),
+    ]
     results = set()
     for i, order in enumerate(itertools.islice(itertools.permutations(events), 0, 24, 5)):
         # each arrival order into its own store, rewards computed after every arrival
@@ -186,27 +207,42 @@ def test_reward_commands(engine, db_url, tmp_path):
 
 def _naive_spec(tmp_path):
     """The default spec without the abstention guard: the spec that invites the hack."""
-    text = (Path(DEFAULT_SPEC).read_text().replace('name = "default"', 'name = "naive"')
-            .replace("[guards.abstention]\npenalty = 0.6", "[guards.abstention]\npenalty = 0.0"))
+    text = (
+        Path(DEFAULT_SPEC)
+        .read_text()
+        .replace('name = "default"', 'name = "naive"')
+        .replace("[guards.abstention]\npenalty = 0.6", "[guards.abstention]\npenalty = 0.0")
+    )
     path = tmp_path / "naive.toml"
     path.write_text(text)
     return path
 
 
 def test_diff_recompute_and_audit(engine, db_url, tmp_path):
-    store(engine,
-          interaction(10, completion=""), fb(10, kind="thumbs", value=True),        # abstains, praised
-          interaction(11), fb(11, kind="accepted"), fb(11, kind="followup", event_id="fu11"),
-          interaction(12, policy_version="2",
-                      completion=[{"role": "assistant", "content": "", "tool_calls": [{"name": "ls", "arguments": "{"}]},
-                                  {"role": "tool", "content": "error"}, {"role": "assistant", "content": "done"}]),
-          fb(12, kind="tool_error"))
+    store(
+        engine,
+        interaction(10, completion=""),
+        fb(10, kind="thumbs", value=True),  # abstains, praised
+        interaction(11),
+        fb(11, kind="accepted"),
+        fb(11, kind="followup", event_id="fu11"),
+        interaction(
+            12,
+            policy_version="2",
+            completion=[
+                {"role": "assistant", "content": "", "tool_calls": [{"name": "ls", "arguments": "{"}]},
+                {"role": "tool", "content": "error"},
+                {"role": "assistant", "content": "done"},
+            ],
+        ),
+        fb(12, kind="tool_error"),
+    )
     env = {"RTRL_DB_URL": db_url, "RTRL_STATE_DIR": str(tmp_path)}
     naive = _naive_spec(tmp_path)
     d = diff_specs(engine, SPEC, load_spec(naive), now=LATER)
     assert d.new.n == 3 and d.sign_changes == 1 and d.changed == 1
     assert d.contributions["guard.abstention"] == [pytest.approx(-0.6), 0.0]
-    (delta, request_id, old, new), = [m for m in d.movers if m[0] > 0]
+    ((delta, request_id, old, new),) = [m for m in d.movers if m[0] > 0]
     assert request_id == "ev-r-10" and (old, new) == (pytest.approx(-0.3), pytest.approx(0.3))
     out = CliRunner().invoke(cli, ["reward", "diff", "--spec", str(naive)], env=env)
     assert out.exit_code == 0 and "sign changed: 1" in out.output and "ev-r-10" in out.output, out.output
@@ -219,8 +255,13 @@ def test_diff_recompute_and_audit(engine, db_url, tmp_path):
     again = CliRunner().invoke(cli, ["reward", "recompute", "--spec", str(naive)], env=env)
     assert "0 rewards computed, 3 scored again" in again.output, again.output
     canaries = audit(engine, SPEC)
-    assert canaries["1"].rates() == {"abstention_rate": 0.5, "mean_length": pytest.approx(len(interaction(11)["completion"]) / 2),
-                                     "tool_error_rate": 0.0, "accept_rate": 0.5, "followup_rate": 0.5}
+    assert canaries["1"].rates() == {
+        "abstention_rate": 0.5,
+        "mean_length": pytest.approx(len(interaction(11)["completion"]) / 2),
+        "tool_error_rate": 0.0,
+        "accept_rate": 0.5,
+        "followup_rate": 0.5,
+    }
     assert canaries["2"].rates()["tool_error_rate"] == 1.0 and canaries["2"].episodes == 1
     table = CliRunner().invoke(cli, ["reward", "audit"], env=env)
     assert table.exit_code == 0 and "50.0%" in table.output and "100.0%" in table.output, table.output
@@ -234,8 +275,11 @@ def test_late_feedback_after_training_keeps_the_lineage_and_is_counted(engine):
     store(engine, interaction(30), fb(30, kind="accepted"))
     run_rewards(engine, SPEC, now=LATER)
     with engine.begin() as conn:  # a training run used it (what the training stage records)
-        conn.execute(insert(training_episodes).values(run_id="run-1", request_id="ev-r-30",
-                                                      spec_version=SPEC.version, reward=0.5, used_at=LATER))
+        conn.execute(
+            insert(training_episodes).values(
+                run_id="run-1", request_id="ev-r-30", spec_version=SPEC.version, reward=0.5, used_at=LATER
+            )
+        )
     store(engine, fb(30, kind="followup", event_id="late-30"))
     report = run_rewards(engine, SPEC, now=LATER)
     assert report.updated == 1 and report.changed_after_training == 1
@@ -260,15 +304,25 @@ def test_workers_split_a_run_and_write_what_one_process_writes(engine):
         events.append(interaction(i, prefix="w"))
         for j in range(rng.randrange(4)):
             kind = rng.choice(["accepted", "rejected", "edited", "persisted", "tool_error", "csat"])
-            events.append(fb(i, prefix="w", kind=kind, value=rng.choice([True, False, 0.5]),
-                             event_id=f"w-f-{i}-{j}", payload={"text": "x = 1"}))
+            events.append(
+                fb(
+                    i,
+                    prefix="w",
+                    kind=kind,
+                    value=rng.choice([True, False, 0.5]),
+                    event_id=f"w-f-{i}-{j}",
+                    payload={"text": "x = 1"},
+                )
+            )
     events.append(interaction(300, prefix="w", event_id="w-i-300-again"))  # a duplicate interaction
     store(engine, *events)
 
     def rewards():
         with engine.connect() as conn:
-            return {r.request_id: (r.value, r.components, r.last_feedback_id) for r in conn.execute(
-                select(tables.rewards).where(tables.rewards.c.spec_version == SPEC.version))}
+            return {
+                r.request_id: (r.value, r.components, r.last_feedback_id)
+                for r in conn.execute(select(tables.rewards).where(tables.rewards.c.spec_version == SPEC.version))
+            }
 
     parallel = run_rewards(engine, SPEC, now=LATER, workers=2, chunk=16)
     by_workers = rewards()
@@ -282,8 +336,15 @@ def test_workers_split_a_run_and_write_what_one_process_writes(engine):
 
 
 def test_an_incremental_run_reads_only_episodes_whose_reward_is_stale(engine):
-    store(engine, interaction(500), fb(500, kind="accepted"), interaction(501), fb(501, kind="accepted"),
-          interaction(502), interaction(502, event_id="ev-i-502-again"))
+    store(
+        engine,
+        interaction(500),
+        fb(500, kind="accepted"),
+        interaction(501),
+        fb(501, kind="accepted"),
+        interaction(502),
+        interaction(502, event_id="ev-i-502-again"),
+    )
     run_rewards(engine, SPEC, now=LATER)
 
     def stale():
@@ -332,8 +393,9 @@ def test_a_feedback_value_the_store_cannot_give_back_skips_its_episode_not_the_r
 
     store(engine, interaction(1), fb(1, kind="accepted"), interaction(2), fb(2, kind="accepted"))
     big = fb(2, kind="thumbs", value=1.0, event_id="big")
-    row = event_row(FeedbackEvent.model_validate(big),
-                    SourcePosition(source="t", partition=0, offset=999), encode(big).decode())
+    row = event_row(
+        FeedbackEvent.model_validate(big), SourcePosition(source="t", partition=0, offset=999), encode(big).decode()
+    )
     row["value"] = 1.7976931348623157e308
     rows = Rows()
     rows.add_event(row)

@@ -30,6 +30,7 @@ on_sqlite = pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
 
 # --- the comparison and the routing ------------------------------------------------------
 
+
 def _units(values: list[float]) -> rollout.Units:
     return values, [0.0] * len(values)
 
@@ -51,8 +52,9 @@ def test_the_online_test_promotes_withdraws_or_waits_and_says_why():
     assert tie.verdict == "continue" and tie.expected_more[1] > 0
     assert rollout.look(champion, _units(better[0][:99]), cfg).verdict == "continue"  # before the first look
     assert rollout.look(None, better, cfg).n_champion == 0
-    undecided = rollout.look(_units(champion[0][:100]), _units(champion[0][:100]), cfg.model_copy(
-        update={"max_requests": 100}))
+    undecided = rollout.look(
+        _units(champion[0][:100]), _units(champion[0][:100]), cfg.model_copy(update={"max_requests": 100})
+    )
     assert undecided.verdict == "truncated" and "neither boundary" in rollout.decide(undecided, cfg).reasons[0]
     assert "max_wait" in rollout.too_little_traffic(rollout.look(None, _units([0.1] * 3), cfg), cfg).reasons[0]
 
@@ -66,6 +68,7 @@ def test_routing_sends_the_share_to_the_canary_and_a_request_always_the_same_way
 
 
 # --- the cycle ---------------------------------------------------------------------------
+
 
 def online_traffic(cfg, engine, topics, kafka_bootstrap, prefix: str, version: str, n: int, good: float) -> None:
     """served_now(...) through the broker into the store."""
@@ -82,8 +85,9 @@ def deps(cfg, engine, reverse_base, tmp_path):
     spec = (REPO / "reward" / "default_spec.toml").read_text().replace("window_s = 3600", "window_s = 1")
     (tmp_path / "spec.toml").write_text(spec)
     d.spec = load_spec(tmp_path / "spec.toml")
-    d.config.rollout = RolloutConfig(share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h",
-                                     covariate="prompt")
+    d.config.rollout = RolloutConfig(
+        share=0.5, min_requests=40, margin=0.05, confidence=0.9, max_wait="1h", covariate="prompt"
+    )
     d.config.gate.min_ess = 2  # these tests are about what happens after the gate passed
     d.config.gate.min_improvement = -1.0
     d.published = published
@@ -107,7 +111,8 @@ def _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, prefix: st
 
 @on_sqlite
 def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base
+):
     row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "p", seed=11)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "p-base", "base", 60, good=0.2)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "p-canary", version, 60, good=0.8)
@@ -117,12 +122,16 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
     with daemon.cycle_running:  # a cycle is running: the canary job does not queue behind it
         daemon.check_canary()
     assert get_cycle(engine, row.cycle_id).state == "canary"
-    wait_for(lambda: daemon.check_canary() or daemon.last_cycle["state"] == "done", 60,
-             "the canary's requests to settle and the comparison to promote it", interval=0.5)
+    wait_for(
+        lambda: daemon.check_canary() or daemon.last_cycle["state"] == "done",
+        60,
+        "the canary's requests to settle and the comparison to promote it",
+        interval=0.5,
+    )
     daemon.check_canary()
     assert unfinished_cycle(engine) is None and len(recent_cycles(engine)) == 1
     metrics = generate_latest(daemon.metrics.registry).decode()
-    assert f'rtrl_champion_version {float(version)}' in metrics, metrics
+    assert f"rtrl_champion_version {float(version)}" in metrics, metrics
     assert 'rtrl_policy_served{alias="champion"}' in metrics and 'alias="canary"' not in metrics, metrics
     done = get_cycle(engine, row.cycle_id)
     assert done.state == "done" and done.promoted == 1, done.reason
@@ -139,7 +148,8 @@ def test_a_canary_better_online_is_promoted_and_stops_being_a_canary(
 
 @on_sqlite
 def test_a_canary_worse_online_is_withdrawn_and_the_champion_stays(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base
+):
     row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "w", seed=12)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-base", "base", 60, good=0.6)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "w-canary", version, 30, good=0.2)
@@ -157,8 +167,7 @@ def test_a_canary_worse_online_is_withdrawn_and_the_champion_stays(
 
 
 @on_sqlite
-def test_a_canary_without_traffic_is_withdrawn_after_max_wait(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+def test_a_canary_without_traffic_is_withdrawn_after_max_wait(deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
     row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "t", seed=13)
     deps.config.rollout.max_wait = "0.001s"
     rejected = run_cycle(deps)
@@ -168,7 +177,8 @@ def test_a_canary_without_traffic_is_withdrawn_after_max_wait(
 
 @on_sqlite
 def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_is_withdrawn(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch
+):
     row, version = _staged(deps, cfg, engine, topics, kafka_bootstrap, reverse_base, "f", seed=14)
 
     def store_away(*a, **k):
@@ -189,7 +199,8 @@ def test_a_failing_canary_check_is_retried_and_a_canary_left_by_a_failed_cycle_i
 
 @on_sqlite
 def test_a_champion_moved_by_an_operator_during_the_canary_is_not_overridden(
-        deps, cfg, engine, topics, kafka_bootstrap, reverse_base):
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base
+):
     """An operator puts another version in (a rollback, a hotfix) while the canary is out: the
     canary was gated against the champion of then, and the cycle promoted it over the operator's
     choice once its online comparison -- against the new champion -- passed."""
@@ -198,7 +209,6 @@ def test_a_champion_moved_by_an_operator_during_the_canary_is_not_overridden(
     deps.registry.promote(hotfix, actor="alice", reason="hotfix while the canary runs", force=True)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "o-champion", hotfix, 60, good=0.2)
     online_traffic(cfg, engine, topics, kafka_bootstrap, "o-canary", version, 60, good=0.8)
-    rejected = wait_for(lambda: (r := run_cycle(deps)).state != "canary" and r, 60, "the canary's check",
-                        interval=0.5)
+    rejected = wait_for(lambda: (r := run_cycle(deps)).state != "canary" and r, 60, "the canary's check", interval=0.5)
     assert rejected.state == "rejected" and "the champion moved" in rejected.reason, rejected.reason
     assert deps.registry.alias(CHAMPION).version == hotfix and deps.registry.alias(CANARY) is None

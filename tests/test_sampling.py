@@ -18,8 +18,9 @@ from train.models import load_policy
 from train.sampling import SamplingRows, sampled_logprobs
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.3, 20, 1.0),
-                                                       (0.8, 50, 0.95), (1.0, 0, 1.0)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.3, 20, 1.0), (0.8, 50, 0.95), (1.0, 0, 1.0)]
+)
 def test_matches_transformers_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(64, 1000) * 3  # [M, V]
@@ -61,10 +62,14 @@ def test_top_p_served_log_probs_are_what_training_recomputes(bpe_base, tmp_path)
     adapter = make_adapter(bpe_base, tmp_path / "adapter", seed=4, std=0.05)
     server = PolicySet.load(bpe_base, device="cpu")
     server.add("1", adapter)
-    prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question number {i}"}]
-               for i in range(8)]
-    served = [server.generate("1", [p], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=i)[0]
-              for i, p in enumerate(prompts)]
+    prompts = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question number {i}"}]
+        for i in range(8)
+    ]
+    served = [
+        server.generate("1", [p], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=i)[0]
+        for i, p in enumerate(prompts)
+    ]
 
     trainer = load_policy(bpe_base, device="cpu")
     trained = load_adapter(trainer.model, adapter, adapter_name="default", trainable=True)
@@ -79,14 +84,17 @@ def test_top_p_served_log_probs_are_what_training_recomputes(bpe_base, tmp_path)
     behavior, mask = batch.behavior, batch.mask.bool()  # [B, T]
     with torch.no_grad():
         exact = token_logprobs(trained, batch, SamplingRows.of(episodes))[0]
-        plain = token_logprobs(trained, batch, SamplingRows.of([LoggedEpisode("x", "", "", temperature=0.7)]
-                                                               * len(episodes)))[0]
+        plain = token_logprobs(
+            trained, batch, SamplingRows.of([LoggedEpisode("x", "", "", temperature=0.7)] * len(episodes))
+        )[0]
     assert int(mask.sum()) > 100
     assert float((exact - behavior)[mask].abs().mean()) < 1e-3
     assert float((plain - behavior)[mask].abs().mean()) > 1e-2  # what a temperature-only ratio sees
 
     # the gate reads the same: sequence log-probs of the logged episodes under the serving adapter
-    logged = [LoggedEpisode(f"r{i}", p, g.text, g.token_ids, g.logprobs, 0.7, 0.0, 0.9, 0)
-              for i, (p, g) in enumerate(zip(prompts, served))]
+    logged = [
+        LoggedEpisode(f"r{i}", p, g.text, g.token_ids, g.logprobs, 0.7, 0.0, 0.9, 0)
+        for i, (p, g) in enumerate(zip(prompts, served))
+    ]
     for seq, gen in zip(server.sequence_logprobs("1", logged), served):
         assert abs(seq - sum(gen.logprobs)) < 1e-3 * len(gen.logprobs)

@@ -40,8 +40,9 @@ RUNS, EVERY = 2000, 5
 NO_COVARIATE = np.zeros((RUNS, DESIGN.max_n))
 
 
-def simulate(seed: int, champion_mean: float, canary_mean: float, design: Design = DESIGN,
-             runs: int = RUNS) -> tuple[np.ndarray, np.ndarray]:
+def simulate(
+    seed: int, champion_mean: float, canary_mean: float, design: Design = DESIGN, runs: int = RUNS
+) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     shape = (runs, design.max_n)
     champion, canary = rewards(rng, p_for(champion_mean), shape), rewards(rng, p_for(canary_mean), shape)
@@ -117,7 +118,10 @@ def test_cuped_reduces_the_variance_without_moving_the_estimate():
 
 def test_one_look_against_hand_computed_numbers():
     champion = ([1.0, 0.0] * 30, [0.0] * 60)  # mean 0.5, sample variance 15/59
-    canary = ([1.0, 1.0, 0.0] * 20, [0.0] * 60)  # mean 2/3, sample variance (40 * (1/3)^2 + 20 * (2/3)^2) / 59 = (120/9) / 59
+    canary = (
+        [1.0, 1.0, 0.0] * 20,
+        [0.0] * 60,
+    )  # mean 2/3, sample variance (40 * (1/3)^2 + 20 * (2/3)^2) / 59 = (120/9) / 59
     design = Design(margin=0.05, effect=0.1, alpha=0.05, beta=0.2, min_n=50, max_n=1000)
     seen = sequential.look(champion, canary, design)
     var = (120 / 9) / 59 / 60 + 15 / 59 / 60

@@ -70,15 +70,21 @@ def registered(tmp_path, reverse_base, kafka_bootstrap):
     engine.dispose()
 
 
-def test_serve_follows_three_promotions_under_concurrent_requests(registered, reverse_base, tmp_path,
-                                                                  kafka_bootstrap):
+def test_serve_follows_three_promotions_under_concurrent_requests(registered, reverse_base, tmp_path, kafka_bootstrap):
     r = registered
     registry = r["registry"]
     registry.promote("1", actor="test", reason="start", force=True)
-    env = {**os.environ, "RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_DB_URL": r["url"],
-           "RTRL_MLFLOW__TRACKING_URI": r["tracking"], "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
-           "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap, "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
-           "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"], "RTRL_ROUTING_SECRET": "s3cret-salt"}
+    env = {
+        **os.environ,
+        "RTRL_STATE_DIR": str(tmp_path / "state"),
+        "RTRL_DB_URL": r["url"],
+        "RTRL_MLFLOW__TRACKING_URI": r["tracking"],
+        "RTRL_MLFLOW__REGISTERED_MODEL": r["name"],
+        "RTRL_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "RTRL_KAFKA__MODEL_UPDATES_TOPIC": r["topics"]["updates"],
+        "RTRL_KAFKA__INTERACTIONS_TOPIC": r["topics"]["interactions"],
+        "RTRL_ROUTING_SECRET": "s3cret-salt",
+    }
     server = ServeProcess(reverse_base, env, tmp_path / "serve.log")
     base_url, health = server.url, server.health
     salt = routing_salt("s3cret-salt", "1")  # the canary's hash, as the server salts it
@@ -92,8 +98,12 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
                 prompt = "abcdef"[k] + "abcdef"[i % 6] + "abcdef"[(i + k) % 6] + ">"
                 rid = f"c{k}-{i}"
                 try:
-                    resp = requests.post(f"{base_url}/v1/completions", headers={"X-Request-Id": rid}, timeout=30,
-                                         json={"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "seed": i})
+                    resp = requests.post(
+                        f"{base_url}/v1/completions",
+                        headers={"X-Request-Id": rid},
+                        timeout=30,
+                        json={"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "seed": i},
+                    )
                     if resp.status_code == 200:  # the server chose the request's id; ours is kept beside it
                         assert resp.headers["X-Request-Id"] == resp.json()["id"] != rid
                         results.append((resp.json()["id"], prompt, resp))
@@ -121,12 +131,19 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
         wait_for(lambda: health().get("canary") == {"version": "1", "share": 0.5}, 60, "the canary to be staged")
         staged = len(results)
         wait_for(lambda: len(results) >= staged + 24, 60, "requests during the canary")
-        canary_window = results[staged + 4:staged + 24]  # past the (at most 4) requests in flight at the move
+        canary_window = results[staged + 4 : staged + 24]  # past the (at most 4) requests in flight at the move
+
         # an agent's episode goes to one version, whatever its calls' request ids hash to
         def versions_of(episode: str) -> set[str]:
-            return {requests.post(f"{base_url}/v1/completions", headers={"X-Rtrl-Episode-Id": episode},
-                                  json={"prompt": "ab>", "max_tokens": 2}).headers["X-Rtrl-Policy-Version"]
-                    for _ in range(4)}
+            return {
+                requests.post(
+                    f"{base_url}/v1/completions",
+                    headers={"X-Rtrl-Episode-Id": episode},
+                    json={"prompt": "ab>", "max_tokens": 2},
+                ).headers["X-Rtrl-Policy-Version"]
+                for _ in range(4)
+            }
+
         sticky = {f"ep-sticky-{k}": versions_of(f"ep-sticky-{k}") for k in range(8)}
         registry.unstage(actor="test", reason="withdrawn")
         wait_for(lambda: "canary" not in health(), 60, "the canary to be withdrawn")
@@ -146,10 +163,13 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
             choice = resp.json()["choices"][0]
             ids = choice["logprobs"]["token_ids"]
             if choice["finish_reason"] == "stop":  # stopping is an action: its token is logged, its text is not
-                assert ids[-1] == policies.tokenizer.eos_token_id and policies.tokenizer.decode(ids[:-1]) == choice["text"]
+                assert (
+                    ids[-1] == policies.tokenizer.eos_token_id and policies.tokenizer.decode(ids[:-1]) == choice["text"]
+                )
             if ids:
                 by_version[resp.headers["X-Rtrl-Policy-Version"]].append(
-                    (LoggedEpisode(rid, prompt, choice["text"], ids), sum(choice["logprobs"]["token_logprobs"])))
+                    (LoggedEpisode(rid, prompt, choice["text"], ids), sum(choice["logprobs"]["token_logprobs"]))
+                )
         for v, items in by_version.items():
             other = "2" if v == "1" else "1"
             mine = policies.sequence_logprobs(v, [e for e, _ in items])
@@ -161,8 +181,13 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
             assert all(abs(a - b) < 1e-4 for a, b in zip(mine + theirs, mine2 + theirs2)) and kl > 1e-3
 
         # every request became an interaction event naming the version that served it
-        consumer = KafkaConsumer(r["topics"]["interactions"], bootstrap_servers=kafka_bootstrap,
-                                 auto_offset_reset="earliest", group_id=None, consumer_timeout_ms=2000)
+        consumer = KafkaConsumer(
+            r["topics"]["interactions"],
+            bootstrap_servers=kafka_bootstrap,
+            auto_offset_reset="earliest",
+            group_id=None,
+            consumer_timeout_ms=2000,
+        )
         events = {}
         deadline = time.monotonic() + 30
         while len(events) < len(results) + len(failures) and time.monotonic() < deadline:
@@ -177,11 +202,13 @@ def test_serve_follows_three_promotions_under_concurrent_requests(registered, re
 
         bad = requests.post(f"{base_url}/v1/completions", json={"prompt": "ab>", "temperature": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
-        chat = requests.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
-                                                                       "max_tokens": 2})
+        chat = requests.post(
+            f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}
+        )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
         assert [resp.headers["X-Rtrl-Policy-Version"] for rid, _, resp in canary_window] == [
-            "1" if routes_to_canary(rid, 0.5, salt) else "2" for rid, _, _ in canary_window]
+            "1" if routes_to_canary(rid, 0.5, salt) else "2" for rid, _, _ in canary_window
+        ]
         assert {resp.headers["X-Rtrl-Policy-Version"] for _, _, resp in canary_window} == {"1", "2"}
         assert sticky == {ep: {"1" if routes_to_canary(ep, 0.5, salt) else "2"} for ep in sticky}
         assert set().union(*sticky.values()) == {"1", "2"}
@@ -196,8 +223,14 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
     vllm = VllmStub(base=r["name"])
     upstream = InProcessServer(vllm.app)
     sync = VllmAdapterSync(upstream.url, r["name"], r["registry"].download, tmp_path / "dl", grace_s=0.2)
-    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
-                        lambda alias: current(r["registry"], alias), aliases=("champion", "canary")).start()
+    follower = Follower(
+        kafka_bootstrap,
+        r["topics"]["updates"],
+        r["name"],
+        sync.on_update,
+        lambda alias: current(r["registry"], alias),
+        aliases=("champion", "canary"),
+    ).start()
     calls = vllm.lora_calls
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
@@ -216,9 +249,15 @@ def test_vllm_hook_loads_the_new_adapter_then_unloads_the_old(registered, tmp_pa
         wait_for(lambda: len(calls) >= 7, 30, "vLLM to unload v2")
         name = r["name"]
         load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-        assert calls == [(load, f"{name}-v1", 200), (load, f"{name}-v2", 200), (unload, f"{name}-v1", 200),
-                         (load, f"{name}-v1", 200), (unload, f"{name}-v1", 200), (load, f"{name}-v1", 200),
-                         (unload, f"{name}-v2", 200)]
+        assert calls == [
+            (load, f"{name}-v1", 200),
+            (load, f"{name}-v2", 200),
+            (unload, f"{name}-v1", 200),
+            (load, f"{name}-v1", 200),
+            (unload, f"{name}-v1", 200),
+            (load, f"{name}-v1", 200),
+            (unload, f"{name}-v2", 200),
+        ]
         assert sync.current == f"{name}-v1" and sync.canary is None and set(vllm.loras) == {f"{name}-v1"}
         # a sync started again while vLLM holds the champion picks up where vLLM is: no load of a
         # loaded name (vLLM refuses it with a 400), nothing unloaded
@@ -238,8 +277,14 @@ def test_a_failed_adapter_load_is_tried_again_until_vllm_serves_it(registered, t
     vllm.fail_loads = 2
     upstream = InProcessServer(vllm.app)
     sync = VllmAdapterSync(upstream.url, r["name"], r["registry"].download, tmp_path / "dl")
-    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], sync.on_update,
-                        lambda alias: current(r["registry"], alias), retry_s=0.2).start()
+    follower = Follower(
+        kafka_bootstrap,
+        r["topics"]["updates"],
+        r["name"],
+        sync.on_update,
+        lambda alias: current(r["registry"], alias),
+        retry_s=0.2,
+    ).start()
     try:
         r["registry"].promote("1", actor="test", reason="first", force=True)
         wait_for(lambda: f"{r['name']}-v1" in vllm.loras, 30, "vLLM to load v1 after two refusals")
@@ -258,17 +303,24 @@ def test_follower_serves_what_the_registry_says_not_what_an_event_says(registere
     registry.promote("1", actor="test", reason="first", force=True)
     registry.promote("2", actor="test", reason="second", force=True)
     applied: list[ModelUpdate] = []
-    follower = Follower(kafka_bootstrap, r["topics"]["updates"], r["name"], applied.append,
-                        lambda alias: current(registry, alias), aliases=("champion", "canary")).start()
+    follower = Follower(
+        kafka_bootstrap,
+        r["topics"]["updates"],
+        r["name"],
+        applied.append,
+        lambda alias: current(registry, alias),
+        aliases=("champion", "canary"),
+    ).start()
     try:
-        for forged in ({"version": "../../../tmp/evil", "adapter_uri": "file:///tmp/evil"},
-                       {"version": "1", "adapter_uri": registry.get("1").source, "seq": 1}):
+        for forged in (
+            {"version": "../../../tmp/evil", "adapter_uri": "file:///tmp/evil"},
+            {"version": "1", "adapter_uri": registry.get("1").source, "seq": 1},
+        ):
             registry.publish({"type": "model_update", "name": r["name"], "alias": "champion", **forged})
         wait_for(lambda: len(applied) >= 2, 30, "both events to be handled")
     finally:
         follower.close()
-    assert [(u.alias, u.version, u.adapter_uri) for u in applied] == [
-        ("champion", "2", registry.get("2").source)] * 2
+    assert [(u.alias, u.version, u.adapter_uri) for u in applied] == [("champion", "2", registry.get("2").source)] * 2
 
 
 def test_a_cleared_champion_alias_loads_nothing_into_vllm(tmp_path):
@@ -309,8 +361,10 @@ def test_an_old_adapter_is_unloaded_only_after_the_grace_period_and_not_if_neede
     calls: list[tuple[str, str]] = []
     sync = VllmAdapterSync("http://127.0.0.1:9", "m", lambda uri, dst: dst, tmp_path, grace_s=3600)
     sync._post = lambda path, body: calls.append((path.rsplit("/", 1)[1], body["lora_name"]))
-    sync.served = lambda: {name for kind, name in calls if kind == "load_lora_adapter"} - {
-        name for kind, name in calls if kind == "unload_lora_adapter"}
+    sync.served = lambda: (
+        {name for kind, name in calls if kind == "load_lora_adapter"}
+        - {name for kind, name in calls if kind == "unload_lora_adapter"}
+    )
     for version in ("3", "4", "3"):  # promoted, then rolled back within the grace period
         sync.on_update(ModelUpdate("champion", version, "runs:/r/adapter"))
     assert calls == [("load_lora_adapter", "m-v3"), ("load_lora_adapter", "m-v4")]  # m-v3 still loaded

@@ -22,9 +22,19 @@ from pipeline.core.textchecks import malformed_tool_call
 from tests.conftest import InProcessServer, wait_for
 from train.inference import Generation, PolicySet
 
-LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "the word stored under a key",
-                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
-                                                          "required": ["key"], "additionalProperties": False}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "the word stored under a key",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"type": "string"}},
+            "required": ["key"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "reverse the word under key k1"}]
 
 
@@ -38,8 +48,19 @@ class Scripted:
     def prompt_tokens(self, prompt, tools=None):
         return self.real.prompt_tokens(prompt, tools)
 
-    def generate(self, name, prompts, max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None, tools=None,
-                 on_token=None, stop=None, **_):
+    def generate(
+        self,
+        name,
+        prompts,
+        max_new_tokens=16,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        tools=None,
+        on_token=None,
+        stop=None,
+        **_,
+    ):
         ids = self.tokenizer(self.text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
         out = []
         for i, token in enumerate(ids):
@@ -78,18 +99,24 @@ def test_a_tool_call_round_trips_and_the_follow_up_carries_it(real):
     assert sent[0]["tools"] == [LOOKUP] and sent[0]["tool_calls"][0]["function"]["name"] == "lookup"
     assert "error" not in sent[0]["tool_calls"][0] and sent[0]["completion"] == call  # the text, as written
 
-    follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
-                 {"role": "tool", "tool_call_id": tc.id, "content": "stressed"}]
+    follow_up = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": "stressed"},
+    ]
     api.chat.completions.create(model="policy", messages=follow_up, tools=[LOOKUP], max_tokens=64)
     assert sent[1]["prompt"][1]["tool_calls"][0]["id"] == tc.id and sent[1]["prompt"][2]["role"] == "tool"
 
 
-@pytest.mark.parametrize("written, error", [
-    ('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>', "'search' is not an offered tool"),
-    ('<tool_call>\n{"name": "lookup", "arguments": {"key": 7}}\n</tool_call>', "do not match lookup's schema"),
-    ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"</tool_call>', "not JSON"),
-    ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}', "unterminated"),
-])
+@pytest.mark.parametrize(
+    "written, error",
+    [
+        ('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>', "'search' is not an offered tool"),
+        ('<tool_call>\n{"name": "lookup", "arguments": {"key": 7}}\n</tool_call>', "do not match lookup's schema"),
+        ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"</tool_call>', "not JSON"),
+        ('<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}', "unterminated"),
+    ],
+)
 def test_a_broken_tool_call_is_returned_as_written_and_flagged_in_the_event(real, written, error):
     sent: list[dict] = []
     api = client_for(PolicyServer(Scripted(real, written), "policy", emit=sent.append))
@@ -123,8 +150,12 @@ def test_a_streamed_answer_reassembles_to_the_unstreamed_one(real):
     assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-5)
     assert chunks[-1].usage.completion_tokens == len(whole.logprobs.content)
     plain = api.completions.create(model="policy", prompt="abc>", max_tokens=6, seed=3, temperature=0.8)
-    streamed = "".join(c.choices[0].text for c in api.completions.create(
-        model="policy", prompt="abc>", max_tokens=6, seed=3, temperature=0.8, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in api.completions.create(
+            model="policy", prompt="abc>", max_tokens=6, seed=3, temperature=0.8, stream=True
+        )
+    )
     assert streamed == plain.choices[0].text
 
 
@@ -132,13 +163,13 @@ def test_a_streamed_tool_call_arrives_as_tool_call_deltas(real):
     call = 'looking <tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
     api = client_for(PolicyServer(Scripted(real, call), "policy"))
     whole = api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64).choices[0]
-    chunks = list(api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64,
-                                              stream=True))
+    chunks = list(api.chat.completions.create(model="policy", messages=ASK, tools=[LOOKUP], max_tokens=64, stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or ())]
     assert "<tool_call>" not in content and content.strip() == whole.message.content == "looking"
     assert [(tc.function.name, tc.function.arguments) for tc in calls] == [
-        (tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls]
+        (tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -148,8 +179,12 @@ def stream_and_leave(policy) -> dict:
     sent: list[dict] = []
     http = InProcessServer(create_app(PolicyServer(policy, "policy", emit=sent.append)))
     try:
-        with requests.post(f"{http.url}/v1/chat/completions", stream=True, timeout=30,
-                           json={"messages": ASK, "max_tokens": 300, "stream": True}) as response:
+        with requests.post(
+            f"{http.url}/v1/chat/completions",
+            stream=True,
+            timeout=30,
+            json={"messages": ASK, "max_tokens": 300, "stream": True},
+        ) as response:
             assert next(response.iter_lines()).startswith(b"data: ")  # the first chunk arrived; then the client leaves
         wait_for(lambda: sent, 30, "the interaction event")
     finally:

@@ -25,25 +25,32 @@ MESSAGES = [{"role": "system", "content": "reverse"}, {"role": "user", "content"
 
 
 def test_plain_chat_and_completions_answer_with_usage(client):
-    chat = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=3, temperature=0.7,
-                                          top_p=0.9, seed=1)
+    chat = client.chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=3, temperature=0.7, top_p=0.9, seed=1
+    )
     choice = chat.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     assert len(choice.logprobs.content) == chat.usage.completion_tokens <= 3
-    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    assert (
+        chat.usage.prompt_tokens > 0
+        and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    )
     newer = client.chat.completions.create(model="policy", messages=MESSAGES, max_completion_tokens=2, seed=1)
     assert newer.usage.completion_tokens <= 2
     text = client.completions.create(model="policy", prompt="abc>", max_tokens=3, temperature=0)
     assert text.usage.prompt_tokens == 4 and text.choices[0].text is not None
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"tool_choice": "required"}, "tool_choice='required' is not supported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice={'type'"),
-    ({"stop": ["\n"]}, "stop is not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"tool_choice": "required"}, "tool_choice='required' is not supported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice={'type'"),
+        ({"stop": ["\n"]}, "stop is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+    ],
+)
 def test_a_parameter_the_server_does_not_implement_is_refused_naming_it(client, extra, named):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, **extra)
@@ -66,12 +73,17 @@ def test_the_interaction_event_is_the_contract_s_and_a_user_it_cannot_carry_is_r
     server = PolicyServer(PolicySet.load(reverse_base, device="cpu"), "policy", emit=sent.append)
     http = TestClient(create_app(server))
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-    api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, seed=1, user="u-1",
-                                extra_headers={"X-Session-Id": "s-1", "X-Request-Id": "x" * 300})
+    api.chat.completions.create(
+        model="policy",
+        messages=MESSAGES,
+        max_tokens=2,
+        seed=1,
+        user="u-1",
+        extra_headers={"X-Session-Id": "s-1", "X-Request-Id": "x" * 300},
+    )
     event = decode(orjson.dumps(sent[0]), SourcePosition(source="t", partition=0, offset=0), 1 << 20)
     assert isinstance(event, DecodedInteraction), event
     assert (event.user_id, event.session_id, event.client_request_id) == ("u-1", "s-1", "x" * 256)
     with pytest.raises(openai.BadRequestError) as err:  # a NUL the store could not hold: refused up front
         api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2, user="a\u0000b")
     assert err.value.body["param"] == "user" and len(sent) == 1
-

@@ -79,7 +79,11 @@ def test_a_process_killed_mid_appends_loses_nothing_it_appended(tmp_path):
     50 records, with no pause; killed with SIGKILL, the spool must hold every record counted
     (append hands each record to the OS: only a machine that goes down loses the last group-commit
     interval, which a process kill cannot show)."""
-    child = subprocess.Popen([sys.executable, "-c", f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 from pathlib import Path
 from pipeline.core.spool import Spool
 spool = Spool(Path({str(tmp_path)!r}), commit_s=1.0)
@@ -89,7 +93,12 @@ while True:
     i += 1
     if i % 50 == 0:
         print(i, flush=True)
-"""], cwd=REPO, stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         durable = 0
         for line in child.stdout:  # (the child writes a line every 50 appends: this read never waits long)
@@ -116,14 +125,20 @@ def test_events_sent_while_the_broker_is_away_reach_it_in_order_once_it_is_back(
     from pipeline.core.config import load_config
     from tests.conftest import free_port
 
-    cfg = load_config(environ={"RTRL_STATE_DIR": str(tmp_path / "state"), "RTRL_KAFKA__PORT": str(free_port()),
-                               "RTRL_KAFKA__CONTROLLER_PORT": str(free_port())})
+    cfg = load_config(
+        environ={
+            "RTRL_STATE_DIR": str(tmp_path / "state"),
+            "RTRL_KAFKA__PORT": str(free_port()),
+            "RTRL_KAFKA__CONTROLLER_PORT": str(free_port()),
+        }
+    )
     kafka_local.up(cfg, progress=lambda _: None)
     sender = None
     try:
         kafka_local.ensure_topics(cfg.kafka_access, ["spooled"], partitions=1)
-        sender = EventSender(cfg.kafka_access, "spooled", key="request_id", timeout_s=3.0,
-                             spool=Spool(tmp_path / "spool"), retry_s=0.5)
+        sender = EventSender(
+            cfg.kafka_access, "spooled", key="request_id", timeout_s=3.0, spool=Spool(tmp_path / "spool"), retry_s=0.5
+        )
         for i in range(10):
             sender({"request_id": f"r{i}", "i": i})
         kafka_local.down(cfg)
@@ -132,8 +147,9 @@ def test_events_sent_while_the_broker_is_away_reach_it_in_order_once_it_is_back(
         assert sender.spool.pending()
         kafka_local.up(cfg, progress=lambda _: None)
         wait_for(lambda: not sender.spool.pending(), 120, "the spool to drain")
-        consumer = KafkaConsumer("spooled", bootstrap_servers=cfg.bootstrap, auto_offset_reset="earliest",
-                                 consumer_timeout_ms=5000)
+        consumer = KafkaConsumer(
+            "spooled", bootstrap_servers=cfg.bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=5000
+        )
         got = [json.loads(m.value)["i"] for m in consumer]
         consumer.close()
         assert list(dict.fromkeys(got)) == list(range(40)), got  # each event's first arrival, in order
@@ -169,7 +185,8 @@ def test_a_record_refused_for_good_is_set_aside_and_the_records_behind_it_go_on(
 @pytest.mark.kafka
 @pytest.mark.parametrize("producer_limit", [1 << 20, 4 << 20], ids=["producer-refuses", "broker-refuses"])
 def test_an_event_too_large_for_the_topic_is_set_aside_and_the_events_behind_it_arrive(
-        tmp_path, kafka_bootstrap, producer_limit):
+    tmp_path, kafka_bootstrap, producer_limit
+):
     """A 1 MiB topic and a 2 MiB event, refused by the producer (max_request_size) or, past a
     4 MiB producer limit, by the broker: it was retried every 2 s with every later event waiting
     behind it; now it is set aside and the others arrive."""
@@ -183,8 +200,15 @@ def test_an_event_too_large_for_the_topic_is_set_aside_and_the_events_behind_it_
 
     topic = f"sized-{uuid.uuid4().hex[:8]}"
     ensure_topics(KafkaAccess(kafka_bootstrap), [topic], partitions=1)  # max.message.bytes: 1 MiB
-    sender = EventSender(KafkaAccess(kafka_bootstrap, max_message_bytes=producer_limit), topic, key="request_id",
-                         timeout_s=5.0, spool=Spool(tmp_path / "spool"), retry_s=0.2, write_ahead=True)
+    sender = EventSender(
+        KafkaAccess(kafka_bootstrap, max_message_bytes=producer_limit),
+        topic,
+        key="request_id",
+        timeout_s=5.0,
+        spool=Spool(tmp_path / "spool"),
+        retry_s=0.2,
+        write_ahead=True,
+    )
     try:
         for i in range(4):
             sender({"request_id": f"r{i}", "i": i, "pad": "x" * ((2 << 20) if i == 1 else 0)})
@@ -194,8 +218,9 @@ def test_an_event_too_large_for_the_topic_is_set_aside_and_the_events_behind_it_
         assert aside["key"] == "r1" and "MessageSizeTooLarge" in aside["error"]
     finally:
         sender.close()
-    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=3000)
+    consumer = KafkaConsumer(
+        topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=3000
+    )
     got = [json.loads(m.value)["i"] for m in consumer]
     consumer.close()
     assert list(dict.fromkeys(got)) == [0, 2, 3]  # each event's first arrival (a batch sent again one by one

@@ -93,11 +93,16 @@ def test_a_role_that_may_not_create_temporary_tables_still_stores_batches(empty_
     if not empty_db_url.startswith("postgresql"):
         pytest.skip("a PostgreSQL privilege")
     store_db.upgrade(empty_db_url)
-    with restricted_role(empty_db_url, ["REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
-                                        "GRANT CONNECT ON DATABASE {database} TO {role}",
-                                        "GRANT USAGE ON SCHEMA public TO {role}",
-                                        "GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA public TO {role}",
-                                        "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"]) as engine:
+    with restricted_role(
+        empty_db_url,
+        [
+            "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
+            "GRANT CONNECT ON DATABASE {database} TO {role}",
+            "GRANT USAGE ON SCHEMA public TO {role}",
+            "GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA public TO {role}",
+            "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}",
+        ],
+    ) as engine:
         assert write_rows(engine, _rows([fb(i) for i in range(5)])).inserted["feedback"] == 5
         assert write_rows(engine, _rows([fb(i) for i in range(7)])).inserted["feedback"] == 2
 
@@ -116,9 +121,17 @@ def _event_rows(engine):
 def test_export_then_replay_round_trips_exactly(engine, db_url, tmp_path):
     evs = [
         interaction(1, shiny={"x": [1, 2]}),
-        interaction(2, completion=[{"role": "assistant", "content": "hi"}, {"role": "tool", "content": "ok"}],
-                    completion_token_ids=None, behavior_logprobs=None, sampling=None, metadata=None),
-        fb(1, value=True), fb(2, kind="edited", value=0.5, payload={"text": "héllo ✓"}), fb(3, value=3),
+        interaction(
+            2,
+            completion=[{"role": "assistant", "content": "hi"}, {"role": "tool", "content": "ok"}],
+            completion_token_ids=None,
+            behavior_logprobs=None,
+            sampling=None,
+            metadata=None,
+        ),
+        fb(1, value=True),
+        fb(2, kind="edited", value=0.5, payload={"text": "héllo ✓"}),
+        fb(3, value=3),
     ]
     write_rows(engine, _rows(evs))
     out = tmp_path / "events.ndjson.gz"
@@ -184,8 +197,13 @@ def test_export_is_valid_ndjson(engine, tmp_path):
 
 def test_served_and_accepted_per_policy_version(engine):
     events = [interaction(i, policy_version=v) for i, v in enumerate(["1", "1", "1", "2", "2"])]
-    events += [fb(0, kind="accepted"), fb(1, kind="accepted", value=False, event_id="no"),
-               fb(1, kind="persisted", event_id="kept"), fb(3, kind="accepted"), fb(4, kind="rejected")]
+    events += [
+        fb(0, kind="accepted"),
+        fb(1, kind="accepted", value=False, event_id="no"),
+        fb(1, kind="persisted", event_id="kept"),
+        fb(3, kind="accepted"),
+        fb(4, kind="rejected"),
+    ]
     write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
     assert served_and_accepted(engine, ["1", "2", "3"]) == {"1": (3, 1), "2": (2, 1)}
     assert served_and_accepted(engine, []) == {}
@@ -207,16 +225,22 @@ def test_online_rewards_per_version_since_a_time(engine):
     # request 0 was served before the canary went live: it does not count
     events = [interaction(i, policy_version=v) for i, v in enumerate(versions)]
     write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
-    upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", v, x, {}, 1, 0) for i, (v, x) in
-                                      enumerate(zip(versions, values))])
+    upsert_rewards(
+        engine, "spec@1", [RewardRow(f"ev-r-{i}", v, x, {}, 1, 0) for i, (v, x) in enumerate(zip(versions, values))]
+    )
     upsert_rewards(engine, "spec@2", [RewardRow("ev-r-1", "1", 5.0, {}, 1, 0)])  # another spec's: not counted
     got = online_rewards(engine, "spec@1", ["1", "2"], (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None))
     assert got["1"][:2] == (2, 0.0) and abs(got["1"][2] - 0.5) < 1e-9
     assert got["2"][:2] == (4, 0.5) and abs(got["2"][2] - 1 / 3) < 1e-9
     assert online_rewards(engine, "spec@1", ["3"], BASE_TS.replace(tzinfo=None)) == {}
     # only requests whose outcome is final: served up to `until`
-    got = online_rewards(engine, "spec@1", ["1", "2"], (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None),
-                         until=(BASE_TS + timedelta(seconds=5)).replace(tzinfo=None))
+    got = online_rewards(
+        engine,
+        "spec@1",
+        ["1", "2"],
+        (BASE_TS + timedelta(seconds=1)).replace(tzinfo=None),
+        until=(BASE_TS + timedelta(seconds=5)).replace(tzinfo=None),
+    )
     assert got["1"][:2] == (2, 0.0) and got["2"][0] == 3 and abs(got["2"][1] - 2 / 3) < 1e-9
 
 
@@ -232,8 +256,14 @@ def test_online_rewards_count_an_episode_once(engine):
 
     # version 1: one episode of three calls (-1, -1, -1) and one of one call (+1)
     # version 2: two requests without an episode (+1 and -1)
-    spec = [("1", "ep-a", -1.0), ("1", "ep-a", -1.0), ("1", "ep-a", -1.0), ("1", "ep-b", 1.0),
-            ("2", None, 1.0), ("2", None, -1.0)]
+    spec = [
+        ("1", "ep-a", -1.0),
+        ("1", "ep-a", -1.0),
+        ("1", "ep-a", -1.0),
+        ("1", "ep-b", 1.0),
+        ("2", None, 1.0),
+        ("2", None, -1.0),
+    ]
     events = [interaction(i, policy_version=v, **({"episode_id": e} if e else {})) for i, (v, e, _) in enumerate(spec)]
     write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
     upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", v, x, {}, 1, 0) for i, (v, _, x) in enumerate(spec)])
@@ -252,14 +282,20 @@ def test_an_episode_s_covariate_is_its_first_prompt_s_mean_reward_before_the_can
     from tests.factories import BASE_TS
 
     # (version, prompt, user, episode, step, reward); requests 0-3 before the canary, 4- after
-    rows = [("base", "p1", "u1", None, None, 1.0), ("base", "p1", "u2", None, None, 0.0),
-            ("base", "p2", "u1", None, None, -1.0), ("base", "p3", "u3", None, None, -0.5),
-            ("1", "p1", "u3", None, None, 0.2),  # p1 earned 0.5 before
-            ("1", "p9", "u1", None, None, 0.3),  # never seen: the overall mean, -0.125
-            ("base", "p2", "u2", "ep-x", 1, 0.0),  # an episode that began with p2, then p1
-            ("base", "p1", "u2", "ep-x", 2, 1.0)]
-    events = [interaction(i, policy_version=v, prompt=p, user_id=u, **({"episode_id": e, "step": s} if e else {}))
-              for i, (v, p, u, e, s, _) in enumerate(rows)]
+    rows = [
+        ("base", "p1", "u1", None, None, 1.0),
+        ("base", "p1", "u2", None, None, 0.0),
+        ("base", "p2", "u1", None, None, -1.0),
+        ("base", "p3", "u3", None, None, -0.5),
+        ("1", "p1", "u3", None, None, 0.2),  # p1 earned 0.5 before
+        ("1", "p9", "u1", None, None, 0.3),  # never seen: the overall mean, -0.125
+        ("base", "p2", "u2", "ep-x", 1, 0.0),  # an episode that began with p2, then p1
+        ("base", "p1", "u2", "ep-x", 2, 1.0),
+    ]
+    events = [
+        interaction(i, policy_version=v, prompt=p, user_id=u, **({"episode_id": e, "step": s} if e else {}))
+        for i, (v, p, u, e, s, _) in enumerate(rows)
+    ]
     write_rows(engine, decode_records([("t", 0, i, encode(e)) for i, e in enumerate(events)], 1 << 20).rows)
     upsert_rewards(engine, "spec@1", [RewardRow(f"ev-r-{i}", r[0], r[5], {}, 1, 0) for i, r in enumerate(rows)])
     since = (BASE_TS + timedelta(seconds=4)).replace(tzinfo=None)
@@ -275,8 +311,11 @@ def test_an_episode_s_covariate_is_its_first_prompt_s_mean_reward_before_the_can
 
 
 TRAJECTORY = [
-    {"role": "assistant", "content": "Let me look.",
-     "tool_calls": [{"function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [{"function": {"name": "read", "arguments": '{"path": "a.py"}'}}],
+    },
     {"role": "tool", "content": "def f(): ..."},
     {"role": "assistant", "content": "Fixed."},
 ]
@@ -292,8 +331,16 @@ def _outputs(engine) -> dict[str, tuple]:
 def test_ingest_stores_what_the_policy_wrote_beside_the_body(engine):
     """The reward stage reads these columns instead of parsing bodies: assistant turns only (a
     tool's output is not the policy's), tool calls as sent, expects_attempt from the metadata."""
-    write_rows(engine, _rows([interaction(1), interaction(2, completion=TRAJECTORY, metadata={"expects_attempt": False}),
-                              interaction(3, completion="")]))
+    write_rows(
+        engine,
+        _rows(
+            [
+                interaction(1),
+                interaction(2, completion=TRAJECTORY, metadata={"expects_attempt": False}),
+                interaction(3, completion=""),
+            ]
+        ),
+    )
     got = _outputs(engine)
     assert got["ev-r-1"] == (interaction(1)["completion"], None, True)
     assert got["ev-r-2"] == ("Let me look.\nFixed.", TRAJECTORY[0]["tool_calls"], False)
@@ -309,11 +356,14 @@ def test_migration_fills_the_outputs_of_interactions_stored_before_it(empty_db_u
     engine = store_db.make_engine(empty_db_url)
     old = Table("interactions", MetaData(), autoload_with=engine)
     events = [interaction(1), interaction(2, completion=TRAJECTORY, metadata={"expects_attempt": False})]
-    rows = [{k: v for k, v in row.items() if k in old.c} | {"ingested_at": row["ts"]}
-            for row in _rows(events).interaction]
+    rows = [
+        {k: v for k, v in row.items() if k in old.c} | {"ingested_at": row["ts"]} for row in _rows(events).interaction
+    ]
     with engine.begin() as conn:
         conn.execute(old.insert(), rows)
     store_db.upgrade(empty_db_url)
-    assert _outputs(engine) == {"ev-r-1": (interaction(1)["completion"], None, True),
-                                "ev-r-2": ("Let me look.\nFixed.", TRAJECTORY[0]["tool_calls"], False)}
+    assert _outputs(engine) == {
+        "ev-r-1": (interaction(1)["completion"], None, True),
+        "ev-r-2": ("Let me look.\nFixed.", TRAJECTORY[0]["tool_calls"], False),
+    }
     engine.dispose()

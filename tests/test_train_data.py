@@ -51,7 +51,10 @@ def test_behaviour_logprobs_align_with_served_tokens_or_are_dropped_and_counted(
 def test_empty_completion_and_no_assistant_turn_are_counted_skips(tokenizer):
     stats = DataStats()
     assert tokenize_episode(tokenizer, "e", "p", "", stats=stats) is Skip.EMPTY_COMPLETION
-    assert tokenize_episode(tokenizer, "t", "p", [{"role": "tool", "content": "x"}], stats=stats) is Skip.NO_ASSISTANT_TOKENS
+    assert (
+        tokenize_episode(tokenizer, "t", "p", [{"role": "tool", "content": "x"}], stats=stats)
+        is Skip.NO_ASSISTANT_TOKENS
+    )
     assert stats.skipped == {"empty_completion": 1, "no_assistant_tokens": 1} and stats.episodes == 0
 
 
@@ -63,14 +66,19 @@ def test_a_trajectory_is_rendered_by_the_chat_template_turn_by_turn(bpe_base):
     tok = load_policy(bpe_base).tokenizer
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "where is the config?"}]
     traj = [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "config"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "found: rtrl.toml"},
         {"role": "assistant", "content": "It is rtrl.toml."},
     ]
     ep = tokenize_episode(tok, "r", prompt, traj)
     served_prompt = tok(render_prompt(tok, prompt), add_special_tokens=False).input_ids
-    assert ep.input_ids[:len(served_prompt)] == served_prompt and not any(ep.loss_mask[:len(served_prompt)])
+    assert ep.input_ids[: len(served_prompt)] == served_prompt and not any(ep.loss_mask[: len(served_prompt)])
     spans, current = [], []
     for t, m in zip(ep.input_ids, ep.loss_mask):
         if m:
@@ -79,8 +87,10 @@ def test_a_trajectory_is_rendered_by_the_chat_template_turn_by_turn(bpe_base):
             spans.append(tok.decode(current))
             current = []
     spans += [tok.decode(current)] if current else []
-    assert spans == ['<tool_call>\n{"name": "search", "arguments": {"q": "config"}}\n</tool_call><|im_end|>',
-                     "It is rtrl.toml.<|im_end|>"]
+    assert spans == [
+        '<tool_call>\n{"name": "search", "arguments": {"q": "config"}}\n</tool_call><|im_end|>',
+        "It is rtrl.toml.<|im_end|>",
+    ]
     whole = tok.apply_chat_template(prompt + traj, tokenize=False)
     assert tok.decode(ep.input_ids) + "\n" == whole  # nothing lost or added but the template's last newline
 
@@ -101,13 +111,15 @@ def test_a_truncated_stream_and_the_tools_offered_reach_the_selection_s_tokeniza
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     prompt = [{"role": "user", "content": "the word under k1, reversed"}]
     body = {"prompt": prompt, "completion": "desserts", "tools": tools}
-    rows = [SimpleNamespace(request_id=f"r{i}", body=orjson.dumps({**body, "truncated": i == 1}), reward=1.0)
-            for i in range(2)]
+    rows = [
+        SimpleNamespace(request_id=f"r{i}", body=orjson.dumps({**body, "truncated": i == 1}), reward=1.0)
+        for i in range(2)
+    ]
     report = TrainReport(None, {}, 0, 0, DataStats())
     episodes, _, _ = tokenize_selection(tok, Selection(rows, 0, 0), TrainConfig(max_seq_len=4096), report)
     assert report.data.skipped == {Skip.TRUNCATED.value: 1} and len(episodes) == 1
     with_tools = tok(render_prompt(tok, prompt, tools), add_special_tokens=False).input_ids
-    assert episodes[0].input_ids[:len(with_tools)] == with_tools and "lookup" in render_prompt(tok, prompt, tools)
+    assert episodes[0].input_ids[: len(with_tools)] == with_tools and "lookup" in render_prompt(tok, prompt, tools)
 
 
 def test_episodes_of_one_task_are_one_group_whatever_came_after_the_task():
@@ -117,7 +129,11 @@ def test_episodes_of_one_task_are_one_group_whatever_came_after_the_task():
 
     task = {"role": "user", "content": "rename foo.py"}
     first = [{"role": "system", "content": "terse"}, task]
-    later = [{"role": "system", "content": "verbose"}, task, {"role": "assistant", "content": "looking"},
-             {"role": "tool", "content": "foo.py exists"}]
+    later = [
+        {"role": "system", "content": "verbose"},
+        task,
+        {"role": "assistant", "content": "looking"},
+        {"role": "tool", "content": "foo.py exists"},
+    ]
     assert task_key(first) == task_key(later) != task_key([{"role": "user", "content": "rename bar.py"}])
     assert task_key("reverse: abc") != task_key("reverse: abd")  # a text prompt is its own task

@@ -38,8 +38,9 @@ def tokenized(tokenizer, episodes, drop_behavior_every: int = 0):
     out = []
     for i, e in enumerate(episodes):
         behavior = None if drop_behavior_every and i % drop_behavior_every == 0 else e["behavior_logprobs"]
-        out.append(tokenize_episode(tokenizer, str(i), e["prompt"], e["completion"], e["completion_token_ids"],
-                                    behavior))
+        out.append(
+            tokenize_episode(tokenizer, str(i), e["prompt"], e["completion"], e["completion_token_ids"], behavior)
+        )
     return out
 
 
@@ -49,8 +50,16 @@ def train(base_model, episodes, cfg=CFG, drop_behavior_every=0, **kw):
     model = attach_adapter(policy.model, cfg)
     eps = tokenized(policy.tokenizer, episodes, drop_behavior_every)
     tracker = MemoryTracker()
-    result = train_policy(model, eps, [e["reward"] for e in episodes], [e["group"] for e in episodes], cfg,
-                          tracker, policy.tokenizer.pad_token_id, **kw)
+    result = train_policy(
+        model,
+        eps,
+        [e["reward"] for e in episodes],
+        [e["group"] for e in episodes],
+        cfg,
+        tracker,
+        policy.tokenizer.pad_token_id,
+        **kw,
+    )
     return model, policy.tokenizer, result, tracker
 
 
@@ -73,8 +82,9 @@ def test_it_learns_to_reverse_from_logged_episodes(base_model, logged, drop_beha
 
 def test_save_load_continue_reproduces_training_straight_through(base_model, logged, tmp_path):
     episodes = logged[0][:96]
-    cfg = CFG.model_copy(update={"max_steps": 4, "checkpoint_every": 2, "lora_dropout": 0.1, "epochs": 1,
-                                 "batch_tokens": 256})
+    cfg = CFG.model_copy(
+        update={"max_steps": 4, "checkpoint_every": 2, "lora_dropout": 0.1, "epochs": 1, "batch_tokens": 256}
+    )
     straight, _, _, _ = train(base_model, episodes, cfg, checkpoint_dir=tmp_path / "a")
     ckpt = tmp_path / "a" / "step-2"
     assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and (ckpt / "trainer.safetensors").is_file()
@@ -82,8 +92,16 @@ def test_save_load_continue_reproduces_training_straight_through(base_model, log
     policy = load_policy(base_model, device="cpu")  # a fresh process would do exactly this
     resumed = load_adapter(policy.model, ckpt / "adapter")
     eps = tokenized(policy.tokenizer, episodes)
-    result = train_policy(resumed, eps, [e["reward"] for e in episodes], [e["group"] for e in episodes], cfg,
-                          MemoryTracker(), policy.tokenizer.pad_token_id, resume_from=ckpt)
+    result = train_policy(
+        resumed,
+        eps,
+        [e["reward"] for e in episodes],
+        [e["group"] for e in episodes],
+        cfg,
+        MemoryTracker(),
+        policy.tokenizer.pad_token_id,
+        resume_from=ckpt,
+    )
     assert result.steps == 4 and len(result.history) == 2  # steps 3 and 4 only
 
     a = {k: v for k, v in straight.state_dict().items() if "lora_" in k}
@@ -98,8 +116,10 @@ def test_save_load_continue_reproduces_training_straight_through(base_model, log
 def test_micro_batch_masks_line_up_with_target_tokens():
     from train.data import TokenizedEpisode
 
-    eps = [TokenizedEpisode("a", [5, 6, 7, 8], [0, 0, 1, 1], [0, 0, -0.5, -0.25], "served_ids"),
-           TokenizedEpisode("b", [5, 9, 10, 11, 12, 13], [0, 1, 0, 0, 1, 1], None, "missing")]
+    eps = [
+        TokenizedEpisode("a", [5, 6, 7, 8], [0, 0, 1, 1], [0, 0, -0.5, -0.25], "served_ids"),
+        TokenizedEpisode("b", [5, 9, 10, 11, 12, 13], [0, 1, 0, 0, 1, 1], None, "missing"),
+    ]
     batch = collate(eps, [0, 1], pad_id=0, device="cpu")
     assert batch.input_ids.shape == (2, 6) and batch.mask.shape == (2, 5)
     for b, e in enumerate(eps):
@@ -132,6 +152,7 @@ def test_grouped_pack_pads_less_and_keeps_every_episode_once_per_epoch():
 
     def padded(batches):
         return sum(max(lengths[i] for i in b) * len(b) for b in batches)
+
     assert padded(grouped) < 0.75 * padded(plain)
     assert grouped == pack(lengths, 256, 1, 0, grouped=True) != pack(lengths, 256, 1, 1, grouped=True)
     # the micro-batches are shuffled again: not in length order, so steps alternate lengths
@@ -150,8 +171,9 @@ def test_missing_or_corrupt_adapter_is_a_model_error(base_model, tmp_path):
         load_adapter(policy.model, bad)
 
 
-@pytest.mark.parametrize("loss,kl_coef", [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("kto", 0.0),
-                                          ("cispo", 0.05)])
+@pytest.mark.parametrize(
+    "loss,kl_coef", [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("kto", 0.0), ("cispo", 0.05)]
+)
 def test_every_loss_of_the_table_trains_in_the_loop(base_model, logged, loss, kl_coef):
     episodes = logged[0][:64]
     cfg = CFG.model_copy(update={"loss": loss, "kl_coef": kl_coef, "epochs": 1, "max_steps": 2, "batch_tokens": 256})
@@ -167,8 +189,7 @@ def test_dr_grpo_trains_on_advantages_not_divided_by_the_std(base_model, logged,
     """Dr. GRPO (arXiv:2503.20783, eq. 3) centres the rewards and stops there: with every episode
     against the batch, a step's advantages spread exactly as its rewards do. GRPO divides by
     the std, so its spread is not the rewards' (their std is ~0.5 here, not 1)."""
-    cfg = CFG.model_copy(update={"loss": loss, "advantage": "batch", "epochs": 1, "max_steps": 2,
-                                 "batch_tokens": 256})
+    cfg = CFG.model_copy(update={"loss": loss, "advantage": "batch", "epochs": 1, "max_steps": 2, "batch_tokens": 256})
     *_, tracker = train(base_model, logged[0][:64], cfg)
     spread = [(m["advantage_std"], m["reward_std"]) for _, m in tracker.metrics if "advantage_std" in m]
     assert spread and all(r > 0.05 for _, r in spread)
@@ -190,8 +211,14 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     for k, e in enumerate([e for e in logged[0] if len(e["completion_token_ids"]) >= 3][:8]):
         n = 1 + k % 3  # completions of 1-3 tokens: packing changes the padding and the normalisers
         ids = e["completion_token_ids"][:n]
-        episodes.append({**e, "completion_token_ids": ids, "completion": policy.tokenizer.decode(ids),
-                         "behavior_logprobs": e["behavior_logprobs"][:n]})
+        episodes.append(
+            {
+                **e,
+                "completion_token_ids": ids,
+                "completion": policy.tokenizer.decode(ids),
+                "behavior_logprobs": e["behavior_logprobs"][:n],
+            }
+        )
     cfg = CFG.model_copy(update={"loss": loss, "kl_coef": 0.05 if loss == "kto" else 0.0})
     torch.manual_seed(0)
     model = attach_adapter(policy.model, cfg)
@@ -203,15 +230,17 @@ def test_a_step_gradient_does_not_depend_on_packing(base_model, logged, loss):
     eps = tokenized(policy.tokenizer, episodes)
     assert len({len(e.input_ids) for e in eps}) == 3 and all(e.behavior is not None for e in eps)
     rewards = [1.0, -0.5, 0.25, 0.0, -1.0, 0.5, 1.0, -0.25]  # one KTO tie among them
-    inputs = StepInputs(advantages(rewards, ["all"] * 8), torch.tensor(rewards),
-                        SamplingRows.of(eps), torch.zeros(8, dtype=torch.bool))
+    inputs = StepInputs(
+        advantages(rewards, ["all"] * 8), torch.tensor(rewards), SamplingRows.of(eps), torch.zeros(8, dtype=torch.bool)
+    )
     entry = get_loss(loss)
     lcfg = loss_config(cfg, max(sum(e.loss_mask) for e in eps), entry)
 
     def gradient(micro):
         model.zero_grad(set_to_none=True)
-        accumulate_step(model, eps, micro, inputs, entry, lcfg, correction_config(entry, cfg), cfg,
-                        policy.tokenizer.pad_token_id)
+        accumulate_step(
+            model, eps, micro, inputs, entry, lcfg, correction_config(entry, cfg), cfg, policy.tokenizer.pad_token_id
+        )
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     whole = gradient([list(range(8))])

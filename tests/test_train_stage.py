@@ -46,12 +46,14 @@ def store(engine, events):
 
 
 def cfg_for(base, **over) -> TrainConfig:
-    return TrainConfig(base_model=base, batch_tokens=512, max_seq_len=64, lora_r=4, lora_alpha=8,
-                       **{"holdout_percent": 0.0, **over})
+    return TrainConfig(
+        base_model=base, batch_tokens=512, max_seq_len=64, lora_r=4, lora_alpha=8, **{"holdout_percent": 0.0, **over}
+    )
 
 
 def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermark(
-        engine, reverse_base, samples, tmp_path):
+    engine, reverse_base, samples, tmp_path
+):
     first, second = samples[:30], samples[30:]
     store(engine, task.as_events(first, "a", BASE_TS, tenants=("acme", "globex")))
     run_rewards(engine, SPEC, now=LATER)
@@ -89,7 +91,8 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
 
 
 def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loaded(
-        engine, reverse_base, samples, tmp_path, monkeypatch):
+    engine, reverse_base, samples, tmp_path, monkeypatch
+):
     # the daemon trains from the same base every cycle: loaded once per process, and a run's
     # adapter taken off it afterwards -- so a run trains the same adapter either way
     store(engine, task.as_events(samples[:30], "k", BASE_TS))
@@ -111,8 +114,9 @@ def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loade
     # keep_base_loaded = false: every run reads the base itself and leaves the resident one alone
     own = []
     monkeypatch.setattr(run_module, "load_policy", lambda *a, **k: own.append(a) or load_policy(*a, **k))
-    run_training(engine, cfg_for(reverse_base, keep_base_loaded=False), SPEC.version, tmp_path / "c",
-                 MemoryTracker(), now=LATER)
+    run_training(
+        engine, cfg_for(reverse_base, keep_base_loaded=False), SPEC.version, tmp_path / "c", MemoryTracker(), now=LATER
+    )
     assert len(own) == 1 and loads == [] and lora.resident_base(reverse_base) is resident
 
     # a run that died with its adapter attached leaves a base that is not reused
@@ -132,10 +136,18 @@ def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_bas
     store(engine, task.as_events(samples[20:40], "new", BASE_TS + timedelta(days=3), tenants=("acme", "globex")))
     run_rewards(engine, SPEC, now=LATER + timedelta(days=3))
     cfg = cfg_for(reverse_base, staleness_s=2 * 86400, tenant="acme", max_episodes=6)
-    report = run_training(engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True,
-                          now=LATER + timedelta(days=3))
-    assert report.selection == {"candidates": 40, "stale": 20, "other_tenant": 10, "other_policy": 0, "held_out": 0,
-                                "over_limit": 4, "selected": 6}
+    report = run_training(
+        engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True, now=LATER + timedelta(days=3)
+    )
+    assert report.selection == {
+        "candidates": 40,
+        "stale": 20,
+        "other_tenant": 10,
+        "other_policy": 0,
+        "held_out": 0,
+        "over_limit": 4,
+        "selected": 6,
+    }
     assert report.run_id is None  # a dry run loads and writes nothing
     with engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(training_episodes)) == 0
@@ -148,8 +160,9 @@ def test_the_held_out_slice_never_trains_and_is_what_the_gate_evaluates(engine, 
     served = {e["request_id"]: e for e in events if e["type"] == "interaction"}
     held = {rid for rid, e in served.items() if is_held_out(rid, json.dumps(e), 30.0)}
     assert 0 < len(held) < len(samples)
-    report = run_training(engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path,
-                          MemoryTracker(), now=LATER)
+    report = run_training(
+        engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path, MemoryTracker(), now=LATER
+    )
     assert report.selection["held_out"] == len(held)
     trained = {r.request_id for r in lineage(engine, report.run_id)}
     assert not held & trained
@@ -166,10 +179,16 @@ def test_the_held_out_slice_never_trains_and_is_what_the_gate_evaluates(engine, 
 def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, samples, tmp_path):
     good = task.as_events(samples[:8], "g", BASE_TS)
     empty = interaction(100, prefix="x", completion="", completion_token_ids=None, behavior_logprobs=None)
-    no_assistant = interaction(101, prefix="x", completion=[{"role": "tool", "content": "exit 1"}],
-                               completion_token_ids=None, behavior_logprobs=None)
-    misaligned = interaction(102, prefix="x", prompt="abc>", completion="cba", completion_token_ids=None,
-                             behavior_logprobs=[-0.1])  # three tokens, one log-prob
+    no_assistant = interaction(
+        101,
+        prefix="x",
+        completion=[{"role": "tool", "content": "exit 1"}],
+        completion_token_ids=None,
+        behavior_logprobs=None,
+    )
+    misaligned = interaction(
+        102, prefix="x", prompt="abc>", completion="cba", completion_token_ids=None, behavior_logprobs=[-0.1]
+    )  # three tokens, one log-prob
     fb = [feedback(i, prefix="x", kind="accepted") for i in (100, 101, 102)]
     store(engine, good + [empty, no_assistant, misaligned] + fb)
     run_rewards(engine, SPEC, now=LATER)
@@ -187,13 +206,15 @@ def store_unchecked(engine, ev: dict, body: str) -> None:
     from pipeline.core.types import InteractionEvent, SourcePosition
 
     rows = Rows()
-    rows.add_event(event_row(from_reference(InteractionEvent.model_validate(ev)), SourcePosition(source="t", partition=0, offset=0),
-                             body))
+    rows.add_event(
+        event_row(
+            from_reference(InteractionEvent.model_validate(ev)), SourcePosition(source="t", partition=0, offset=0), body
+        )
+    )
     write_rows(engine, rows)
 
 
-def test_a_backlog_larger_than_max_episodes_makes_progress_after_a_rejection(engine, reverse_base, samples,
-                                                                              tmp_path):
+def test_a_backlog_larger_than_max_episodes_makes_progress_after_a_rejection(engine, reverse_base, samples, tmp_path):
     """30 rewarded episodes waiting, max_episodes 10. A candidate trained on a selection was
     rejected (the champion, and so the watermark, stay): the next selection used to be the same
     oldest 10 -- nothing new, skipped until they aged out -- whatever new traffic arrived."""
@@ -217,9 +238,14 @@ def test_odd_episodes_are_skipped_and_counted_never_failing_the_run(engine, reve
     plain = dict(prompt="abc>", completion="cba", completion_token_ids=None, behavior_logprobs=None)
     auto = interaction(200, prefix="o", **plain)
     store_unchecked(engine, auto, json.dumps({**auto, "sampling": {"temperature": "auto"}}))
-    store(engine, [interaction(201, prefix="o", **{**plain, "completion_token_ids": [5, 10**6, 7]}),
-                   interaction(202, prefix="o", **{**plain, "prompt": [{"role": "developer", "content": "abc>"}]})]
-          + [feedback(i, prefix="o", kind="accepted") for i in (200, 201, 202)])
+    store(
+        engine,
+        [
+            interaction(201, prefix="o", **{**plain, "completion_token_ids": [5, 10**6, 7]}),
+            interaction(202, prefix="o", **{**plain, "prompt": [{"role": "developer", "content": "abc>"}]}),
+        ]
+        + [feedback(i, prefix="o", kind="accepted") for i in (200, 201, 202)],
+    )
     run_rewards(engine, SPEC, now=LATER)
     # a chat template that refuses a role, as many real ones do
     base = tmp_path / "base"
@@ -227,14 +253,16 @@ def test_odd_episodes_are_skipped_and_counted_never_failing_the_run(engine, reve
     (base / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
         "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    )
     report = run_training(engine, cfg_for(base), SPEC.version, tmp_path, MemoryTracker(), now=LATER)
     assert report.data.skipped == {"bad_sampling": 1, "token_ids_out_of_vocabulary": 1, "unrenderable": 1}
     assert report.data.episodes == 8 and get_run(engine, report.run_id).summary["skipped"] == report.data.skipped
 
 
-def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine, reverse_base, samples, topics,
-                                                          kafka_bootstrap):
+def test_rtrl_train_run_from_events_ingested_through_kafka(
+    cfg_env, cfg, engine, reverse_base, samples, topics, kafka_bootstrap
+):
     from mlflow.tracking import MlflowClient
 
     from tests.test_ingest_kafka import ingest_until_caught_up, produce_events
@@ -242,8 +270,13 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     events = task.as_events(samples, "k", utcnow().replace(tzinfo=BASE_TS.tzinfo) - timedelta(hours=2))
     produce_events(kafka_bootstrap, topics, events)
     assert ingest_until_caught_up(cfg, engine).events == len(events)
-    env = {**cfg_env, "RTRL_TRAIN__BASE_MODEL": str(reverse_base), "RTRL_TRAIN__BATCH_TOKENS": "512",
-           "RTRL_TRAIN__MAX_SEQ_LEN": "64", "RTRL_TRAIN__LORA_R": "4"}
+    env = {
+        **cfg_env,
+        "RTRL_TRAIN__BASE_MODEL": str(reverse_base),
+        "RTRL_TRAIN__BATCH_TOKENS": "512",
+        "RTRL_TRAIN__MAX_SEQ_LEN": "64",
+        "RTRL_TRAIN__LORA_R": "4",
+    }
     runner = CliRunner()
     assert runner.invoke(cli, ["reward", "run"], env=env).exit_code == 0
     dry = runner.invoke(cli, ["train", "run", "--dry-run"], env=env)
@@ -269,8 +302,11 @@ def test_rtrl_train_run_from_events_ingested_through_kafka(cfg_env, cfg, engine,
     assert [a.path for a in client.list_artifacts(mlrun.info.run_id, "episodes")] == ["episodes/episodes.jsonl"]
 
     shown = runner.invoke(cli, ["train", "show", run_id, "--episodes"], env=env)
-    trained = [e["request_id"] for e in events
-               if e["type"] == "interaction" and not is_held_out(e["request_id"], json.dumps(e), 10.0)]
+    trained = [
+        e["request_id"]
+        for e in events
+        if e["type"] == "interaction" and not is_held_out(e["request_id"], json.dumps(e), 10.0)
+    ]
     assert shown.exit_code == 0 and all(f"  {r}\t" in shown.output for r in trained)
     missing = runner.invoke(cli, ["train", "run", "--base-model", "/nonexistent"], env=env)
     assert missing.exit_code != 0 and "/nonexistent" in missing.output
@@ -299,8 +335,14 @@ def test_a_run_uses_the_configured_cpu_threads(engine, reverse_base, samples, tm
     run_rewards(engine, SPEC, now=LATER)
     before = torch.get_num_threads()
     try:
-        run_training(engine, cfg_for(reverse_base, cpu_threads=before + 1), SPEC.version, tmp_path / "a",
-                     MemoryTracker(), now=LATER)
+        run_training(
+            engine,
+            cfg_for(reverse_base, cpu_threads=before + 1),
+            SPEC.version,
+            tmp_path / "a",
+            MemoryTracker(),
+            now=LATER,
+        )
         assert torch.get_num_threads() == before + 1
     finally:
         torch.set_num_threads(before)

@@ -21,10 +21,23 @@ def instant_vllm_app():
     chunks = []
     for entry, token in zip(entries, answer["choices"][0]["token_ids"]):
         text = bytes(entry["bytes"]).decode()
-        chunks.append({"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-                       "model": answer["model"], "choices": [{"index": 0, "delta": {"content": text},
-                                                              "logprobs": {"content": [entry]},
-                                                              "finish_reason": None, "token_ids": [token]}]})
+        chunks.append(
+            {
+                "id": answer["id"],
+                "object": "chat.completion.chunk",
+                "created": answer["created"],
+                "model": answer["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": text},
+                        "logprobs": {"content": [entry]},
+                        "finish_reason": None,
+                        "token_ids": [token],
+                    }
+                ],
+            }
+        )
     chunks[-1]["choices"][0]["finish_reason"] = "length"
     stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
@@ -33,8 +46,13 @@ def instant_vllm_app():
             return
         raw = await read_body(receive)
         streamed = b'"stream": true' in raw or b'"stream":true' in raw
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream" if streamed else b"application/json")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream" if streamed else b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": stream if streamed else body})
 
     return app

@@ -95,7 +95,7 @@ def processed(raw: list[float], sp: dict[str, Any]) -> list[float]:
         cut = sp["min_p"] * max(probs)
         values = [v if p >= cut else -math.inf for v, p in zip(values, probs)]
     order = sorted(range(VOCAB), key=lambda i: -values[i])
-    keep = set(order[:sp["top_k"]] if sp["top_k"] > 0 else order)
+    keep = set(order[: sp["top_k"]] if sp["top_k"] > 0 else order)
     if sp["top_p"] < 1:
         mass, nucleus = 0.0, set()
         for i in order:
@@ -123,8 +123,13 @@ class Choice:
 class VllmStub:
     """vLLM v0.34.0's OpenAI-compatible server, as far as rtrl relies on it (see the module)."""
 
-    def __init__(self, base: str = "base-model", logprobs_mode: str = "raw_logprobs",
-                 runtime_lora_updating: bool = True, generation_defaults: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        base: str = "base-model",
+        logprobs_mode: str = "raw_logprobs",
+        runtime_lora_updating: bool = True,
+        generation_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.base, self.logprobs_mode, self.runtime = base, logprobs_mode, runtime_lora_updating
         self.defaults = generation_defaults or {}  # the model's generation_config.json (--generation-config auto)
         self.loras: dict[str, str] = {}  # lora_name -> lora_path
@@ -140,8 +145,15 @@ class VllmStub:
     def sampling(self, body: dict[str, Any]) -> dict[str, Any]:
         """Request value, else the model's generation_config, else vLLM's defaults
         (chat_completion/protocol.py to_sampling_params, _DEFAULT_SAMPLING_PARAMS)."""
-        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        base = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+        }
         sp = {k: body[k] if body.get(k) is not None else self.defaults.get(k, v) for k, v in base.items()}
         sp["top_k"] = max(int(sp["top_k"]), 0)  # -1: off, as 0
         return sp
@@ -153,7 +165,7 @@ class VllmStub:
         forced = None
         if body.get("tools") and self.tool_call is not None and body.get("tool_choice") != "none":
             choice.call = self.tool_call
-            forced = tokens_of(f'<tool_call>\n{json.dumps(self.tool_call)}\n</tool_call>') + [0]
+            forced = tokens_of(f"<tool_call>\n{json.dumps(self.tool_call)}\n</tool_call>") + [0]
         for step in range(int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)):
             raw = logits(name, prompt, choice.tokens)
             values = processed(raw, sp)
@@ -172,8 +184,12 @@ class VllmStub:
         return choice
 
     def entry(self, token: int, lp: float, as_ids: bool) -> dict[str, Any]:
-        return {"token": f"token_id:{token}" if as_ids else text_of(token), "logprob": lp,
-                "bytes": list(text_of(token).encode()), "top_logprobs": []}
+        return {
+            "token": f"token_id:{token}" if as_ids else text_of(token),
+            "logprob": lp,
+            "bytes": list(text_of(token).encode()),
+            "top_logprobs": [],
+        }
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="vLLM v0.34.0 stand-in")
@@ -182,10 +198,14 @@ class VllmStub:
         def models() -> dict[str, Any]:
             created = int(time.time())
             card = {"object": "model", "created": created, "owned_by": "vllm", "permission": []}
-            return {"object": "list", "data": [{"id": self.base, **card, "root": self.base, "parent": None,
-                                                "max_model_len": 4096}] + [
-                {"id": name, **card, "root": path, "parent": self.base, "max_model_len": None}
-                for name, path in self.loras.items()]}
+            return {
+                "object": "list",
+                "data": [{"id": self.base, **card, "root": self.base, "parent": None, "max_model_len": 4096}]
+                + [
+                    {"id": name, **card, "root": path, "parent": self.base, "max_model_len": None}
+                    for name, path in self.loras.items()
+                ],
+            }
 
         @app.middleware("http")
         async def record(request: Request, call_next):
@@ -202,20 +222,34 @@ class VllmStub:
             name, path = body.get("lora_name") or "", body.get("lora_path") or ""
             self._last_lora = name
             if not name or not path:
-                return JSONResponse(error("Both 'lora_name' and 'lora_path' must be provided.",
-                                          "InvalidUserInput", 400), 400)
+                return JSONResponse(
+                    error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400), 400
+                )
             if name in self.loras and not body.get("load_inplace"):
-                return JSONResponse(error(f"The lora adapter '{name}' has already been loaded. If you want to load "
-                                          "the adapter in place, set 'load_inplace' to True.",
-                                          "InvalidUserInput", 400), 400)
+                return JSONResponse(
+                    error(
+                        f"The lora adapter '{name}' has already been loaded. If you want to load "
+                        "the adapter in place, set 'load_inplace' to True.",
+                        "InvalidUserInput",
+                        400,
+                    ),
+                    400,
+                )
             if not (Path(path) / "adapter_config.json").exists():
-                return JSONResponse(error(f"Loading lora {name} failed: No adapter found for <path>",
-                                          "NotFoundError", 404), 404)
+                return JSONResponse(
+                    error(f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError", 404), 404
+                )
             if self.fail_loads > 0:
                 self.fail_loads -= 1
-                return JSONResponse(error("Call to add_lora method failed: Worker failed with error 'CUDA out of "
-                                          "memory', please check the stack trace above for the root cause",
-                                          "InternalServerError", 500), 500)
+                return JSONResponse(
+                    error(
+                        "Call to add_lora method failed: Worker failed with error 'CUDA out of "
+                        "memory', please check the stack trace above for the root cause",
+                        "InternalServerError",
+                        500,
+                    ),
+                    500,
+                )
             self.loras[name] = path
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -244,8 +278,10 @@ class VllmStub:
         self.requests.append(body)
         name = body.get("model") or self.base
         if name != self.base and name not in self.loras:
-            return JSONResponse(error(f"The model `{name}` does not exist. Valid aliases: {self.base}.",
-                                      "NotFoundError", 404, "model"), 404)
+            return JSONResponse(
+                error(f"The model `{name}` does not exist. Valid aliases: {self.base}.", "NotFoundError", 404, "model"),
+                404,
+            )
         prompt = json.dumps(body["messages"]) if chat else str(body.get("prompt"))
         choices = [self.generate(name, prompt, body, i) for i in range(int(body.get("n") or 1))]
         as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -253,8 +289,9 @@ class VllmStub:
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream"):
-            return StreamingResponse(self.stream(rid, name, choices, chat, want_lp, as_ids, with_ids),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.stream(rid, name, choices, chat, want_lp, as_ids, with_ids), media_type="text/event-stream"
+            )
         out = []
         for c in choices:
             lp = None
@@ -264,35 +301,78 @@ class VllmStub:
                 toks = [f"token_id:{t}" if as_ids else text_of(t) for t in c.tokens]
                 lp = {"text_offset": [], "token_logprobs": c.logprobs, "tokens": toks, "top_logprobs": None}
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": None if c.call else c.text,
-                                           "refusal": None, "audio": None, "function_call": None, "reasoning": None}
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": None if c.call else c.text,
+                    "refusal": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                }
                 if c.call:
-                    message["tool_calls"] = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                                              "function": {"name": c.call["name"],
-                                                           "arguments": json.dumps(c.call["arguments"])}}]
-                out.append({"index": c.index, "message": message, "logprobs": lp,
-                            "finish_reason": "tool_calls" if c.call else "stop", "stop_reason": None,
-                            "token_ids": c.tokens if with_ids else None})
+                    message["tool_calls"] = [
+                        {
+                            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                            "type": "function",
+                            "function": {"name": c.call["name"], "arguments": json.dumps(c.call["arguments"])},
+                        }
+                    ]
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": lp,
+                        "finish_reason": "tool_calls" if c.call else "stop",
+                        "stop_reason": None,
+                        "token_ids": c.tokens if with_ids else None,
+                    }
+                )
             else:
-                out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": "stop",
-                            "stop_reason": None, "token_ids": c.tokens if with_ids else None})
+                out.append(
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": lp,
+                        "finish_reason": "stop",
+                        "stop_reason": None,
+                        "token_ids": c.tokens if with_ids else None,
+                    }
+                )
         n_out = sum(len(c.tokens) for c in choices)
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": name, "choices": out,
-                             "usage": {"prompt_tokens": 1, "total_tokens": 1 + n_out, "completion_tokens": n_out}})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": name,
+                "choices": out,
+                "usage": {"prompt_tokens": 1, "total_tokens": 1 + n_out, "completion_tokens": n_out},
+            }
+        )
 
-    async def stream(self, rid: str, name: str, choices: list[Choice], chat: bool, want_lp: bool, as_ids: bool,
-                     with_ids: bool):
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": name}
+    async def stream(
+        self, rid: str, name: str, choices: list[Choice], chat: bool, want_lp: bool, as_ids: bool, with_ids: bool
+    ):
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": name,
+        }
 
         def frame(choice: dict[str, Any]) -> str:
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
         if chat:
             for c in choices:
-                yield frame({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                yield frame(
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
         longest = max(len(c.tokens) for c in choices)
         for step in range(longest):
             for c in choices:
@@ -307,23 +387,52 @@ class VllmStub:
                     lp = {"content": [self.entry(t, v, as_ids)]} if want_lp else None
                     # a call's text is held back by the tool parser: its tokens' log-probs and ids
                     # still go out, with an empty delta (chat_completion/serving.py)
-                    yield frame({"index": c.index, "delta": {} if c.call else {"content": text_of(t)},
-                                 "logprobs": lp, "finish_reason": None, "token_ids": [t] if with_ids else None})
+                    yield frame(
+                        {
+                            "index": c.index,
+                            "delta": {} if c.call else {"content": text_of(t)},
+                            "logprobs": lp,
+                            "finish_reason": None,
+                            "token_ids": [t] if with_ids else None,
+                        }
+                    )
                 else:
-                    lp = {"text_offset": [0], "token_logprobs": [v], "tokens": [f"token_id:{t}" if as_ids
-                                                                                 else text_of(t)],
-                          "top_logprobs": None} if want_lp else None
-                    yield frame({"index": c.index, "text": text_of(t), "logprobs": lp, "finish_reason": None,
-                                 "token_ids": [t] if with_ids else None})
+                    lp = (
+                        {
+                            "text_offset": [0],
+                            "token_logprobs": [v],
+                            "tokens": [f"token_id:{t}" if as_ids else text_of(t)],
+                            "top_logprobs": None,
+                        }
+                        if want_lp
+                        else None
+                    )
+                    yield frame(
+                        {
+                            "index": c.index,
+                            "text": text_of(t),
+                            "logprobs": lp,
+                            "finish_reason": None,
+                            "token_ids": [t] if with_ids else None,
+                        }
+                    )
             await asyncio.sleep(0)
         for c in choices:
             if c.call:
                 yield from_call(frame, c, self.split_name_and_first_piece)
         for c in choices:
             finish = "tool_calls" if c.call else "stop"
-            yield frame({"index": c.index, "delta": {"content": ""}, "logprobs": None, "finish_reason": finish,
-                         "stop_reason": None} if chat else {"index": c.index, "text": "", "logprobs": None,
-                                                            "finish_reason": finish, "stop_reason": None})
+            yield frame(
+                {
+                    "index": c.index,
+                    "delta": {"content": ""},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+                if chat
+                else {"index": c.index, "text": "", "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            )
         yield "data: [DONE]\n\n"
 
 
@@ -332,14 +441,31 @@ def from_call(frame, c: Choice, split: bool) -> str:
     the arguments in three pieces."""
     args = json.dumps(c.call["arguments"])
     third = max(len(args) // 3, 1)
-    pieces = [args[:third], args[third:2 * third], args[2 * third:]]
-    name = {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:8]}", "type": "function", "index": 0,
-            "function": {"name": c.call["name"]}}
+    pieces = [args[:third], args[third : 2 * third], args[2 * third :]]
+    name = {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:8]}",
+        "type": "function",
+        "index": 0,
+        "function": {"name": c.call["name"]},
+    }
     first = [name] if split else [name, {"index": 0, "function": {"arguments": pieces.pop(0)}}]
-    out = frame({"index": c.index, "delta": {"content": None, "tool_calls": first}, "logprobs": None,
-                 "finish_reason": None, "token_ids": None})
+    out = frame(
+        {
+            "index": c.index,
+            "delta": {"content": None, "tool_calls": first},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": None,
+        }
+    )
     for piece in pieces:
-        out += frame({"index": c.index, "delta": {"content": None, "tool_calls": [
-            {"index": 0, "function": {"arguments": piece}}]}, "logprobs": None, "finish_reason": None,
-            "token_ids": None})
+        out += frame(
+            {
+                "index": c.index,
+                "delta": {"content": None, "tool_calls": [{"index": 0, "function": {"arguments": piece}}]},
+                "logprobs": None,
+                "finish_reason": None,
+                "token_ids": None,
+            }
+        )
     return out

@@ -1,20 +1,20 @@
 """Tokenized episodes -> padded micro-batches under a token budget.
 
-    pack     shuffle (a function of seed and epoch only, so a resumed run sees the same order),
-             then fill each micro-batch while  rows x longest row <= batch_tokens;
-             `grouped`: in windows of GROUP_WINDOW micro-batches' worth of the shuffled
-             episodes, sorted by length before filling, and the micro-batches shuffled again --
-             an agent's short answers no longer pad to its long tool calls (HF Trainer's
-             group_by_length; the padding cost half the tokens of the agent demo's steps)
-             (pack_by_length: in length order instead, for inference)
-    collate  right-padded tensors; targets are shifted by one, so every per-token tensor the
-             losses see has T = L - 1 columns:
+pack     shuffle (a function of seed and epoch only, so a resumed run sees the same order),
+         then fill each micro-batch while  rows x longest row <= batch_tokens;
+         `grouped`: in windows of GROUP_WINDOW micro-batches' worth of the shuffled
+         episodes, sorted by length before filling, and the micro-batches shuffled again --
+         an agent's short answers no longer pad to its long tool calls (HF Trainer's
+         group_by_length; the padding cost half the tokens of the agent demo's steps)
+         (pack_by_length: in length order instead, for inference)
+collate  right-padded tensors; targets are shifted by one, so every per-token tensor the
+         losses see has T = L - 1 columns:
 
-             input_ids   [B, L]   attention [B, L]
-             mask        [B, T]   1.0 where the target token is an assistant token (carries loss)
-             behavior    [B, T]   serving-time log-prob of the target token (0.0 elsewhere)
-             has_behavior [B]     False where the episode's behaviour log-probs were missing
-                                  or could not be aligned (trained on-policy-approximate)
+         input_ids   [B, L]   attention [B, L]
+         mask        [B, T]   1.0 where the target token is an assistant token (carries loss)
+         behavior    [B, T]   serving-time log-prob of the target token (0.0 elsewhere)
+         has_behavior [B]     False where the episode's behaviour log-probs were missing
+                              or could not be aligned (trained on-policy-approximate)
 """
 
 from __future__ import annotations
@@ -104,8 +104,14 @@ def collate(episodes: list[TokenizedEpisode], index: list[int], pad_id: int, dev
             behavior[b, :length] = torch.tensor(e.behavior, dtype=torch.float32)
             has_behavior[b] = True
     # position t of a per-token tensor scores input_ids[:, t + 1] (predicted from the tokens up to t)
-    return MicroBatch(index, input_ids.to(device), attention.to(device), mask[:, 1:].to(device),
-                      behavior[:, 1:].to(device), has_behavior.to(device))
+    return MicroBatch(
+        index,
+        input_ids.to(device),
+        attention.to(device),
+        mask[:, 1:].to(device),
+        behavior[:, 1:].to(device),
+        has_behavior.to(device),
+    )
 
 
 def mismatched_pairs(episodes: list[TokenizedEpisode], index: list[int]) -> list[TokenizedEpisode]:
@@ -116,10 +122,13 @@ def mismatched_pairs(episodes: list[TokenizedEpisode], index: list[int]) -> list
     for k, e in enumerate(rows):
         other = rows[(k + 1) % len(rows)]
         cut_self, cut_other = e.loss_mask.index(1), other.loss_mask.index(1)
-        out.append(TokenizedEpisode(
-            request_id=f"{e.request_id}|{other.request_id}",
-            input_ids=e.input_ids[:cut_self] + other.input_ids[cut_other:],
-            loss_mask=e.loss_mask[:cut_self] + other.loss_mask[cut_other:],
-            behavior=None, behavior_note="missing",
-        ))
+        out.append(
+            TokenizedEpisode(
+                request_id=f"{e.request_id}|{other.request_id}",
+                input_ids=e.input_ids[:cut_self] + other.input_ids[cut_other:],
+                loss_mask=e.loss_mask[:cut_self] + other.loss_mask[cut_other:],
+                behavior=None,
+                behavior_note="missing",
+            )
+        )
     return out

@@ -72,7 +72,7 @@ def _ranks(x: np.ndarray) -> np.ndarray:
     ranks[order] = np.arange(1, len(x) + 1)
     _, first, counts = np.unique(x[order], return_index=True, return_counts=True)
     for start, n in zip(first[counts > 1], counts[counts > 1]):
-        ranks[order[start:start + n]] = start + (n + 1) / 2
+        ranks[order[start : start + n]] = start + (n + 1) / 2
     return ranks
 
 
@@ -128,8 +128,14 @@ class Quality:
         p, r = (np.asarray(pred, float) - low) / span, (np.asarray(reward, float) - low) / span
         brier = float(np.mean((p - r) ** 2))
         baseline = float(np.var(r))
-        return cls(len(r), auroc(p, r), brier, baseline, calibration_error(p, r),
-                   1.0 - brier / baseline if baseline > 0 else float("nan"))
+        return cls(
+            len(r),
+            auroc(p, r),
+            brier,
+            baseline,
+            calibration_error(p, r),
+            1.0 - brier / baseline if baseline > 0 else float("nan"),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,8 +23,9 @@ from train.lora import save_adapter
 from train.models import ModelError
 
 
-def save_checkpoint(out: Path, model: Any, optimizer: torch.optim.Optimizer, step: int,
-                    extra: dict[str, torch.Tensor] | None = None) -> Path:
+def save_checkpoint(
+    out: Path, model: Any, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, torch.Tensor] | None = None
+) -> Path:
     """`extra`: tensors the loop derived at its start and must not derive again on resume."""
     out.mkdir(parents=True, exist_ok=True)
     save_adapter(model, out / "adapter")
@@ -56,7 +57,7 @@ def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> tuple[int, 
     cuda_rng = tensors.pop("rng.cuda", None)
     if cuda_rng is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_rng)
-    extra = {k[len("extra."):]: tensors.pop(k) for k in list(tensors) if k.startswith("extra.")}
+    extra = {k[len("extra.") :]: tensors.pop(k) for k in list(tensors) if k.startswith("extra.")}
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)

@@ -43,8 +43,8 @@ class TokenizedEpisode:
     behavior: list[float] | None  # [L] aligned with input_ids (0.0 off the mask), or None
     behavior_note: str  # "served_ids" | "retokenized" | "missing" | "misaligned"
     temperature: float = 1.0  # the distribution the behaviour log-probs were taken from:
-    top_p: float = 1.0        # temperature, then top-k (0: off), then top-p (1.0: off),
-    top_k: int = 0            # as pipeline.core.types.SamplingParams
+    top_p: float = 1.0  # temperature, then top-k (0: off), then top-p (1.0: off),
+    top_k: int = 0  # as pipeline.core.types.SamplingParams
     episode: str | None = None  # the agent episode this call belongs to (None: its own): see advantages()
 
     def sample_with(self, params: Any) -> None:
@@ -67,30 +67,45 @@ def _assistant_segment(msg: dict) -> str:
     return content + (json.dumps(calls, separators=(",", ":")) if calls else "")
 
 
-def tokenize_episode(tokenizer: Any, request_id: str, prompt: Any, completion: Any,
-                     completion_token_ids: list[int] | None = None,
-                     behavior_logprobs: list[float] | None = None,
-                     stats: DataStats | None = None, tools: list[dict] | None = None) -> TokenizedEpisode | Skip:
+def tokenize_episode(
+    tokenizer: Any,
+    request_id: str,
+    prompt: Any,
+    completion: Any,
+    completion_token_ids: list[int] | None = None,
+    behavior_logprobs: list[float] | None = None,
+    stats: DataStats | None = None,
+    tools: list[dict] | None = None,
+) -> TokenizedEpisode | Skip:
     """`tools`: the tools the prompt offered (the chat template renders them with it)."""
     stats = stats if stats is not None else DataStats()
     try:
-        return _tokenize(tokenizer, request_id, prompt, completion, completion_token_ids, behavior_logprobs, stats,
-                         tools)
+        return _tokenize(
+            tokenizer, request_id, prompt, completion, completion_token_ids, behavior_logprobs, stats, tools
+        )
     except Exception:  # noqa: BLE001 - a template that raises on a role, odd content: this episode only
         stats.count(stats.skipped, Skip.UNRENDERABLE.value)
         return Skip.UNRENDERABLE
 
 
-def _tokenize(tokenizer: Any, request_id: str, prompt: Any, completion: Any, completion_token_ids: list[int] | None,
-              behavior_logprobs: list[float] | None, stats: DataStats,
-              tools: list[dict] | None = None) -> TokenizedEpisode | Skip:
+def _tokenize(
+    tokenizer: Any,
+    request_id: str,
+    prompt: Any,
+    completion: Any,
+    completion_token_ids: list[int] | None,
+    behavior_logprobs: list[float] | None,
+    stats: DataStats,
+    tools: list[dict] | None = None,
+) -> TokenizedEpisode | Skip:
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     if completion_token_ids and not 0 <= min(completion_token_ids) <= max(completion_token_ids) < len(tokenizer):
         stats.count(stats.skipped, Skip.TOKEN_IDS_OUT_OF_VOCABULARY.value)
         return Skip.TOKEN_IDS_OUT_OF_VOCABULARY
     # a trajectory after chat messages goes through the template whole (the prompt included)
-    whole_conversation = (not isinstance(completion, str) and isinstance(prompt, list)
-                          and tokenizer.chat_template is not None)
+    whole_conversation = (
+        not isinstance(completion, str) and isinstance(prompt, list) and tokenizer.chat_template is not None
+    )
     ids = [] if whole_conversation else list(encode(render_prompt(tokenizer, prompt, tools)))
     mask = [0] * len(ids)
     if isinstance(completion, str):

@@ -48,27 +48,59 @@ class DistributedTrainingError(RuntimeError):
     """The ranks did not finish; the message has the launcher's exit code and the ranks' last lines."""
 
 
-def run_distributed(job_dir: Path, base_model: Path, start_adapter: Path, episodes: list[TokenizedEpisode],
-                    rewards: list[float], groups: list[str], cfg: TrainConfig, tracker: Tracker,
-                    checkpoint_dir: Path | None = None, resume_from: Path | None = None,
-                    on_step: Callable[[int, int, dict[str, float]], None] | None = None) -> tuple[LoopResult, Path]:
+def run_distributed(
+    job_dir: Path,
+    base_model: Path,
+    start_adapter: Path,
+    episodes: list[TokenizedEpisode],
+    rewards: list[float],
+    groups: list[str],
+    cfg: TrainConfig,
+    tracker: Tracker,
+    checkpoint_dir: Path | None = None,
+    resume_from: Path | None = None,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+) -> tuple[LoopResult, Path]:
     """Train in cfg.nproc processes; returns the loop's result and the trained adapter's directory."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"episodes": [vars(e) for e in episodes], "rewards": rewards, "groups": groups,
-                "cfg": cfg.model_dump(mode="json"), "base_model": str(base_model), "start": str(start_adapter),
-                "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
-                "resume_from": str(resume_from) if resume_from else None}, job_dir / "job.pt")
+    torch.save(
+        {
+            "episodes": [vars(e) for e in episodes],
+            "rewards": rewards,
+            "groups": groups,
+            "cfg": cfg.model_dump(mode="json"),
+            "base_model": str(base_model),
+            "start": str(start_adapter),
+            "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
+            "resume_from": str(resume_from) if resume_from else None,
+        },
+        job_dir / "job.pt",
+    )
     for stale in ("result.json", "metrics.jsonl"):
         (job_dir / stale).unlink(missing_ok=True)
     logs = job_dir / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}",
-           "--max-restarts=0", "--log-dir", str(logs), "--redirects", "3", "-m", "train.distributed", str(job_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.nproc}",
+        "--max-restarts=0",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        "-m",
+        "train.distributed",
+        str(job_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.nproc))}
     launcher_log = job_dir / "launcher.log"  # a file, not a pipe: nobody reads a pipe while the ranks run
     with launcher_log.open("w") as out:
         launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    total = math.ceil(len(plan_microbatches([len(e.input_ids) for e in episodes], cfg, cfg.nproc))
-                      / (cfg.grad_accum * cfg.nproc))
+    total = math.ceil(
+        len(plan_microbatches([len(e.input_ids) for e in episodes], cfg, cfg.nproc)) / (cfg.grad_accum * cfg.nproc)
+    )
     metrics_file, seen, last_progress = job_dir / "metrics.jsonl", 0, time.monotonic()
     while launcher.poll() is None:
         time.sleep(0.2)  # polling the ranks' progress file, with a deadline below
@@ -91,7 +123,8 @@ def run_distributed(job_dir: Path, base_model: Path, start_adapter: Path, episod
     if launcher.returncode != 0 or not (job_dir / "result.json").exists():
         raise DistributedTrainingError(
             f"data-parallel training in {cfg.nproc} processes failed (launcher exit code {launcher.returncode}); "
-            f"the ranks' last lines:\n{_tail_logs(logs, output)}")
+            f"the ranks' last lines:\n{_tail_logs(logs, output)}"
+        )
     for line in _complete_lines(metrics_file)[seen:]:
         step, metrics = json.loads(line)
         tracker.log_metrics(metrics, step=step)
@@ -102,7 +135,7 @@ def run_distributed(job_dir: Path, base_model: Path, start_adapter: Path, episod
 def _complete_lines(path: Path) -> list[str]:
     """The lines rank 0 has finished writing (a line being written has no newline yet)."""
     text = path.read_text() if path.exists() else ""
-    return text[:text.rfind("\n") + 1].splitlines()
+    return text[: text.rfind("\n") + 1].splitlines()
 
 
 def _tail_logs(logs: Path, launcher_output: str, lines: int = 15) -> str:
@@ -186,16 +219,32 @@ def worker(job_dir: Path) -> None:
             wrapped = DistributedDataParallel(model, device_ids=[local] if cuda else None, broadcast_buffers=False)
         episodes = [TokenizedEpisode(**e) for e in job["episodes"]]
         tracker: Tracker = _FileTracker(job_dir / "metrics.jsonl") if rank == 0 else MemoryTracker()
-        result = train_policy(wrapped, episodes, job["rewards"], job["groups"], cfg, tracker, policy.tokenizer.pad_token_id,
-                              checkpoint_dir=Path(job["checkpoint_dir"]) if job["checkpoint_dir"] else None,
-                              resume_from=Path(job["resume_from"]) if job["resume_from"] else None,
-                              replicas=Replicas(rank, world, sharded=cfg.strategy == "fsdp"))
+        result = train_policy(
+            wrapped,
+            episodes,
+            job["rewards"],
+            job["groups"],
+            cfg,
+            tracker,
+            policy.tokenizer.pad_token_id,
+            checkpoint_dir=Path(job["checkpoint_dir"]) if job["checkpoint_dir"] else None,
+            resume_from=Path(job["resume_from"]) if job["resume_from"] else None,
+            replicas=Replicas(rank, world, sharded=cfg.strategy == "fsdp"),
+        )
         if rank == 0:
             save_adapter(model, job_dir / "adapter")
             (job_dir / "memory.json").write_text(json.dumps(_held(model)))
-            (job_dir / "result.json").write_text(json.dumps({
-                "steps": result.steps, "tokens": result.tokens, "seconds": result.seconds,
-                "advantages": result.advantages, "history": result.history}))
+            (job_dir / "result.json").write_text(
+                json.dumps(
+                    {
+                        "steps": result.steps,
+                        "tokens": result.tokens,
+                        "seconds": result.seconds,
+                        "advantages": result.advantages,
+                        "history": result.history,
+                    }
+                )
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

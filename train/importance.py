@@ -52,8 +52,9 @@ class CorrectionStats:
     log_ratio_max: float = 0.0
 
 
-def correct(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
-            cfg: CorrectionConfig) -> tuple[torch.Tensor, torch.Tensor, CorrectionStats]:
+def correct(
+    logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
+) -> tuple[torch.Tensor, torch.Tensor, CorrectionStats]:
     """(weight [B, T], mask [B, T], stats) for logp, behavior, mask of shape [B, T]."""
     with torch.no_grad():
         log_r = (logp - behavior) * mask  # [B, T]
@@ -88,9 +89,14 @@ def correct(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
     return weight, new_mask, stats
 
 
-def advantages(rewards: Sequence[float], groups: Sequence[str],
-               mode: Literal["auto", "group", "batch"] = "auto", eps: float = 1e-6,
-               episodes: Sequence[str | None] | None = None, scale: bool = True) -> torch.Tensor:
+def advantages(
+    rewards: Sequence[float],
+    groups: Sequence[str],
+    mode: Literal["auto", "group", "batch"] = "auto",
+    eps: float = 1e-6,
+    episodes: Sequence[str | None] | None = None,
+    scale: bool = True,
+) -> torch.Tensor:
     """[N] advantages (over their group's std unless `scale` is False). `groups` names each
     episode's task. `auto`: tasks sampled two or more times are normalised within their group, single samples against the batch of single
     samples; `group`: single samples get 0; `batch`: everything against the batch.
@@ -103,8 +109,11 @@ def advantages(rewards: Sequence[float], groups: Sequence[str],
     one that makes few in its task's baseline. A task with one episode, however many calls,
     is a single sample."""
     r = torch.tensor(list(rewards), dtype=torch.float32)
-    unit = [e if e is not None else f"#{i}" for i, e in enumerate(episodes)] if episodes is not None else \
-        [f"#{i}" for i in range(len(r))]
+    unit = (
+        [e if e is not None else f"#{i}" for i, e in enumerate(episodes)]
+        if episodes is not None
+        else [f"#{i}" for i in range(len(r))]
+    )
     if mode == "batch":
         return _against_episodes(r, list(range(len(r))), unit, eps, scale)
     members: dict[str, list[int]] = defaultdict(list)

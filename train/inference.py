@@ -126,11 +126,20 @@ class PolicySet:
         sequence log-prob would not be comparable)."""
         out = []
         for e in episodes:
-            t = tokenize_episode(self.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids,
-                                 tools=getattr(e, "tools", None))
+            t = tokenize_episode(
+                self.tokenizer,
+                e.request_id,
+                e.prompt,
+                e.completion,
+                e.completion_token_ids,
+                tools=getattr(e, "tools", None),
+            )
             behavior = getattr(e, "behavior_logprobs", None)
-            if (isinstance(t, TokenizedEpisode) and (max_tokens is None or len(t.input_ids) <= max_tokens)
-                    and (behavior is None or len(behavior) == sum(t.loss_mask))):
+            if (
+                isinstance(t, TokenizedEpisode)
+                and (max_tokens is None or len(t.input_ids) <= max_tokens)
+                and (behavior is None or len(behavior) == sum(t.loss_mask))
+            ):
                 t.sample_with(e)
                 out.append(t)
             else:
@@ -153,14 +162,16 @@ class PolicySet:
         """Sum of the completion's (assistant) token log-probs; None where an episode has none."""
         toks = self._tokenize(episodes)
         kept = [t for t in toks if t is not None]
-        sums = self._per_token(name, kept, lambda b, sampling: (token_logprobs(self.model, b, sampling)[0] * b.mask)
-                               .sum(-1).tolist())
+        sums = self._per_token(
+            name, kept, lambda b, sampling: (token_logprobs(self.model, b, sampling)[0] * b.mask).sum(-1).tolist()
+        )
         it = iter(sums)
         return [next(it) if t is not None else None for t in toks]
 
     @torch.no_grad()
-    def compare(self, p: str | None, q: str | None, episodes: list[LoggedEpisode],
-                max_tokens: int | None = None) -> tuple[list[float | None], list[float | None], float]:
+    def compare(
+        self, p: str | None, q: str | None, episodes: list[LoggedEpisode], max_tokens: int | None = None
+    ) -> tuple[list[float | None], list[float | None], float]:
         """`sequence_logprobs` of `p` and of `q`, and the mean over completion tokens of KL(p || q)
         between their next-token distributions (what the gate needs). Each policy's distributions
         on an episode are remembered (see MEMO_BYTES): the champion, gated against one candidate
@@ -176,8 +187,9 @@ class PolicySet:
         # reduced to sequence log-probs and a KL sum before the next batch is run
         for chunk in pack_by_length([len(t.input_ids) for t in kept], self._batch_tokens()):
             part = [kept[i] for i in chunk]
-            for i, (seq_p, logp_p), (seq_q, logp_q) in zip(chunk, self._completion_logprobs(p, part),
-                                                           self._completion_logprobs(q, part)):
+            for i, (seq_p, logp_p), (seq_q, logp_q) in zip(
+                chunk, self._completion_logprobs(p, part), self._completion_logprobs(q, part)
+            ):
                 seqs[p][i], seqs[q][i] = seq_p, seq_q
                 total += float((logp_p.exp() * (logp_p - logp_q)).sum())  # summed over its n tokens
                 tokens += logp_p.size(0)
@@ -219,11 +231,20 @@ class PolicySet:
         self._memo_bytes -= self._memo.pop(key)[1].nbytes
 
     @torch.no_grad()
-    def generate(self, name: str | None, prompts: list[Any], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, batch_size: int = 1,
-                 reuse: bool = False, tools: list[dict] | None = None,
-                 on_token: Callable[[int, float], None] | None = None,
-                 stop: threading.Event | None = None) -> list[Generation]:
+    def generate(
+        self,
+        name: str | None,
+        prompts: list[Any],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        batch_size: int = 1,
+        reuse: bool = False,
+        tools: list[dict] | None = None,
+        on_token: Callable[[int, float], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[Generation]:
         """One completion per prompt; temperature 0 is greedy (log-probs then at temperature 1).
         `batch_size` > 1 generates left-padded batches (evaluation); latency is then the batch's
         time per prompt. Serving uses 1: exact per-request latency, no padding effects.
@@ -242,8 +263,15 @@ class PolicySet:
             for i in range(0, len(todo), batch_size):
                 if seed is not None:
                     torch.manual_seed(seed + i)  # each batch its own draws, the same for any policy
-                fresh += self._generate_batch([prompts[j] for j in todo[i:i + batch_size]], max_new_tokens,
-                                              temperature, top_p, tools, on_token, stop)
+                fresh += self._generate_batch(
+                    [prompts[j] for j in todo[i : i + batch_size]],
+                    max_new_tokens,
+                    temperature,
+                    top_p,
+                    tools,
+                    on_token,
+                    stop,
+                )
         for i, g in zip(todo, fresh):
             done[i] = g
             if reuse and temperature == 0:
@@ -252,9 +280,16 @@ class PolicySet:
             del self._greedy[next(iter(self._greedy))]
         return done
 
-    def _generate_batch(self, prompts: list[Any], max_new_tokens: int, temperature: float, top_p: float,
-                        tools: list[dict] | None = None, on_token: Callable[[int, float], None] | None = None,
-                        stop: threading.Event | None = None) -> list[Generation]:
+    def _generate_batch(
+        self,
+        prompts: list[Any],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        tools: list[dict] | None = None,
+        on_token: Callable[[int, float], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[Generation]:
         tok = self.tokenizer
         t0 = time.perf_counter()
         rows = [tok(render_prompt(tok, p, tools), add_special_tokens=False).input_ids for p in prompts]
@@ -262,8 +297,8 @@ class PolicySet:
         ids = torch.full((len(rows), width), tok.pad_token_id, device=self.policy.device)  # [B, L], left-padded
         attention = torch.zeros_like(ids)
         for b, r in enumerate(rows):
-            ids[b, width - len(r):] = torch.tensor(r)
-            attention[b, width - len(r):] = 1
+            ids[b, width - len(r) :] = torch.tensor(r)
+            attention[b, width - len(r) :] = 1
         sample = temperature > 0
         # the sampling distribution built here, not by generate() from temperature/top_p: a
         # caller's processors run before generate()'s own warpers, and the streaming recorder
@@ -277,17 +312,28 @@ class PolicySet:
         if on_token is not None or stop is not None:
             step = StepLogprobs()
             processors.append(step)
-            streaming = {"streamer": TokenStream(step, on_token),
-                         "stopping_criteria": StoppingCriteriaList([Stopped(stop or threading.Event())])}
+            streaming = {
+                "streamer": TokenStream(step, on_token),
+                "stopping_criteria": StoppingCriteriaList([Stopped(stop or threading.Event())]),
+            }
         gen = self.model.generate(
-            input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=sample,
-            temperature=1.0 if sample else None, top_p=1.0 if sample else None, top_k=None,
-            logits_processor=processors, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=tok.pad_token_id, **streaming)
+            input_ids=ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_p=1.0 if sample else None,
+            top_k=None,
+            logits_processor=processors,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            **streaming,
+        )
         new = gen.sequences[:, width:]  # [B, n]
         # scores are the logits after temperature/top-p: the distribution each token came from
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in gen.scores], 1)  # [B, n, V]
-        chosen = logp.gather(-1, new[:, :logp.size(1), None]).squeeze(-1)  # [B, n]
+        chosen = logp.gather(-1, new[:, : logp.size(1), None]).squeeze(-1)  # [B, n]
         latency = (time.perf_counter() - t0) * 1000 / len(rows)
         out = []
         for b in range(len(rows)):

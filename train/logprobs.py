@@ -33,8 +33,9 @@ def reference_logprobs(model: Any, batch: MicroBatch, sampling: SamplingRows) ->
         return token_logprobs(peft, batch, sampling)[0]
 
 
-def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int, batch_tokens: int,
-                       sampling: SamplingRows) -> torch.Tensor:
+def recompute_behavior(
+    model: Any, episodes: list[TokenizedEpisode], pad_id: int, batch_tokens: int, sampling: SamplingRows
+) -> torch.Tensor:
     """Fill in behaviour log-probs of the episodes that have none, from `model` as it is now;
     returns them as one padded tensor [N_missing, L_max] (row k: the k-th such episode)."""
     missing = [i for i, e in enumerate(episodes) if e.behavior is None]
@@ -49,7 +50,7 @@ def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int
             batch = collate(episodes, index, pad_id, device)
             logp = token_logprobs(model, batch, sampling[torch.tensor(index, device=device)])[0] * batch.mask
             for row, k in enumerate(rows):
-                out[k, 1:logp.size(1) + 1] = logp[row].cpu()  # position t scores token t + 1
+                out[k, 1 : logp.size(1) + 1] = logp[row].cpu()  # position t scores token t + 1
     model.train(was_training)
     set_behavior(episodes, missing, out)
     return out
@@ -57,5 +58,5 @@ def recompute_behavior(model: Any, episodes: list[TokenizedEpisode], pad_id: int
 
 def set_behavior(episodes: list[TokenizedEpisode], missing: list[int], values: torch.Tensor) -> None:
     for k, i in enumerate(missing):
-        episodes[i].behavior = values[k, :len(episodes[i].input_ids)].tolist()
+        episodes[i].behavior = values[k, : len(episodes[i].input_ids)].tolist()
         episodes[i].behavior_note = "recomputed"

@@ -64,15 +64,20 @@ class LoopResult:
 def correction_config(loss: Loss, cfg: TrainConfig) -> CorrectionConfig:
     """The importance corrections `loss` takes (losses.LOSSES says which): one per loss, as its
     paper defines it -- CISPO's weight cap is its own truncation, KTO takes none."""
-    return CorrectionConfig(token_truncate=cfg.token_truncate if loss.token_truncation else None, token_mask=None,
-                            sequence_truncate=None, sequence_mask=cfg.sequence_mask if loss.sequence_mask else None)
+    return CorrectionConfig(
+        token_truncate=cfg.token_truncate if loss.token_truncation else None,
+        token_mask=None,
+        sequence_truncate=None,
+        sequence_mask=cfg.sequence_mask if loss.sequence_mask else None,
+    )
 
 
 def loss_config(cfg: TrainConfig, max_completion_tokens: int, loss: Loss) -> LossConfig:
     return LossConfig(
         epsilon_low=cfg.clip_low,
         epsilon_high=getattr(cfg, loss.upper_bound) if loss.upper_bound else cfg.clip_high,
-        max_completion_length=max_completion_tokens, kto_beta=cfg.kto_beta,
+        max_completion_length=max_completion_tokens,
+        kto_beta=cfg.kto_beta,
     )
 
 
@@ -94,8 +99,9 @@ def kto_labels(rewards: torch.Tensor) -> torch.Tensor:
     return torch.sign(rewards)
 
 
-def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]],
-                       sampling: SamplingRows, pad_id: int) -> torch.Tensor:
+def kl_reference_point(
+    model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]], sampling: SamplingRows, pad_id: int
+) -> torch.Tensor:
     """KTO's reference point z, estimated once per optimizer step on mismatched pairs of the
     step's episodes (in id order, so it does not depend on how they were packed), in chunks of
     the largest micro-batch. []"""
@@ -107,7 +113,7 @@ def kl_reference_point(model: Any, episodes: list[TokenizedEpisode], micro: list
         for start in range(0, len(pairs), chunk):
             rows = list(range(start, min(start + chunk, len(pairs))))
             batch = collate(pairs, rows, pad_id, device)
-            rows_sampling = sampling[torch.tensor(order[start:start + len(rows)], device=device)]
+            rows_sampling = sampling[torch.tensor(order[start : start + len(rows)], device=device)]
             policy = (token_logprobs(model, batch, rows_sampling)[0] * batch.mask).sum(-1)
             reference = (reference_logprobs(model, batch, rows_sampling) * batch.mask).sum(-1)
             total = total + (policy - reference).sum()
@@ -124,10 +130,20 @@ class StepInputs:
     recomputed: torch.Tensor  # bool: behaviour log-probs recomputed for this episode
 
 
-def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[list[int]], inputs: StepInputs,
-                    loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
-                    pad_id: int, step_micro: list[list[int]] | None = None, world: int = 1,
-                    stand_ins: int = 0) -> tuple[dict[str, float], int]:
+def accumulate_step(
+    model: Any,
+    episodes: list[TokenizedEpisode],
+    micro: list[list[int]],
+    inputs: StepInputs,
+    loss: Loss,
+    loss_cfg: LossConfig,
+    correction: CorrectionConfig,
+    cfg: TrainConfig,
+    pad_id: int,
+    step_micro: list[list[int]] | None = None,
+    world: int = 1,
+    stand_ins: int = 0,
+) -> tuple[dict[str, float], int]:
     """Forward and backward `micro`, this process's micro-batches of one optimizer step
     (gradients accumulate in the model); returns their summed metrics and token count.
     `step_micro`: every replica's micro-batches of the step (the denominator and KTO's reference
@@ -146,8 +162,9 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
 
     # the step's denominator before any backward pass: see the module docstring
     step_batches = [collate(episodes, index, pad_id, device) for index in step_micro]
-    denominator = sum(float(loss.count(b.mask, loss_cfg, label=labels_of(index)))
-                      for b, index in zip(step_batches, step_micro))
+    denominator = sum(
+        float(loss.count(b.mask, loss_cfg, label=labels_of(index))) for b, index in zip(step_batches, step_micro)
+    )
     denominator = max(denominator, 1.0)
     step_tokens = max(sum(float(b.mask.sum()) for b in step_batches), 1.0)
     z = kl_reference_point(model, episodes, step_micro, inputs.sampling, pad_id) if loss.reference else None
@@ -160,8 +177,21 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
         # replicas exchange gradients once, after their last micro-batch of the step
         last = world == 1 or k == len(micro) - 1 or not hasattr(model, "no_sync")  # (sharded: see Replicas)
         with nullcontext() if last else model.no_sync():
-            part = _micro_step(model, batch, index, label, inputs, loss, loss_cfg, correction, cfg, z,
-                               denominator, step_tokens, scale=0.0 if stand_in else float(world))
+            part = _micro_step(
+                model,
+                batch,
+                index,
+                label,
+                inputs,
+                loss,
+                loss_cfg,
+                correction,
+                cfg,
+                z,
+                denominator,
+                step_tokens,
+                scale=0.0 if stand_in else float(world),
+            )
         if stand_in:
             continue
         tokens += batch.tokens
@@ -175,9 +205,21 @@ def accumulate_step(model: Any, episodes: list[TokenizedEpisode], micro: list[li
     return sums, tokens
 
 
-def _micro_step(model: Any, batch: MicroBatch, index: list[int], label: torch.Tensor, inputs: StepInputs,
-                loss: Loss, loss_cfg: LossConfig, correction: CorrectionConfig, cfg: TrainConfig,
-                z: torch.Tensor | None, denominator: float, step_tokens: float, scale: float) -> dict[str, float]:
+def _micro_step(
+    model: Any,
+    batch: MicroBatch,
+    index: list[int],
+    label: torch.Tensor,
+    inputs: StepInputs,
+    loss: Loss,
+    loss_cfg: LossConfig,
+    correction: CorrectionConfig,
+    cfg: TrainConfig,
+    z: torch.Tensor | None,
+    denominator: float,
+    step_tokens: float,
+    scale: float,
+) -> dict[str, float]:
     """One micro-batch's forward and backward (its loss times `scale`); returns its metric sums."""
     device = next(model.parameters()).device.type
     sums: dict[str, float] = {}
@@ -227,8 +269,9 @@ def _micro_step(model: Any, batch: MicroBatch, index: list[int], label: torch.Te
         if loss.clip == "weight_cap":
             clipped = (r > loss_cfg.epsilon_high) & (mask > 0)
         else:
-            clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) |
-                       ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (mask > 0)
+            clipped = (((r < 1 - cfg.clip_low) & (a[:, None] < 0)) | ((r > 1 + cfg.clip_high) & (a[:, None] > 0))) & (
+                mask > 0
+            )
         add("clipped_tokens", float(clipped.sum()) if loss.clip is not None else 0.0)
     if stats is not None:
         add("truncated_tokens", stats.truncated_tokens)
@@ -262,13 +305,15 @@ def train_policy(
     per_step = cfg.grad_accum * replicas.world  # micro-batches of one optimizer step, over every replica
     total_steps = math.ceil(len(plan) / per_step)
     loss = get_loss(cfg.loss)
-    adv = advantages(rewards, groups, mode=cfg.advantage, episodes=[e.episode for e in episodes],
-                     scale=loss.scale_advantages).to(device)  # [N]
+    adv = advantages(
+        rewards, groups, mode=cfg.advantage, episodes=[e.episode for e in episodes], scale=loss.scale_advantages
+    ).to(device)  # [N]
     loss_cfg = loss_config(cfg, max(sum(e.loss_mask) for e in episodes), loss)
     correction = correction_config(loss, cfg)
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
     missing = [i for i, e in enumerate(episodes) if e.behavior is None]
     if resume_from:
         start, extra = load_checkpoint(resume_from, optimizer)
@@ -283,15 +328,28 @@ def train_policy(
     result = LoopResult(steps=start, tokens=0, seconds=0.0, advantages=adv.tolist())
     for step in range(start, total_steps):
         t0 = time.perf_counter()
-        micro = plan[step * per_step:(step + 1) * per_step]
+        micro = plan[step * per_step : (step + 1) * per_step]
         mine, stand_ins = replicas.mine(micro)
-        sums, tokens = accumulate_step(model, episodes, mine, inputs, loss, loss_cfg, correction, cfg, pad_id,
-                                       step_micro=micro, world=replicas.world, stand_ins=stand_ins)
+        sums, tokens = accumulate_step(
+            model,
+            episodes,
+            mine,
+            inputs,
+            loss,
+            loss_cfg,
+            correction,
+            cfg,
+            pad_id,
+            step_micro=micro,
+            world=replicas.world,
+            stand_ins=stand_ins,
+        )
         sums, tokens = replicas.merge(sums, tokens)
         replicas.average_gradients([p for p in model.parameters() if p.requires_grad])
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf"))
+            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm or float("inf")
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
@@ -326,8 +384,13 @@ def train_policy(
         result.steps, result.tokens, result.seconds = step + 1, result.tokens + tokens, result.seconds + seconds
         if checkpoint_dir is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if replicas.main:  # every replica holds the same weights and optimizer state
-                save_checkpoint(checkpoint_dir / f"step-{step + 1}", getattr(model, "module", model), optimizer,
-                                step + 1, extra={"recomputed_behavior": recomputed})
+                save_checkpoint(
+                    checkpoint_dir / f"step-{step + 1}",
+                    getattr(model, "module", model),
+                    optimizer,
+                    step + 1,
+                    extra={"recomputed_behavior": recomputed},
+                )
             replicas.barrier()
         pause_point("train.step")  # crash tests kill the process here
         if on_step:

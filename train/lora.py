@@ -23,7 +23,12 @@ from train.models import ModelError, Policy, load_policy
 
 _PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS_BY_ARCH: dict[str, list[str]] = {
-    "llama": _PROJ, "mistral": _PROJ, "qwen2": _PROJ, "qwen3": _PROJ, "gemma": _PROJ, "gemma2": _PROJ,
+    "llama": _PROJ,
+    "mistral": _PROJ,
+    "qwen2": _PROJ,
+    "qwen3": _PROJ,
+    "gemma": _PROJ,
+    "gemma2": _PROJ,
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
@@ -42,13 +47,21 @@ def target_modules(model: Any, cfg: TrainConfig) -> list[str] | str:
 def attach_adapter(model: Any, cfg: TrainConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=target_modules(model, cfg), bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=target_modules(model, cfg),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as exc:  # peft names the modules it could not find
-        raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}; "
-                         "set train.lora_target_modules to the model's projection names") from None
+        raise ModelError(
+            f"cannot attach LoRA to {model.config.model_type}: {exc}; "
+            "set train.lora_target_modules to the model's projection names"
+        ) from None
 
 
 def load_adapter(model: Any, path: str | Path, adapter_name: str = "default", trainable: bool = True) -> Any:
@@ -98,8 +111,12 @@ def resident_base(path: str | Path, device: str | None = None) -> Policy:
     key, stamp = str(path.resolve()), _files_stamp(path) if path.is_dir() else ()
     held = _RESIDENT.get(key)
     # reused only as loaded: a run that died before its release() left its adapter attached
-    if (held is not None and held[0] == stamp and not hasattr(held[1].model, "peft_config")
-            and device in (None, held[1].device)):
+    if (
+        held is not None
+        and held[0] == stamp
+        and not hasattr(held[1].model, "peft_config")
+        and device in (None, held[1].device)
+    ):
         return held[1]
     _RESIDENT.clear()  # never two bases in memory
     policy = load_policy(path, device=device)

@@ -146,21 +146,50 @@ class Loss:
     scale_advantages: bool = True
 
 
-_SURROGATE = dict(per_token=clipped_surrogate_per_token, token_truncation=True, sequence_mask=True,
-                  reference=False, labels=False, kl="per_token", clip="ppo")
+_SURROGATE = dict(
+    per_token=clipped_surrogate_per_token,
+    token_truncation=True,
+    sequence_mask=True,
+    reference=False,
+    labels=False,
+    kl="per_token",
+    clip="ppo",
+)
 LOSSES: dict[str, Loss] = {
-    "cispo": Loss(cispo_per_token, token_sum, count_tokens, token_truncation=False, sequence_mask=True,
-                  reference=False, labels=False, kl="per_token", clip="weight_cap", upper_bound="cispo_weight_cap"),
+    "cispo": Loss(
+        cispo_per_token,
+        token_sum,
+        count_tokens,
+        token_truncation=False,
+        sequence_mask=True,
+        reference=False,
+        labels=False,
+        kl="per_token",
+        clip="weight_cap",
+        upper_bound="cispo_weight_cap",
+    ),
     "grpo": Loss(aggregate=sequence_mean, count=count_sequences, **_SURROGATE),
     "dr_grpo": Loss(aggregate=token_sum, count=count_sequence_slots, scale_advantages=False, **_SURROGATE),
     "dapo": Loss(aggregate=token_sum, count=count_tokens, **_SURROGATE),
-    "kto": Loss(kto_per_token, kto_aggregate, count_labelled, token_truncation=False, sequence_mask=False,
-                reference=True, labels=True, kl="separate", clip=None, upper_bound=None),
+    "kto": Loss(
+        kto_per_token,
+        kto_aggregate,
+        count_labelled,
+        token_truncation=False,
+        sequence_mask=False,
+        reference=True,
+        labels=True,
+        kl="separate",
+        clip=None,
+        upper_bound=None,
+    ),
 }
 # the configuration's vocabulary of losses (train.loss, `rtrl train run --loss`) is this table's
 if set(LOSSES) != set(get_args(LossName)):
-    raise ImportError(f"train.loss accepts {get_args(LossName)} but the loss table has {tuple(LOSSES)}: "
-                      "add the loss to both (pipeline/core/train_config.py's LossName)")
+    raise ImportError(
+        f"train.loss accepts {get_args(LossName)} but the loss table has {tuple(LOSSES)}: "
+        "add the loss to both (pipeline/core/train_config.py's LossName)"
+    )
 
 
 def get_loss(name: str) -> Loss:

@@ -1,12 +1,12 @@
 """Models: load any local Hugging Face causal LM directory, and make tiny ones from a config.
 
-    load_policy(path)   model + tokenizer from a local directory (never a hub download), on
-                        CUDA when available, CPU otherwise; bf16 where the device supports it
-    render_prompt       a prompt (text, or chat messages) as the text the model continues
-                        (pipeline/core/chat.py: the one rendering serving, training, the gate and the judge share)
-    init_tiny(out)      a small Llama- or Qwen2-style model, built from a config and seeded, with
-                        a character-level tokenizer (the demo) or a byte-level BPE with a
-                        ChatML/tool-call chat template (train/tiny_tokenizers.py): for tests
+load_policy(path)   model + tokenizer from a local directory (never a hub download), on
+                    CUDA when available, CPU otherwise; bf16 where the device supports it
+render_prompt       a prompt (text, or chat messages) as the text the model continues
+                    (pipeline/core/chat.py: the one rendering serving, training, the gate and the judge share)
+init_tiny(out)      a small Llama- or Qwen2-style model, built from a config and seeded, with
+                    a character-level tokenizer (the demo) or a byte-level BPE with a
+                    ChatML/tool-call chat template (train/tiny_tokenizers.py): for tests
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def load_policy(path: str | Path, device: str | None = None, dtype=None) -> Poli
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ModelError(f"no model at {path}: expected a Hugging Face model directory with config.json "
-                         f"(make one for tests with `rtrl model init-tiny --out {path}`)")
+        raise ModelError(
+            f"no model at {path}: expected a Hugging Face model directory with config.json "
+            f"(make one for tests with `rtrl model init-tiny --out {path}`)"
+        )
     device = device or pick_device()
     try:
         tokenizer = _tokenizer_class(path).from_pretrained(path, local_files_only=True)
@@ -122,9 +124,20 @@ def _tokenizer_class(path: Path):
     return PreTrainedTokenizerFast if declared == "PreTrainedTokenizerFast" else AutoTokenizer
 
 
-def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
-              seed: int = 0, tokenizer: str = "char", vocab: int = 32_768, kv_heads: int | None = None,
-              intermediate: int | None = None, model_vocab: int | None = None, tool_markers: bool = False) -> Path:
+def init_tiny(
+    out: str | Path,
+    arch: str = "llama",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    tokenizer: str = "char",
+    vocab: int = 32_768,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    model_vocab: int | None = None,
+    tool_markers: bool = False,
+) -> Path:
     """Write a small randomly initialised model and its tokenizer to `out` (`vocab`: the BPE's
     size; `model_vocab`: embedding rows, when more than the tokenizer has, as real models pad them;
     `tool_markers`: the char tokenizer with the tool-call markers as tokens -- the BPE has them)."""
@@ -142,10 +155,16 @@ def init_tiny(out: str | Path, arch: str = "llama", hidden: int = 64, layers: in
     tok = char_tokenizer(tool_markers) if tokenizer == "char" else bpe_tokenizer(vocab, seed)
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(
-        vocab_size=max(len(tok), model_vocab or 0), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+        vocab_size=max(len(tok), model_vocab or 0),
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=2048 if tokenizer == "bpe" else 512,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)

@@ -49,7 +49,7 @@ from train.outcome_record import MANIFEST
 
 
 def split_of(task: bytes, check_percent: float) -> str:
-    """"fit", "calibrate" or "check": by a hash of the task apart from the held-out slice's
+    """ "fit", "calibrate" or "check": by a hash of the task apart from the held-out slice's
     (pipeline/core/store/training.py), so that the two splits are independent."""
     slot = zlib.crc32(b"outcome-model:" + task) % 10_000
     if slot >= check_percent * 100:
@@ -78,8 +78,14 @@ class Fitted:
 class OutcomeModel:
     """The value model on top of a base; `score` gives calibrated predictions."""
 
-    def __init__(self, policy: Any, head: torch.nn.Linear, calibration: Isotonic | None,
-                 reward_range: tuple[float, float], max_seq_len: int) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        head: torch.nn.Linear,
+        calibration: Isotonic | None,
+        reward_range: tuple[float, float],
+        max_seq_len: int,
+    ) -> None:
         self.policy, self.head, self.calibration = policy, head, calibration
         self.reward_range, self.max_seq_len = reward_range, max_seq_len
 
@@ -92,17 +98,23 @@ class OutcomeModel:
         head = _head(policy.model)
         head.load_state_dict(torch.load(path / "head.pt", map_location=policy.device, weights_only=True))
         cal = manifest["calibration"]
-        return cls(policy, head, Isotonic(tuple(cal["x"]), tuple(cal["y"])), tuple(manifest["reward_range"]),
-                   manifest["max_seq_len"])
+        return cls(
+            policy,
+            head,
+            Isotonic(tuple(cal["x"]), tuple(cal["y"])),
+            tuple(manifest["reward_range"]),
+            manifest["max_seq_len"],
+        )
 
     def _tokenize(self, episodes: Sequence[LoggedEpisode]) -> list[TokenizedEpisode | None]:
         out = []
         for e in episodes:
-            t = tokenize_episode(self.policy.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids,
-                                 tools=e.tools)
+            t = tokenize_episode(
+                self.policy.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids, tools=e.tools
+            )
             if isinstance(t, TokenizedEpisode):
                 # the value head reads the last token: a long prompt loses its start, not its answer
-                t.input_ids = t.input_ids[-self.max_seq_len:]
+                t.input_ids = t.input_ids[-self.max_seq_len :]
             out.append(t if isinstance(t, TokenizedEpisode) and t.input_ids else None)
         return out
 
@@ -113,10 +125,11 @@ class OutcomeModel:
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for b, r in enumerate(rows):
-            ids[b, :len(r.input_ids)], attention[b, :len(r.input_ids)] = torch.tensor(r.input_ids), 1
+            ids[b, : len(r.input_ids)], attention[b, : len(r.input_ids)] = torch.tensor(r.input_ids), 1
         device = self.policy.device
-        hidden = self.policy.model(input_ids=ids.to(device), attention_mask=attention.to(device),
-                                   output_hidden_states=True).hidden_states[-1]  # [B, T, H]
+        hidden = self.policy.model(
+            input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True
+        ).hidden_states[-1]  # [B, T, H]
         last = attention.sum(dim=1).to(device) - 1  # [B]
         return self.head(hidden[torch.arange(len(rows), device=device), last].float()).squeeze(-1)
 
@@ -129,7 +142,7 @@ class OutcomeModel:
         out: list[float | None] = [None] * len(episodes)
         low, high = self.reward_range
         for k in range(0, len(keep), batch_size):
-            idx = keep[k:k + batch_size]
+            idx = keep[k : k + batch_size]
             p = torch.sigmoid(self._logits([tokenized[i] for i in idx])).cpu().numpy()
             for i, v in zip(idx, p):
                 out[i] = float(low + (high - low) * v)
@@ -154,9 +167,16 @@ def _head(model: Any) -> torch.nn.Linear:
     return head.to(next(model.parameters()).device)
 
 
-def fit(base_model: str | Path, episodes: Sequence[LoggedEpisode], tasks: Sequence[bytes | None], out: Path,
-        cfg: OutcomeConfig, train: TrainConfig, window: dict[str, Any] | None = None,
-        progress: Callable[[int, int], None] | None = None) -> Fitted:
+def fit(
+    base_model: str | Path,
+    episodes: Sequence[LoggedEpisode],
+    tasks: Sequence[bytes | None],
+    out: Path,
+    cfg: OutcomeConfig,
+    train: TrainConfig,
+    window: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Fitted:
     """Fit, calibrate and check an outcome model on `episodes` (each with its task, None: its
     request id stands for it), and save it under `out`. Raises ValueError when there are too few
     episodes to fit."""
@@ -167,43 +187,67 @@ def fit(base_model: str | Path, episodes: Sequence[LoggedEpisode], tasks: Sequen
         split[split_of(task if task is not None else e.request_id.encode(), cfg.check_percent)].append(e)
     counts = {k: len(v) for k, v in split.items()}
     if counts["fit"] < cfg.min_episodes or min(counts["calibrate"], counts["check"]) < cfg.min_episodes // 4:
-        raise ValueError(f"too few rewarded episodes to fit an outcome model: {counts} (needs "
-                         f"{cfg.min_episodes} to fit and {cfg.min_episodes // 4} each to calibrate and check; "
-                         "outcome.min_episodes)")
+        raise ValueError(
+            f"too few rewarded episodes to fit an outcome model: {counts} (needs "
+            f"{cfg.min_episodes} to fit and {cfg.min_episodes // 4} each to calibrate and check; "
+            "outcome.min_episodes)"
+        )
     rewards = np.array([e.reward for e in split["fit"]])
     low, high = float(rewards.min()), float(rewards.max())
     policy = load_policy(base_model, device=train.torch_device)
     lora = train.model_copy(update={"lora_r": cfg.lora_r, "lora_alpha": 2 * cfg.lora_r, "lora_dropout": 0.0})
     policy.model = attach_adapter(policy.model, lora)
-    model = OutcomeModel(policy, _head(policy.model), None, (low, high) if high > low else (low, low + 1.0),
-                         train.max_seq_len)
+    model = OutcomeModel(
+        policy, _head(policy.model), None, (low, high) if high > low else (low, low + 1.0), train.max_seq_len
+    )
     _train(model, split["fit"], cfg, train.seed, progress)
     calibrate = split["calibrate"]
     raw_cal = model.raw(calibrate)
     have = [i for i, v in enumerate(raw_cal) if v is not None]
-    model.calibration = Isotonic.fit(np.array([raw_cal[i] for i in have]), np.array([calibrate[i].reward
-                                                                                       for i in have]))
+    model.calibration = Isotonic.fit(
+        np.array([raw_cal[i] for i in have]), np.array([calibrate[i].reward for i in have])
+    )
     pred = model.score(split["check"])
     have = [i for i, v in enumerate(pred) if v is not None]
-    quality = Quality.measure(np.array([pred[i] for i in have]), np.array([split["check"][i].reward for i in have]),
-                              *model.reward_range)
+    quality = Quality.measure(
+        np.array([pred[i] for i in have]), np.array([split["check"][i].reward for i in have]), *model.reward_range
+    )
     usable, why = judge(quality, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_adapter(policy.model, out / "adapter")
     torch.save(model.head.state_dict(), out / "head.pt")
-    fitted = Fitted(out, str(base_model), counts, window or {}, model.reward_range, quality, usable, why,
-                    round(time.perf_counter() - started, 3))
-    (out / MANIFEST).write_text(json.dumps({**fitted.to_dict(), "fitted_at": datetime.now(UTC).isoformat(
-        timespec="seconds"), "max_seq_len": train.max_seq_len, "calibration": {
-        "x": list(model.calibration.x), "y": list(model.calibration.y)}}, indent=2))
+    fitted = Fitted(
+        out,
+        str(base_model),
+        counts,
+        window or {},
+        model.reward_range,
+        quality,
+        usable,
+        why,
+        round(time.perf_counter() - started, 3),
+    )
+    (out / MANIFEST).write_text(
+        json.dumps(
+            {
+                **fitted.to_dict(),
+                "fitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "max_seq_len": train.max_seq_len,
+                "calibration": {"x": list(model.calibration.x), "y": list(model.calibration.y)},
+            },
+            indent=2,
+        )
+    )
     return fitted
 
 
 def judge(quality: Quality, cfg: OutcomeConfig) -> tuple[bool, str]:
     """Whether the gate may use a model of this quality, and why (not)."""
-    figures = (f"AUROC {quality.auroc:.3f} (min {cfg.min_auroc:g}), R2 {quality.r2:.3f} (min {cfg.min_r2:g}), "
-               f"calibration error {quality.calibration_error:.3f} (max {cfg.max_calibration_error:g}), on "
-               f"{quality.episodes} checked episodes")
+    figures = (
+        f"AUROC {quality.auroc:.3f} (min {cfg.min_auroc:g}), R2 {quality.r2:.3f} (min {cfg.min_r2:g}), "
+        f"calibration error {quality.calibration_error:.3f} (max {cfg.max_calibration_error:g}), on "
+        f"{quality.episodes} checked episodes"
+    )
     # (nan: every checked reward the same -- nothing to rank or explain)
     if not (quality.auroc >= cfg.min_auroc and quality.r2 >= cfg.min_r2):
         return False, f"too weak: {figures}"
@@ -212,8 +256,13 @@ def judge(quality: Quality, cfg: OutcomeConfig) -> tuple[bool, str]:
     return True, figures
 
 
-def _train(model: OutcomeModel, episodes: list[LoggedEpisode], cfg: OutcomeConfig, seed: int,
-           progress: Callable[[int, int], None] | None) -> None:
+def _train(
+    model: OutcomeModel,
+    episodes: list[LoggedEpisode],
+    cfg: OutcomeConfig,
+    seed: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
     tokenized = [(t, e.reward) for t, e in zip(model._tokenize(episodes), episodes) if t is not None]
     low, high = model.reward_range
     params = [p for p in model.policy.model.parameters() if p.requires_grad] + list(model.head.parameters())
@@ -225,13 +274,14 @@ def _train(model: OutcomeModel, episodes: list[LoggedEpisode], cfg: OutcomeConfi
     for _ in range(cfg.epochs):
         rng.shuffle(tokenized)
         for k in range(0, len(tokenized), cfg.batch_size):
-            batch = tokenized[k:k + cfg.batch_size]
+            batch = tokenized[k : k + cfg.batch_size]
             target = torch.tensor([(r - low) / (high - low) for _, r in batch], device=model.policy.device)
             lr = cfg.learning_rate * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1)))  # cosine to 0
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model._logits([t for t, _ in batch]),
-                                                                        target.clamp(0, 1))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                model._logits([t for t, _ in batch]), target.clamp(0, 1)
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -239,4 +289,3 @@ def _train(model: OutcomeModel, episodes: list[LoggedEpisode], cfg: OutcomeConfi
             if progress is not None:
                 progress(step, steps)
     model.policy.model.eval()
-

@@ -25,8 +25,10 @@ def latest(state_dir: Path) -> dict[str, Any] | None:
         path = Path(json.loads(pointer.read_text())["path"])
         return json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise ValueError(f"cannot read the outcome model's record under {pointer.parent}: {type(exc).__name__}: "
-                         f"{exc} (the next fit replaces it: `rtrl reward model fit`)") from None
+        raise ValueError(
+            f"cannot read the outcome model's record under {pointer.parent}: {type(exc).__name__}: "
+            f"{exc} (the next fit replaces it: `rtrl reward model fit`)"
+        ) from None
 
 
 def gate_use(usable: bool, estimator: str, fresh_prompts: int, fallback: str) -> str:

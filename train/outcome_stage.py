@@ -83,12 +83,29 @@ def _episode(row: Any) -> LoggedEpisode | None:
         return None
     if ev.get("truncated") or "prompt" not in ev:
         return None
-    return LoggedEpisode(row.request_id, ev["prompt"], ev.get("completion", ""), ev.get("completion_token_ids"),
-                         None, sampling.temperature, float(row.reward), sampling.top_p, sampling.top_k, ev.get("tools"))
+    return LoggedEpisode(
+        row.request_id,
+        ev["prompt"],
+        ev.get("completion", ""),
+        ev.get("completion_token_ids"),
+        None,
+        sampling.temperature,
+        float(row.reward),
+        sampling.top_p,
+        sampling.top_k,
+        ev.get("tools"),
+    )
 
 
-def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version: str, state_dir: Path,
-            make_tracker: Callable[[], Tracker] | None = None, force: bool = False) -> Scorer | Unfitted:
+def refresh(
+    engine: Engine,
+    cfg: OutcomeConfig,
+    train: TrainConfig,
+    spec_version: str,
+    state_dir: Path,
+    make_tracker: Callable[[], Tracker] | None = None,
+    force: bool = False,
+) -> Scorer | Unfitted:
     """The outcome model the gate should use now (see the module docstring); `make_tracker`
     opens the run a new fit is recorded in; `force`: fit again whatever the last fit's window."""
     if not cfg.enabled:
@@ -96,22 +113,32 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
     if not train.base_model:
         return Unfitted("is missing: train.base_model is not set (the outcome model is fitted on the policy's base)")
     base = str(Path(train.base_model).resolve())
-    selection = select_episodes(engine, spec_version, tenant=train.tenant, limit=cfg.max_episodes,
-                                holdout_percent=train.holdout_percent)
+    selection = select_episodes(
+        engine, spec_version, tenant=train.tenant, limit=cfg.max_episodes, holdout_percent=train.holdout_percent
+    )
     try:
         last = latest(state_dir)
     except ValueError as exc:  # an unreadable record: fitted again, and replaced
         log.warning("fitting the outcome model again", extra={"reason": str(exc)})
         last = None
-    if not force and last is not None and last["base_model"] == base and last["window"].get("spec_version") == spec_version:
+    if (
+        not force
+        and last is not None
+        and last["base_model"] == base
+        and last["window"].get("spec_version") == spec_version
+    ):
         newer = sum(1 for r in selection.rows if r.reward_id > last["window"]["to_reward_id"])
         if newer < cfg.refresh_episodes:
             return _load(last, train.torch_device)
     pairs = [(e, selection.tasks.get(r.request_id)) for r in selection.rows if (e := _episode(r)) is not None]
-    window = {"spec_version": spec_version, "from_reward_id": min((r.reward_id for r in selection.rows), default=0),
-              "to_reward_id": selection.watermark_to, "episodes": len(pairs),
-              "served_from": str(min((r.ts for r in selection.rows), default="")),
-              "served_to": str(max((r.ts for r in selection.rows), default=""))}
+    window = {
+        "spec_version": spec_version,
+        "from_reward_id": min((r.reward_id for r in selection.rows), default=0),
+        "to_reward_id": selection.watermark_to,
+        "episodes": len(pairs),
+        "served_from": str(min((r.ts for r in selection.rows), default="")),
+        "served_to": str(max((r.ts for r in selection.rows), default="")),
+    }
     out = state_dir / "outcome" / uuid.uuid4().hex[:12]
     try:
         fitted = fit(base, [e for e, _ in pairs], [t for _, t in pairs], out, cfg, train, window)
@@ -122,8 +149,16 @@ def refresh(engine: Engine, cfg: OutcomeConfig, train: TrainConfig, spec_version
         log.error("could not fit the outcome model", extra={"error": f"{type(exc).__name__}: {exc}"})
         return Unfitted(f"could not be fitted ({type(exc).__name__}: {exc})")
     point_at(state_dir, out)
-    log.info("outcome model fitted", extra={"path": str(out), "usable": fitted.usable, "why": fitted.why,
-                                            "episodes": fitted.episodes, "seconds": fitted.seconds})
+    log.info(
+        "outcome model fitted",
+        extra={
+            "path": str(out),
+            "usable": fitted.usable,
+            "why": fitted.why,
+            "episodes": fitted.episodes,
+            "seconds": fitted.seconds,
+        },
+    )
     if make_tracker is not None:
         _track(make_tracker, fitted)
     return _load(json.loads((out / MANIFEST).read_text()), train.torch_device)
@@ -133,11 +168,25 @@ def _track(make_tracker: Callable[[], Tracker], fitted: Fitted) -> None:
     try:
         tracker = make_tracker()
         tracker.set_tags({"rtrl.kind": "outcome_model", "rtrl.usable": str(fitted.usable)})
-        tracker.log_params({"base_model": fitted.base_model, **{f"episodes_{k}": v for k, v in fitted.episodes.items()},
-                            **{f"window_{k}": v for k, v in fitted.window.items()}})
+        tracker.log_params(
+            {
+                "base_model": fitted.base_model,
+                **{f"episodes_{k}": v for k, v in fitted.episodes.items()},
+                **{f"window_{k}": v for k, v in fitted.window.items()},
+            }
+        )
         q = fitted.quality
-        tracker.log_metrics({"auroc": q.auroc, "brier": q.brier, "brier_baseline": q.brier_baseline,
-                             "calibration_error": q.calibration_error, "r2": q.r2, "seconds": fitted.seconds}, 0)
+        tracker.log_metrics(
+            {
+                "auroc": q.auroc,
+                "brier": q.brier,
+                "brier_baseline": q.brier_baseline,
+                "calibration_error": q.calibration_error,
+                "r2": q.r2,
+                "seconds": fitted.seconds,
+            },
+            0,
+        )
         tracker.log_artifacts(fitted.path, "outcome_model")
         tracker.end("FINISHED")
     except Exception as exc:  # noqa: BLE001 - the tracker is a report: the model itself is kept on disk

@@ -34,7 +34,7 @@ class Replicas:
         (run with zero weight): a last step with fewer micro-batches than ranks still needs every
         rank in the gradient all-reduce, so a rank without one runs the step's first; sharded,
         every rank runs as many as the rank with the most."""
-        own = step_micro[self.rank::self.world]
+        own = step_micro[self.rank :: self.world]
         need = -(-len(step_micro) // self.world) if self.sharded else 1
         pad = max(need - len(own), 0)
         return own + step_micro[:1] * pad, pad

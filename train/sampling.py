@@ -51,8 +51,9 @@ def kept_threshold(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tenso
     return out
 
 
-def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_p: torch.Tensor,
-                     top_k: torch.Tensor) -> torch.Tensor:
+def sampled_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
     """[M, V] logits after temperature, [M] served token ids, [M] top_p, [M] top_k -> [M]
     log pi(target) under the truncated, renormalised distribution (differentiable)."""
     chosen = logits.gather(-1, targets[:, None]).squeeze(-1)  # [M]
@@ -76,9 +77,11 @@ class SamplingRows:
     @classmethod
     def of(cls, episodes: list, device: str | torch.device = "cpu") -> SamplingRows:
         """From episodes that have .temperature, .top_p, .top_k (TokenizedEpisode, LoggedEpisode)."""
-        return cls(torch.tensor([e.temperature for e in episodes], dtype=torch.float32, device=device),
-                   torch.tensor([e.top_p for e in episodes], dtype=torch.float32, device=device),
-                   torch.tensor([e.top_k for e in episodes], dtype=torch.long, device=device))
+        return cls(
+            torch.tensor([e.temperature for e in episodes], dtype=torch.float32, device=device),
+            torch.tensor([e.top_p for e in episodes], dtype=torch.float32, device=device),
+            torch.tensor([e.top_k for e in episodes], dtype=torch.long, device=device),
+        )
 
     def __getitem__(self, index: torch.Tensor) -> SamplingRows:
         return SamplingRows(self.temperature[index], self.top_p[index], self.top_k[index])

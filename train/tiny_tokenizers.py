@@ -85,8 +85,9 @@ def char_tokenizer(tool_markers: bool = False) -> Any:
     tok.decoder = decoders.Fuse()
     if tool_markers:
         tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<tool_call>", "</tool_call>")])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        bos_token="<s>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     return tokenizer
 
@@ -102,12 +103,20 @@ def bpe_tokenizer(vocab: int = 32_768, seed: int = 0) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab - len(markers), special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - len(markers),
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(seed, vocab), trainer)
     tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
     return tokenizer
 

@@ -17,8 +17,15 @@ import torch
 from train.models import load_policy
 
 
-def warm_up(model_dir: Path, sample: Callable[[random.Random], tuple[str, str]], steps: int = 300,
-            batch: int = 64, lr: float = 3e-3, seed: int = 0, max_tokens: int = 2048) -> Path:
+def warm_up(
+    model_dir: Path,
+    sample: Callable[[random.Random], tuple[str, str]],
+    steps: int = 300,
+    batch: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    max_tokens: int = 2048,
+) -> Path:
     """Train the model at `model_dir` in place on (prompt, answer) pairs drawn by `sample`."""
     policy = load_policy(model_dir, device="cpu")
     model, tok = policy.model, policy.tokenizer
@@ -53,7 +60,7 @@ def warm_up(model_dir: Path, sample: Callable[[random.Random], tuple[str, str]],
             attention = torch.zeros(len(chunk), width, dtype=torch.long)
             for j, i in enumerate(chunk):
                 r, m = rows[i], masks[i]
-                ids[j, :len(r)], mask[j, :len(m)], attention[j, :len(r)] = torch.tensor(r), torch.tensor(m), 1
+                ids[j, : len(r)], mask[j, : len(m)], attention[j, : len(r)] = torch.tensor(r), torch.tensor(m), 1
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # [b, L-1, V]
             loss_tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             # the batch's mean over its answer tokens, summed over the chunks

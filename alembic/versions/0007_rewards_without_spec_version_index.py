@@ -7,21 +7,22 @@ Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-02 00:10:00
 """
+
 from collections.abc import Sequence
 
 from alembic import op
 
-revision: str = '0007'
-down_revision: str | None = '0006'
+revision: str = "0007"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('rewards', schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f('ix_rewards_spec_version'))
+    with op.batch_alter_table("rewards", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_rewards_spec_version"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('rewards', schema=None) as batch_op:
-        batch_op.create_index(batch_op.f('ix_rewards_spec_version'), ['spec_version'], unique=False)
+    with op.batch_alter_table("rewards", schema=None) as batch_op:
+        batch_op.create_index(batch_op.f("ix_rewards_spec_version"), ["spec_version"], unique=False)

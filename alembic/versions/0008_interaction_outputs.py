@@ -8,6 +8,7 @@ Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-02 00:40:00
 """
+
 from collections.abc import Sequence
 
 import orjson
@@ -16,8 +17,8 @@ import sqlalchemy as sa
 from alembic import op
 from pipeline.core.store.events import output_columns
 
-revision: str = '0008'
-down_revision: str | None = '0007'
+revision: str = "0008"
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
@@ -26,12 +27,15 @@ _BATCH = 5000
 
 def _fill_from_bodies(conn: sa.Connection) -> None:
     stored = sa.table("interactions", sa.column("id"), sa.column("body"))
-    update = sa.text("UPDATE interactions SET output_text = :output_text, output_tool_calls = :output_tool_calls, "
-                     "expects_attempt = :expects_attempt WHERE id = :id")
+    update = sa.text(
+        "UPDATE interactions SET output_text = :output_text, output_tool_calls = :output_tool_calls, "
+        "expects_attempt = :expects_attempt WHERE id = :id"
+    )
     last = 0
     while True:
-        rows = conn.execute(sa.select(stored.c.id, stored.c.body).where(stored.c.id > last)
-                            .order_by(stored.c.id).limit(_BATCH)).all()
+        rows = conn.execute(
+            sa.select(stored.c.id, stored.c.body).where(stored.c.id > last).order_by(stored.c.id).limit(_BATCH)
+        ).all()
         if not rows:
             return
         params = []
@@ -43,18 +47,18 @@ def _fill_from_bodies(conn: sa.Connection) -> None:
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('interactions', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('output_text', sa.Text(), nullable=True))
-        batch_op.add_column(sa.Column('output_tool_calls', sa.Text(), nullable=True))
-        batch_op.add_column(sa.Column('expects_attempt', sa.Boolean(), nullable=True))
+    with op.batch_alter_table("interactions", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("output_text", sa.Text(), nullable=True))
+        batch_op.add_column(sa.Column("output_tool_calls", sa.Text(), nullable=True))
+        batch_op.add_column(sa.Column("expects_attempt", sa.Boolean(), nullable=True))
     _fill_from_bodies(op.get_bind())
-    with op.batch_alter_table('interactions', schema=None) as batch_op:
-        batch_op.alter_column('output_text', existing_type=sa.Text(), nullable=False)
-        batch_op.alter_column('expects_attempt', existing_type=sa.Boolean(), nullable=False)
+    with op.batch_alter_table("interactions", schema=None) as batch_op:
+        batch_op.alter_column("output_text", existing_type=sa.Text(), nullable=False)
+        batch_op.alter_column("expects_attempt", existing_type=sa.Boolean(), nullable=False)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('interactions', schema=None) as batch_op:
-        batch_op.drop_column('expects_attempt')
-        batch_op.drop_column('output_tool_calls')
-        batch_op.drop_column('output_text')
+    with op.batch_alter_table("interactions", schema=None) as batch_op:
+        batch_op.drop_column("expects_attempt")
+        batch_op.drop_column("output_tool_calls")
+        batch_op.drop_column("output_text")

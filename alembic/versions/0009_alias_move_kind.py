@@ -7,23 +7,24 @@ Revision ID: 0009
 Revises: 0008
 Create Date: 2026-12-02 05:30:00
 """
+
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = '0009'
-down_revision: str | None = '0008'
+revision: str = "0009"
+down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('alias_moves', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('kind', sa.String(length=16), nullable=True))
+    with op.batch_alter_table("alias_moves", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("kind", sa.String(length=16), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('alias_moves', schema=None) as batch_op:
-        batch_op.drop_column('kind')
+    with op.batch_alter_table("alias_moves", schema=None) as batch_op:
+        batch_op.drop_column("kind")

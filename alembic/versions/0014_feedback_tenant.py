@@ -6,23 +6,24 @@ Revision ID: 0014
 Revises: 0013
 Create Date: 2026-12-05 02:40:00
 """
+
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = '0014'
-down_revision: str | None = '0013'
+revision: str = "0014"
+down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('feedback', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('tenant', sa.String(length=256), nullable=True))
+    with op.batch_alter_table("feedback", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("tenant", sa.String(length=256), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('feedback', schema=None) as batch_op:
-        batch_op.drop_column('tenant')
+    with op.batch_alter_table("feedback", schema=None) as batch_op:
+        batch_op.drop_column("tenant")

@@ -1,21 +1,21 @@
 """`rtrl` — the command line. Commands mirror nouns; each parses, calls one function, prints.
 
-    rtrl kafka up|down|status      the local Kafka broker (--secure: SASL_SSL, as managed Kafka)
-    rtrl db upgrade|current        schema migrations
-    rtrl ingest                    consume events into the store (exactly once)
-    rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
-    rtrl export                    write stored events out as NDJSON(.gz)
-    rtrl status                    lag, table counts, dead letters
-    rtrl reward run|explain|diff|recompute|audit|model   rewards from delayed outcomes
-    rtrl model init-tiny|show      base models (local directories)
-    rtrl train run|show            LoRA updates from rewarded episodes, tracked in MLflow
-    rtrl gate [RUN]                register a run's adapter, evaluate it against the champion, decide
-    rtrl models list|show          registry versions, decisions, alias moves
-    rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
-    rtrl serve                     the reference policy server (or --vllm URL: keep vLLM on the champion)
-    rtrl daemon                    ingest continuously, run cycles on a schedule (one daemon at a time)
-    rtrl demo [--naive-reward]     the whole loop on a laptop, with a simulated fleet and a report
-    rtrl sim                       the simulated fleet alone, against a running `rtrl serve`
+rtrl kafka up|down|status      the local Kafka broker (--secure: SASL_SSL, as managed Kafka)
+rtrl db upgrade|current        schema migrations
+rtrl ingest                    consume events into the store (exactly once)
+rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
+rtrl export                    write stored events out as NDJSON(.gz)
+rtrl status                    lag, table counts, dead letters
+rtrl reward run|explain|diff|recompute|audit|model   rewards from delayed outcomes
+rtrl model init-tiny|show      base models (local directories)
+rtrl train run|show            LoRA updates from rewarded episodes, tracked in MLflow
+rtrl gate [RUN]                register a run's adapter, evaluate it against the champion, decide
+rtrl models list|show          registry versions, decisions, alias moves
+rtrl promote VERSION | rollback   move the champion alias (audited; serving follows)
+rtrl serve                     the reference policy server (or --vllm URL: keep vLLM on the champion)
+rtrl daemon                    ingest continuously, run cycles on a schedule (one daemon at a time)
+rtrl demo [--naive-reward]     the whole loop on a laptop, with a simulated fleet and a report
+rtrl sim                       the simulated fleet alone, against a running `rtrl serve`
 """
 
 from __future__ import annotations
@@ -39,11 +39,20 @@ from pipeline.core.logs import setup_logging
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="RTRL_CONFIG",
-              help="TOML config file (default: embedded defaults; RTRL_* variables override).")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="Structured (JSON) log level on stderr.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="RTRL_CONFIG",
+    help="TOML config file (default: embedded defaults; RTRL_* variables override).",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Structured (JSON) log level on stderr.",
+)
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, log_level: str) -> None:
     """rtrl: a real-time RL loop that learns from production feedback.

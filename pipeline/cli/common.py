@@ -49,9 +49,17 @@ def outcome_model(ctx: Context, spec_version: str, force: bool = False) -> Any:
     from train.outcome_stage import refresh
 
     cfg = ctx.config
-    return refresh(ctx.engine(), cfg.outcome, cfg.train, spec_version, cfg.state_dir, force=force,
-                   make_tracker=lambda: MlflowTracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.artifact_root,
-                                                      run_name="outcome-model"))
+    return refresh(
+        ctx.engine(),
+        cfg.outcome,
+        cfg.train,
+        spec_version,
+        cfg.state_dir,
+        force=force,
+        make_tracker=lambda: MlflowTracker(
+            cfg.tracking_uri, cfg.mlflow.experiment, cfg.artifact_root, run_name="outcome-model"
+        ),
+    )
 
 
 def kafka_failure(config: Config, exc: BaseException, doing: str) -> click.ClickException:
@@ -61,5 +69,6 @@ def kafka_failure(config: Config, exc: BaseException, doing: str) -> click.Click
 
     if isinstance(exc, KafkaAccessError):
         return click.ClickException(f"cannot {doing}: {exc}")
-    return click.ClickException(f"cannot {doing} at {config.kafka_access.describe()}: {exc!r}; "
-                                "is the broker up (`rtrl kafka status`)?")
+    return click.ClickException(
+        f"cannot {doing} at {config.kafka_access.describe()}: {exc!r}; is the broker up (`rtrl kafka status`)?"
+    )

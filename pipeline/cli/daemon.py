@@ -14,13 +14,18 @@ from pipeline.cli.reward import SPEC_OPTION, reward_spec
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--metrics-port", default=9108, show_default=True, help="/metrics (Prometheus) and /health.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
-@click.option("--lease-ttl", default=60.0, show_default=True,
-              help="Seconds a dead daemon keeps the cycle lease before another takes over.")
+@click.option(
+    "--lease-ttl",
+    default=60.0,
+    show_default=True,
+    help="Seconds a dead daemon keeps the cycle lease before another takes over.",
+)
 @click.option("--no-ingest", is_flag=True, help="Run cycles only (ingest runs elsewhere).")
 @SPEC_OPTION
 @pass_ctx
-def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float, no_ingest: bool,
-           spec_path: str | None) -> None:
+def daemon(
+    ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float, no_ingest: bool, spec_path: str | None
+) -> None:
     """Ingest continuously and run reward -> train -> gate -> promote every `cycle.every`.
 
     Several daemons may run against one store: all ingest (the consumer group shares the
@@ -45,7 +50,10 @@ def daemon(ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
     d.start(ingest=not no_ingest, metrics_port=metrics_port, host=metrics_host)
-    click.echo(f"rtrl daemon {d.owner}: cycles every {config.cycle.every}; metrics on "
-               f"http://{metrics_host}:{metrics_port}/metrics", err=True)
+    click.echo(
+        f"rtrl daemon {d.owner}: cycles every {config.cycle.every}; metrics on "
+        f"http://{metrics_host}:{metrics_port}/metrics",
+        err=True,
+    )
     stopped.wait()
     d.shutdown()

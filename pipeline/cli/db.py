@@ -20,8 +20,10 @@ def upgrade(ctx: Context, revision: str) -> None:
     """Migrate the store to the newest schema (creates it when empty). Safe to re-run."""
     url = ctx.config.db_url
     store_db.upgrade(url, revision)
-    click.echo(f"store {ctx.engine(check_schema=False).url.render_as_string(hide_password=True)} "
-               f"is at revision {store_db.current_revision(ctx.engine(check_schema=False))}")
+    click.echo(
+        f"store {ctx.engine(check_schema=False).url.render_as_string(hide_password=True)} "
+        f"is at revision {store_db.current_revision(ctx.engine(check_schema=False))}"
+    )
 
 
 @db.command()
@@ -39,4 +41,7 @@ def current(ctx: Context) -> None:
     """Print the store's revision and the one this code needs."""
     cur = store_db.current_revision(ctx.engine(check_schema=False))
     head = store_db.head_revision()
-    click.echo(f"current: {cur or '(empty)'}\nhead:    {head}\n" + ("up to date" if cur == head else "behind: run `rtrl db upgrade`"))
+    click.echo(
+        f"current: {cur or '(empty)'}\nhead:    {head}\n"
+        + ("up to date" if cur == head else "behind: run `rtrl db upgrade`")
+    )

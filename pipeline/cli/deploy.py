@@ -66,8 +66,9 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     spec = reward_spec(ctx, spec_path)
     run = get_run(ctx.engine(), run_id) if run_id else latest_finished_run(ctx.engine())
     if run is None:
-        raise click.ClickException(f"no training run {run_id}" if run_id else
-                                   "no finished training run to gate: `rtrl train run` first")
+        raise click.ClickException(
+            f"no training run {run_id}" if run_id else "no finished training run to gate: `rtrl train run` first"
+        )
     try:
         suite_path = suite or config.gate.suite
         suite_obj = load_suite(suite_path) if suite_path else EMPTY
@@ -79,20 +80,37 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     production = {version: c.rates() for version, c in audit(ctx.engine(), spec).items()}
     outcome = outcome_model(ctx, spec.version)
     with _registry(ctx) as registry:
-        result = gate_run(ctx.engine(), registry, runner, run.run_id, spec.version, config.train, config.gate,
-                          suite_obj, spec.guards.abstention.patterns, promote=promote,
-                          production_canaries=production, outcome=outcome)
+        result = gate_run(
+            ctx.engine(),
+            registry,
+            runner,
+            run.run_id,
+            spec.version,
+            config.train,
+            config.gate,
+            suite_obj,
+            spec.guards.abstention.patterns,
+            promote=promote,
+            production_canaries=production,
+            outcome=outcome,
+        )
     d, ev = result.decision, result.evaluation
     against = f"champion v{result.champion.version}" if result.champion else "the base model (first deployment)"
-    click.echo(f"candidate v{result.version.version} (run {run.run_id}) against {against}: "
-               f"{'PASSED' if d.passed else 'FAILED'}")
+    click.echo(
+        f"candidate v{result.version.version} (run {run.run_id}) against {against}: "
+        f"{'PASSED' if d.passed else 'FAILED'}"
+    )
     click.echo(f"  outcome model: {'usable' if outcome.usable else 'not used'}: {outcome.why}")
-    click.echo(f"  improvement by {ev.comparison.estimator}: {ev.comparison.improvement.value:+.4f} "
-               f"[{ev.comparison.improvement.low:+.4f}, {ev.comparison.improvement.high:+.4f}]"
-               + (f" ({ev.comparison.note})" if ev.comparison.note else ""))
-    click.echo(f"  reward (importance sampling, {ev.episodes} held-out episodes): candidate "
-               f"{ev.candidate.reward.value:.4f} [{ev.candidate.reward.low:.4f}, {ev.candidate.reward.high:.4f}], "
-               f"{ev.champion.version} {ev.champion.reward.value:.4f}")
+    click.echo(
+        f"  improvement by {ev.comparison.estimator}: {ev.comparison.improvement.value:+.4f} "
+        f"[{ev.comparison.improvement.low:+.4f}, {ev.comparison.improvement.high:+.4f}]"
+        + (f" ({ev.comparison.note})" if ev.comparison.note else "")
+    )
+    click.echo(
+        f"  reward (importance sampling, {ev.episodes} held-out episodes): candidate "
+        f"{ev.candidate.reward.value:.4f} [{ev.candidate.reward.low:.4f}, {ev.candidate.reward.high:.4f}], "
+        f"{ev.champion.version} {ev.champion.reward.value:.4f}"
+    )
     for c in d.checks:
         mark = "-" if not c.applicable else ("ok" if c.passed else "FAIL")
         click.echo(f"  [{mark:>4}] {c.name}: {c.detail}")
@@ -117,10 +135,14 @@ def list_cmd(ctx: Context) -> None:
             click.echo(f"no versions of {registry.name} yet: `rtrl train run`, then `rtrl gate`")
         for v in versions:
             decision = latest_decision(ctx.engine(), registry.name, v.version)
-            outcome = "gate: no decision" if decision is None else (
-                f"{decision.stage}: {'passed' if decision.passed else 'failed'}")
-            click.echo(f"v{v.version:<4} {','.join(v.aliases) or '-':<28} run {v.tags.get('rtrl.run_id', '?')}  "
-                       f"{outcome}")
+            outcome = (
+                "gate: no decision"
+                if decision is None
+                else (f"{decision.stage}: {'passed' if decision.passed else 'failed'}")
+            )
+            click.echo(
+                f"v{v.version:<4} {','.join(v.aliases) or '-':<28} run {v.tags.get('rtrl.run_id', '?')}  {outcome}"
+            )
 
 
 @models.command()
@@ -135,14 +157,18 @@ def show(ctx: Context, version: str) -> None:
             click.echo(f"  {key} = {value}")
         decision = latest_decision(ctx.engine(), registry.name, v.version)
         if decision is not None:
-            click.echo(f"gate decision {decision.id} ({decision.decided_at:%Y-%m-%d %H:%M:%S} UTC): "
-                       f"{'passed' if decision.passed else 'failed'} against "
-                       f"{('v' + decision.champion_version) if decision.champion_version else 'no champion'}")
+            click.echo(
+                f"gate decision {decision.id} ({decision.decided_at:%Y-%m-%d %H:%M:%S} UTC): "
+                f"{'passed' if decision.passed else 'failed'} against "
+                f"{('v' + decision.champion_version) if decision.champion_version else 'no champion'}"
+            )
             click.echo(json.dumps(decision.report, indent=2, default=str))
         for m in moves(ctx.engine(), registry.name):
             if version in (m.to_version, m.from_version):
-                click.echo(f"  {m.at:%Y-%m-%d %H:%M:%S} {m.alias}: {m.from_version} -> {m.to_version} by {m.actor} "
-                           f"({m.status}): {m.reason}")
+                click.echo(
+                    f"  {m.at:%Y-%m-%d %H:%M:%S} {m.alias}: {m.from_version} -> {m.to_version} by {m.actor} "
+                    f"({m.status}): {m.reason}"
+                )
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
@@ -160,11 +186,19 @@ def promote(ctx: Context, version: str, force: bool, reason: str, actor: str) ->
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--to", "to_version", help="Version to restore (default: the `previous` alias).")
-@click.option("--canary", is_flag=True, help="Withdraw the canary of a staged rollout instead: every request "
-              "goes to the champion, and the daemon's cycle records the candidate as rejected.")
-@click.option("--force", is_flag=True, help="With --to: restore a version that was never the champion and has no "
-              "passing decision (needs a --reason of your own).")
-@click.option("--reason", help="Why; recorded in the audit trail (default \"rollback\"; --force needs one of yours).")
+@click.option(
+    "--canary",
+    is_flag=True,
+    help="Withdraw the canary of a staged rollout instead: every request "
+    "goes to the champion, and the daemon's cycle records the candidate as rejected.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --to: restore a version that was never the champion and has no "
+    "passing decision (needs a --reason of your own).",
+)
+@click.option("--reason", help='Why; recorded in the audit trail (default "rollback"; --force needs one of yours).')
 @click.option("--actor", default=getpass.getuser, show_default="the current user", help="Who decides.")
 @pass_ctx
 def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, reason: str | None, actor: str) -> None:
@@ -186,8 +220,11 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, re
     with _registry(ctx) as registry:
         if canary:
             withdrawn = registry.unstage(actor=actor, reason=reason)
-            click.echo(f"withdrew canary v{withdrawn.version}: the champion serves every request" if withdrawn
-                       else "no canary to withdraw")
+            click.echo(
+                f"withdrew canary v{withdrawn.version}: the champion serves every request"
+                if withdrawn
+                else "no canary to withdraw"
+            )
             return
         target = registry.rollback(actor=actor, reason=reason, to=to_version, force=force)
     click.echo(f"rolled back: v{target.version} is the champion")
@@ -196,15 +233,22 @@ def rollback(ctx: Context, to_version: str | None, canary: bool, force: bool, re
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
-@click.option("--base-model", type=click.Path(file_okay=False),
-              help="Base model directory (default: train.base_model, else the champion's base_model tag).")
+@click.option(
+    "--base-model",
+    type=click.Path(file_okay=False),
+    help="Base model directory (default: train.base_model, else the champion's base_model tag).",
+)
 @click.option("--tenant", default="default", show_default=True, help="Tenant of requests without X-Tenant.")
 @click.option("--no-events", is_flag=True, help="Do not send interaction events to Kafka.")
-@click.option("--vllm", "vllm_url", help="Do not serve: keep the vLLM server at this URL on the champion adapter "
-              "(and a canary's).")
+@click.option(
+    "--vllm",
+    "vllm_url",
+    help="Do not serve: keep the vLLM server at this URL on the champion adapter (and a canary's).",
+)
 @pass_ctx
-def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: str, no_events: bool,
-          vllm_url: str | None) -> None:
+def serve(
+    ctx: Context, host: str, port: int, base_model: str | None, tenant: str, no_events: bool, vllm_url: str | None
+) -> None:
     """Serve the champion (OpenAI-compatible /v1/completions and /v1/chat/completions) and
     follow the registry: a promotion or rollback swaps the adapter without a restart. During a
     staged rollout (`[rollout] share`) the canary answers its share of requests. With --vllm,
@@ -229,8 +273,14 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         return registry_state(registry, alias)
 
     try:
-        follower = Follower(config.kafka_access, config.kafka.model_updates_topic, name, lambda ev: None, resolve,
-                            aliases=("champion", "canary"))
+        follower = Follower(
+            config.kafka_access,
+            config.kafka.model_updates_topic,
+            name,
+            lambda ev: None,
+            resolve,
+            aliases=("champion", "canary"),
+        )
         # what serving starts from, read like every later update (a staged rollout in progress
         # has its share tagged on the canary's version)
         current = [u for u in (resolve("champion"), resolve("canary")) if u.version is not None]
@@ -272,18 +322,34 @@ def serve(ctx: Context, host: str, port: int, base_model: str | None, tenant: st
         raise click.ClickException(str(exc)) from None
     # an answer's interaction event waits in this server's spool (one per port: replicas on one
     # machine do not share one) until Kafka has it
-    spool = None if no_events else Spool(config.state_dir / "spool" / f"serve-{port}", config.spool.max_bytes,
-                                         config.spool.when_full)
+    spool = (
+        None
+        if no_events
+        else Spool(config.state_dir / "spool" / f"serve-{port}", config.spool.max_bytes, config.spool.when_full)
+    )
     # write-ahead: an answer's event is in the spool (a file append) before the answer's end is
     # given, and the spool's thread sends it: a server killed at any moment has kept it
-    emit = None if no_events else EventSender(config.kafka_access, config.kafka.interactions_topic, key="request_id",
-                                              timeout_s=10.0, spool=spool, write_ahead=True)
+    emit = (
+        None
+        if no_events
+        else EventSender(
+            config.kafka_access,
+            config.kafka.interactions_topic,
+            key="request_id",
+            timeout_s=10.0,
+            spool=spool,
+            write_ahead=True,
+        )
+    )
     secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared with the gateway in front: never logged
     if secret:
         mask(secret)
     elif not no_events:
-        click.echo("warning: RTRL_ROUTING_SECRET is unset: behind an rtrl gateway, set the gateway's, or this "
-                   "server routes the canary's share itself and records every call a second time", err=True)
+        click.echo(
+            "warning: RTRL_ROUTING_SECRET is unset: behind an rtrl gateway, set the gateway's, or this "
+            "server routes the canary's share itself and records every call a second time",
+            err=True,
+        )
     server = PolicyServer(runner, name, emit=emit, default_tenant=tenant, routing_secret=secret)
     if spool is not None:
         server.spooled.set_function(spool.size)

@@ -38,19 +38,39 @@ def _stop_on_signals() -> threading.Event:
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--max-records", type=int, default=None, help="Stop after this many records (default: run until stopped).")
-@click.option("--idle-exit", type=float, default=None, metavar="SECONDS",
-              help="Stop after this many seconds without new records.")
-@click.option("--until-caught-up", is_flag=True,
-              help="Stop once every record the partitions held is stored (a backfill or batch catch-up).")
-@click.option("--progress/--no-progress", default=None,
-              help="Live display of events/s, lag and dead letters (default: when stdout is a terminal).")
-@click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default=None,
-              help="Where partitions the store has no offset for start: the beginning of retention (default, "
-                   "ingest.start) or only new records. Partitions the store has offsets for continue from them.")
+@click.option(
+    "--max-records", type=int, default=None, help="Stop after this many records (default: run until stopped)."
+)
+@click.option(
+    "--idle-exit", type=float, default=None, metavar="SECONDS", help="Stop after this many seconds without new records."
+)
+@click.option(
+    "--until-caught-up",
+    is_flag=True,
+    help="Stop once every record the partitions held is stored (a backfill or batch catch-up).",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Live display of events/s, lag and dead letters (default: when stdout is a terminal).",
+)
+@click.option(
+    "--from",
+    "start",
+    type=click.Choice(["earliest", "latest"]),
+    default=None,
+    help="Where partitions the store has no offset for start: the beginning of retention (default, "
+    "ingest.start) or only new records. Partitions the store has offsets for continue from them.",
+)
 @pass_ctx
-def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, until_caught_up: bool,
-           progress: bool | None, start: str | None) -> None:
+def ingest(
+    ctx: Context,
+    max_records: int | None,
+    idle_exit: float | None,
+    until_caught_up: bool,
+    progress: bool | None,
+    start: str | None,
+) -> None:
     """Consume the event topics into the store, exactly once.
 
     Joins the consumer group `ingest.group_id`; several `rtrl ingest` processes share the
@@ -66,12 +86,21 @@ def ingest(ctx: Context, max_records: int | None, idle_exit: float | None, until
     display = IngestDisplay(enabled=show)
     with display:
         try:
-            stats = run_ingest(cfg, engine, stop, on_batch=display.update,
-                               max_records=max_records, idle_exit_s=idle_exit, until_caught_up=until_caught_up)
+            stats = run_ingest(
+                cfg,
+                engine,
+                stop,
+                on_batch=display.update,
+                max_records=max_records,
+                idle_exit_s=idle_exit,
+                until_caught_up=until_caught_up,
+            )
         except KafkaError as exc:
             raise kafka_failure(cfg, exc, "consume") from None
-    click.echo(f"ingested {stats.events} events ({stats.duplicates} duplicates skipped, "
-               f"{stats.dead_letters} dead letters) in {stats.batches} batches")
+    click.echo(
+        f"ingested {stats.events} events ({stats.duplicates} duplicates skipped, "
+        f"{stats.dead_letters} dead letters) in {stats.batches} batches"
+    )
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -81,13 +110,23 @@ def _utc(value: datetime | None) -> datetime | None:
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--since", type=click.DateTime(["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]),
-              help="From Kafka: first record time (UTC unless an offset is given). Default: the beginning.")
-@click.option("--until", type=click.DateTime(["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]),
-              help="From Kafka: stop before this record time. Default: the end as of now.")
+@click.option(
+    "--since",
+    type=click.DateTime(["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]),
+    help="From Kafka: first record time (UTC unless an offset is given). Default: the beginning.",
+)
+@click.option(
+    "--until",
+    type=click.DateTime(["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]),
+    help="From Kafka: stop before this record time. Default: the end as of now.",
+)
 @click.option("--topic", "topics", multiple=True, help="From Kafka: topic(s) to replay (default: the ingest topics).")
 @click.option("--file", "path", type=str, help="Replay an NDJSON(.gz) file instead of Kafka ('-' for stdin).")
-@click.option("--dead-letters", is_flag=True, help="Retry the stored dead letters (after a fix); those that pass are stored and removed.")
+@click.option(
+    "--dead-letters",
+    is_flag=True,
+    help="Retry the stored dead letters (after a fix); those that pass are stored and removed.",
+)
 @click.option("--dry-run", is_flag=True, help="Decode and compare with the store, write nothing.")
 @pass_ctx
 def replay(ctx: Context, since, until, topics, path, dead_letters: bool, dry_run: bool) -> None:
@@ -143,19 +182,24 @@ def export(ctx: Context, path: str) -> None:
 def _outcome_model_line(cfg: Config) -> str:
     g = cfg.gate
     if not cfg.outcome.enabled:
-        return ("outcome model: off (outcome.enabled = false); "
-                f"{gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}")
+        return (
+            f"outcome model: off (outcome.enabled = false); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}"
+        )
     try:
         m = latest_outcome_model(cfg.state_dir)
     except ValueError as exc:
         return f"outcome model: {exc}"
     if m is None:
-        return (f"outcome model: none yet (a cycle fits one once {cfg.outcome.min_episodes} rewarded episodes "
-                f"can be); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}")
+        return (
+            f"outcome model: none yet (a cycle fits one once {cfg.outcome.min_episodes} rewarded episodes "
+            f"can be); {gate_use(False, g.estimator, g.fresh_prompts, g.fallback)}"
+        )
     q = m["quality"]
-    return (f"outcome model: {gate_use(m['usable'], g.estimator, g.fresh_prompts, g.fallback)}; AUROC "
-            f"{q['auroc']:.3f}, calibration error {q['calibration_error']:.3f}, fitted {m.get('fitted_at', '?')} on "
-            f"{sum(m['episodes'].values())} episodes (`rtrl reward model show`)")
+    return (
+        f"outcome model: {gate_use(m['usable'], g.estimator, g.fresh_prompts, g.fallback)}; AUROC "
+        f"{q['auroc']:.3f}, calibration error {q['calibration_error']:.3f}, fitted {m.get('fitted_at', '?')} on "
+        f"{sum(m['episodes'].values())} episodes (`rtrl reward model show`)"
+    )
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
@@ -173,8 +217,14 @@ def status(ctx: Context) -> None:
         click.echo(f"  {reason:<28} {count:>8}")
     lease = holder(engine, "cycle")
     held = lease is not None and lease.expires_at > utcnow()
-    click.echo("cycles" + (f" (run by {lease.owner}, lease until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC):"
-                           if held else " (no daemon holds the lease):"))
+    click.echo(
+        "cycles"
+        + (
+            f" (run by {lease.owner}, lease until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC):"
+            if held
+            else " (no daemon holds the lease):"
+        )
+    )
     for c in recent_cycles(engine, 5):
         candidate = f" v{c.candidate_version}" if c.candidate_version else ""
         line = f"  {c.started_at:%Y-%m-%d %H:%M:%S} {c.cycle_id} {c.state:<10}{candidate}  {c.reason or ''}"

@@ -19,9 +19,12 @@ def kafka() -> None:
 
 
 @kafka.command()
-@click.option("--secure", is_flag=True,
-              help="A SASL_SSL listener (TLS with a client certificate, then a SCRAM/PLAIN login), as managed "
-                   "Kafka runs; chosen when the broker is first set up, and kept.")
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="A SASL_SSL listener (TLS with a client certificate, then a SCRAM/PLAIN login), as managed "
+    "Kafka runs; chosen when the broker is first set up, and kept.",
+)
 @pass_ctx
 def up(ctx: Context, secure: bool) -> None:
     """Start the broker (fetch, format, start, wait until ready) and create the topics.

@@ -22,7 +22,9 @@ from train.outcome_record import gate_use
 from train.outcome_record import latest as latest_outcome_model
 
 SPEC_OPTION = click.option(
-    "--spec", "spec_path", type=click.Path(dir_okay=False),
+    "--spec",
+    "spec_path",
+    type=click.Path(dir_okay=False),
     help="Reward spec TOML (default: reward.spec from the config, else the spec shipped with rtrl).",
 )
 
@@ -36,9 +38,12 @@ def reward_spec(ctx: Context, path: str | None) -> RewardSpec:
 
 
 WORKERS_OPTION = click.option(
-    "--workers", type=click.IntRange(min=0), default=0, show_default=True,
+    "--workers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
     help="Processes to score with; 0 picks one per 25,000 stored episodes, up to the CPU count "
-         "(at most 4). A spec with a judge always runs in one.",
+    "(at most 4). A spec with a judge always runs in one.",
 )
 
 
@@ -52,8 +57,11 @@ def _progress():
         task = bar.add_task("scoring episodes")
 
         def update(report) -> None:
-            bar.update(task, description=f"{report.episodes:,} episodes scanned, "
-                                         f"{report.computed + report.updated:,} rewards written")
+            bar.update(
+                task,
+                description=f"{report.episodes:,} episodes scanned, "
+                f"{report.computed + report.updated:,} rewards written",
+            )
 
         yield update
 
@@ -85,15 +93,21 @@ def run(ctx: Context, spec_path: str | None, workers: int) -> None:
 
 @reward.command()
 @click.argument("request_id")
-@click.option("--episode", "is_episode", is_flag=True,
-              help="The id is an agent episode's: show its calls, its outcome and each call's credited reward.")
-@click.option("--tenant", help="With --episode: the tenant whose episode it is (needed when several have one of "
-              "that id).")
+@click.option(
+    "--episode",
+    "is_episode",
+    is_flag=True,
+    help="The id is an agent episode's: show its calls, its outcome and each call's credited reward.",
+)
+@click.option(
+    "--tenant", help="With --episode: the tenant whose episode it is (needed when several have one of that id)."
+)
 @SPEC_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def explain(ctx: Context, request_id: str, is_episode: bool, tenant: str | None, spec_path: str | None,
-            as_json: bool) -> None:
+def explain(
+    ctx: Context, request_id: str, is_episode: bool, tenant: str | None, spec_path: str | None, as_json: bool
+) -> None:
     """Print an episode, its feedback and every component of its reward (with --episode, every
     call of an agent episode: its own feedback and guards, and its share of the outcome)."""
     spec = reward_spec(ctx, spec_path)
@@ -104,17 +118,21 @@ def explain(ctx: Context, request_id: str, is_episode: bool, tenant: str | None,
             raise click.ClickException(f"{exc} with --tenant") from None
         if not found:
             whose = f"tenant {tenant!r}'s " if tenant else ""
-            raise click.ClickException(f"no interaction of {whose}episode {request_id!r} is stored "
-                                       "(an episode id is the interactions' `episode_id`)")
+            raise click.ClickException(
+                f"no interaction of {whose}episode {request_id!r} is stored "
+                "(an episode id is the interactions' `episode_id`)"
+            )
     else:
         one = explain_call(ctx.engine(), spec, request_id)
         if one is None:
-            raise click.ClickException(f"no interaction with request_id {request_id!r} is stored "
-                                       "(for an agent episode's id, add --episode)")
+            raise click.ClickException(
+                f"no interaction with request_id {request_id!r} is stored (for an agent episode's id, add --episode)"
+            )
         found = [one]
     if as_json:
-        click.echo(json.dumps([_as_json(spec, *f) for f in found] if is_episode else _as_json(spec, *found[0]),
-                              indent=2))
+        click.echo(
+            json.dumps([_as_json(spec, *f) for f in found] if is_episode else _as_json(spec, *found[0]), indent=2)
+        )
         return
     if is_episode:
         ep = found[0][0]
@@ -122,16 +140,20 @@ def explain(ctx: Context, request_id: str, is_episode: bool, tenant: str | None,
         _print_feedback("outcome", ep.outcome, ep.ts)
         for k, (call, result, ripe) in enumerate(found):
             credited = sum(v for name, v in result.components.items() if name.startswith("episode."))
-            click.echo(f"  call {k}  {call.request_id}  policy {call.policy_version}  "
-                       f"{len(call.tool_calls)} tool calls  outcome credited {credited:+.4f}  "
-                       f"reward {result.value:+.4f}" + ("" if ripe else "  (not ripe yet)"))
+            click.echo(
+                f"  call {k}  {call.request_id}  policy {call.policy_version}  "
+                f"{len(call.tool_calls)} tool calls  outcome credited {credited:+.4f}  "
+                f"reward {result.value:+.4f}" + ("" if ripe else "  (not ripe yet)")
+            )
         return
     ep, result, ripe = found[0]
     text = ep.text if len(ep.text) <= 300 else ep.text[:300] + f"... ({len(ep.text)} chars)"
     click.echo(f"episode {ep.request_id}  policy {ep.policy_version}  at {ep.ts.isoformat()}Z")
     if ep.episode_id is not None:
-        click.echo(f"call of agent episode {ep.episode_id} ({ep.episode_calls} calls, {ep.calls_after} after this "
-                   f"one): `rtrl reward explain --episode {ep.episode_id}` shows them all")
+        click.echo(
+            f"call of agent episode {ep.episode_id} ({ep.episode_calls} calls, {ep.calls_after} after this "
+            f"one): `rtrl reward explain --episode {ep.episode_id}` shows them all"
+        )
     click.echo(f"output: {text!r}" + (f"  [{len(ep.tool_calls)} tool calls]" if ep.tool_calls else ""))
     _print_feedback("feedback", ep.feedback, ep.ts)
     if ep.episode_id is not None:
@@ -154,12 +176,21 @@ def _print_feedback(title: str, feedback: tuple, served: datetime) -> None:
 
 def _as_json(spec: RewardSpec, ep, result, ripe: bool) -> dict:
     def events(feedback: tuple) -> list[dict]:
-        return [{"kind": f.kind, "value": f.value, "ts": f.ts.isoformat(), "delay_s": (f.ts - ep.ts).total_seconds()}
-                for f in feedback]
+        return [
+            {"kind": f.kind, "value": f.value, "ts": f.ts.isoformat(), "delay_s": (f.ts - ep.ts).total_seconds()}
+            for f in feedback
+        ]
 
-    out = {"request_id": ep.request_id, "policy_version": ep.policy_version, "spec": spec.version,
-           "ripe": ripe, "value": result.value, "components": result.components,
-           "ignored_kinds": list(result.ignored_kinds), "feedback": events(ep.feedback)}
+    out = {
+        "request_id": ep.request_id,
+        "policy_version": ep.policy_version,
+        "spec": spec.version,
+        "ripe": ripe,
+        "value": result.value,
+        "components": result.components,
+        "ignored_kinds": list(result.ignored_kinds),
+        "feedback": events(ep.feedback),
+    }
     if ep.episode_id is not None:
         out.update(episode_id=ep.episode_id, calls_after=ep.calls_after, outcome=events(ep.outcome))
     return out
@@ -176,10 +207,15 @@ def _delay(delta: timedelta) -> str:
 
 
 @reward.command()
-@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False),
-              help="The new reward spec TOML to compare.")
-@click.option("--against", "against_path", type=click.Path(dir_okay=False),
-              help="The spec to compare with (default: the active one).")
+@click.option(
+    "--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The new reward spec TOML to compare."
+)
+@click.option(
+    "--against",
+    "against_path",
+    type=click.Path(dir_okay=False),
+    help="The spec to compare with (default: the active one).",
+)
 @click.option("--top", default=10, show_default=True, help="How many of the biggest movers to list.")
 @pass_ctx
 def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> None:
@@ -195,8 +231,11 @@ def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> No
     click.echo(f"  {'':<8}{'mean':>9}{'std':>8}{'min':>8}{'p10':>8}{'p50':>8}{'p90':>8}{'max':>8}")
     for label, dist in (("old", d.old), ("new", d.new)):
         q = [dist.quantile(x) for x in (0.1, 0.5, 0.9)]
-        click.echo(f"  {label:<8}{dist.mean:>+9.3f}{dist.std:>8.3f}{dist.min:>+8.2f}"
-                   + "".join(f"{v:>+8.2f}" for v in q) + f"{dist.max:>+8.2f}")
+        click.echo(
+            f"  {label:<8}{dist.mean:>+9.3f}{dist.std:>8.3f}{dist.min:>+8.2f}"
+            + "".join(f"{v:>+8.2f}" for v in q)
+            + f"{dist.max:>+8.2f}"
+        )
     click.echo("mean contribution per episode:")
     for name, (o, n) in sorted(d.contributions.items()):
         click.echo(f"  {name:<24}{o / d.new.n:>+9.4f} -> {n / d.new.n:>+9.4f}")
@@ -208,8 +247,9 @@ def diff(ctx: Context, spec_path: str, against_path: str | None, top: int) -> No
 
 
 @reward.command()
-@click.option("--spec", "spec_path", type=click.Path(dir_okay=False),
-              help="Reward spec TOML to apply (default: the active one).")
+@click.option(
+    "--spec", "spec_path", type=click.Path(dir_okay=False), help="Reward spec TOML to apply (default: the active one)."
+)
 @WORKERS_OPTION
 @pass_ctx
 def recompute(ctx: Context, spec_path: str | None, workers: int) -> None:
@@ -236,8 +276,10 @@ def audit(ctx: Context, spec_path: str | None) -> None:
     click.echo(f"{'policy':<12}{'episodes':>9}{'abstain':>9}{'length':>9}{'tool err':>9}{'accept':>9}{'followup':>9}")
     for version, c in sorted(per_version.items()):
         r = c.rates()
-        click.echo(f"{version:<12}{c.episodes:>9}{r['abstention_rate']:>9.1%}{r['mean_length']:>9.0f}"
-                   f"{r['tool_error_rate']:>9.1%}{r['accept_rate']:>9.1%}{r['followup_rate']:>9.1%}")
+        click.echo(
+            f"{version:<12}{c.episodes:>9}{r['abstention_rate']:>9.1%}{r['mean_length']:>9.0f}"
+            f"{r['tool_error_rate']:>9.1%}{r['accept_rate']:>9.1%}{r['followup_rate']:>9.1%}"
+        )
 
 
 @reward.group()
@@ -251,13 +293,20 @@ def _print_outcome_model(m: dict, gate: GateConfig) -> None:
     q, w = m["quality"], m["window"]
     click.echo(f"outcome model {m['path']}")
     click.echo(f"  fitted     {m.get('fitted_at', '?')} in {m['seconds']:.0f} s on {m['base_model']}")
-    click.echo(f"  data       spec {w.get('spec_version', '?')}, rewards {w.get('from_reward_id', '?')}.."
-               f"{w.get('to_reward_id', '?')}, served {w.get('served_from', '?')} .. {w.get('served_to', '?')}")
-    click.echo("  episodes   " + ", ".join(f"{k} {v}" for k, v in m["episodes"].items())
-               + " (split by task: the check slice's tasks were never fitted on)")
-    click.echo(f"  check      AUROC {q['auroc']:.3f}, Brier {q['brier']:.4f} (predicting the mean: "
-               f"{q['brier_baseline']:.4f}), calibration error {q['calibration_error']:.3f}, R2 {q['r2']:.3f} "
-               f"on {q['episodes']} episodes")
+    click.echo(
+        f"  data       spec {w.get('spec_version', '?')}, rewards {w.get('from_reward_id', '?')}.."
+        f"{w.get('to_reward_id', '?')}, served {w.get('served_from', '?')} .. {w.get('served_to', '?')}"
+    )
+    click.echo(
+        "  episodes   "
+        + ", ".join(f"{k} {v}" for k, v in m["episodes"].items())
+        + " (split by task: the check slice's tasks were never fitted on)"
+    )
+    click.echo(
+        f"  check      AUROC {q['auroc']:.3f}, Brier {q['brier']:.4f} (predicting the mean: "
+        f"{q['brier_baseline']:.4f}), calibration error {q['calibration_error']:.3f}, R2 {q['r2']:.3f} "
+        f"on {q['episodes']} episodes"
+    )
     click.echo(f"  judged     {'usable' if m['usable'] else 'unusable'}: {m['why']}")
     click.echo(f"  gate       {gate_use(m['usable'], gate.estimator, gate.fresh_prompts, gate.fallback)}")
 
@@ -277,7 +326,8 @@ def model_show(ctx: Context, as_json: bool) -> None:
         raise click.ClickException(
             f"no outcome model under {ctx.config.state_dir / 'outcome'}: a cycle fits one once "
             f"{ctx.config.outcome.min_episodes} rewarded episodes are stored (outcome.min_episodes), "
-            "or run `rtrl reward model fit`")
+            "or run `rtrl reward model fit`"
+        )
     if as_json:
         click.echo(json.dumps({k: v for k, v in found.items() if k != "calibration"}, indent=2))
         return

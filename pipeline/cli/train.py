@@ -39,16 +39,27 @@ def _progress():
     if not sys.stdout.isatty():
         yield lambda step, total, m: click.echo(
             f"step {step}/{total} loss {m['loss']:.4f} reward {m['reward_mean']:.3f} "
-            f"kl {m['kl_behavior']:.4f} {m['tokens_per_s']:.0f} tok/s", err=True)
+            f"kl {m['kl_behavior']:.4f} {m['tokens_per_s']:.0f} tok/s",
+            err=True,
+        )
         return
-    with Progress(TextColumn("training"), BarColumn(), TaskProgressColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), transient=True) as bar:
+    with Progress(
+        TextColumn("training"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
         task = bar.add_task("", total=None)
 
         def update(step: int, total: int, m: dict[str, float]) -> None:
-            bar.update(task, completed=step, total=total,
-                       description=f"loss {m['loss']:.4f}  reward {m['reward_mean']:.3f}  "
-                                   f"{m['tokens_per_s']:.0f} tok/s")
+            bar.update(
+                task,
+                completed=step,
+                total=total,
+                description=f"loss {m['loss']:.4f}  reward {m['reward_mean']:.3f}  {m['tokens_per_s']:.0f} tok/s",
+            )
 
         yield update
 
@@ -66,25 +77,41 @@ def _selection_lines(report) -> list[str]:
 
 @train.command()
 @click.option("--base-model", type=click.Path(file_okay=False), help="Base model directory (train.base_model).")
-@click.option("--adapter", type=click.Path(file_okay=False),
-              help="Continue this adapter (the champion's); its rtrl_run.json gives the data watermark.")
+@click.option(
+    "--adapter",
+    type=click.Path(file_okay=False),
+    help="Continue this adapter (the champion's); its rtrl_run.json gives the data watermark.",
+)
 @click.option("--since", type=int, help="Read rewards after this reward id instead of the adapter's watermark.")
 @click.option("--loss", type=click.Choice(get_args(LossName)), help="train.loss")
 @click.option("--epochs", type=int, help="train.epochs")
 @click.option("--max-steps", type=int, help="train.max_steps")
 @click.option("--learning-rate", type=float, help="train.learning_rate")
 @click.option("--tenant", help="Only this tenant's episodes (train.tenant).")
-@click.option("--nproc", type=click.IntRange(1, 64),
-              help="train.nproc: data-parallel processes (torch.distributed.run; gloo on CPU, NCCL on GPUs).")
-@click.option("--strategy", type=click.Choice(["ddp", "fsdp"]),
-              help="train.strategy: with --nproc > 1, a whole base model per process (ddp) or its weights "
-                   "split over them (fsdp).")
+@click.option(
+    "--nproc",
+    type=click.IntRange(1, 64),
+    help="train.nproc: data-parallel processes (torch.distributed.run; gloo on CPU, NCCL on GPUs).",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(["ddp", "fsdp"]),
+    help="train.strategy: with --nproc > 1, a whole base model per process (ddp) or its weights "
+    "split over them (fsdp).",
+)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="train.device")
 @click.option("--dry-run", is_flag=True, help="Print the data selection only; load and write nothing.")
 @SPEC_OPTION
 @pass_ctx
-def run(ctx: Context, base_model: str | None, adapter: str | None, since: int | None, dry_run: bool,
-        spec_path: str | None, **overrides) -> None:
+def run(
+    ctx: Context,
+    base_model: str | None,
+    adapter: str | None,
+    since: int | None,
+    dry_run: bool,
+    spec_path: str | None,
+    **overrides,
+) -> None:
     """Run one training: select episodes, train, save the adapter, record the MLflow run."""
     from train.run import NothingToTrain, Parent, run_training
 
@@ -109,19 +136,32 @@ def run(ctx: Context, base_model: str | None, adapter: str | None, since: int | 
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root)
     try:
         with _progress() as on_step:
-            report = run_training(engine, cfg, spec.version, config.state_dir / "runs", tracker, parent, since,
-                                  params={"tracking_uri": redacted_uri(config.tracking_uri)}, on_step=on_step)
+            report = run_training(
+                engine,
+                cfg,
+                spec.version,
+                config.state_dir / "runs",
+                tracker,
+                parent,
+                since,
+                params={"tracking_uri": redacted_uri(config.tracking_uri)},
+                on_step=on_step,
+            )
     except (NothingToTrain, ModelError) as exc:
         tracker.end("FAILED")
         raise click.ClickException(str(exc)) from None
     click.echo("\n".join(_selection_lines(report)))
     skipped = {**report.data.skipped, "too_long": report.too_long, "unreadable": report.unreadable}
-    click.echo(f"trained {report.loop.steps} steps on {report.data.episodes:,} episodes "
-               f"({report.loop.tokens:,} tokens, {report.loop.tokens / max(report.loop.seconds, 1e-9):,.0f} tok/s); "
-               f"skipped {', '.join(f'{k} {v}' for k, v in skipped.items() if v) or 'none'}; "
-               f"behaviour log-probs {json.dumps(report.data.behavior)}")
-    click.echo(f"run {report.run_id}  adapter {report.adapter}  mlflow run {tracker.run_id} "
-               f"({redacted_uri(config.tracking_uri)})")
+    click.echo(
+        f"trained {report.loop.steps} steps on {report.data.episodes:,} episodes "
+        f"({report.loop.tokens:,} tokens, {report.loop.tokens / max(report.loop.seconds, 1e-9):,.0f} tok/s); "
+        f"skipped {', '.join(f'{k} {v}' for k, v in skipped.items() if v) or 'none'}; "
+        f"behaviour log-probs {json.dumps(report.data.behavior)}"
+    )
+    click.echo(
+        f"run {report.run_id}  adapter {report.adapter}  mlflow run {tracker.run_id} "
+        f"({redacted_uri(config.tracking_uri)})"
+    )
 
 
 @train.command()
@@ -133,13 +173,18 @@ def show(ctx: Context, run_id: str | None, show_episodes: bool) -> None:
     engine = ctx.engine()
     row = get_run(engine, run_id) if run_id else latest_finished_run(engine)
     if row is None:
-        raise click.ClickException(f"no training run {run_id or '(finished)'} in the store; "
-                                   "start one with `rtrl train run`")
+        raise click.ClickException(
+            f"no training run {run_id or '(finished)'} in the store; start one with `rtrl train run`"
+        )
     for key, value in dataclasses.asdict(row).items():
         click.echo(f"{key}: {json.dumps(value, default=str) if isinstance(value, dict) else value}")
     if show_episodes:
         for request_id, reward, outcome in lineage(engine, row.run_id):
             # a call of an agent episode: which episode outcome (its events) the reward credited
-            credited = (f"\tepisode {outcome['episode_id']} outcome {','.join(outcome['events']) or 'none'} "
-                        f"x {outcome['credit']:.3g}" if outcome else "")
+            credited = (
+                f"\tepisode {outcome['episode_id']} outcome {','.join(outcome['events']) or 'none'} "
+                f"x {outcome['credit']:.3g}"
+                if outcome
+                else ""
+            )
             click.echo(f"  {request_id}\t{reward:+.4f}{credited}")

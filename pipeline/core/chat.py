@@ -50,13 +50,17 @@ class ToolCalls:
         return bool(self.calls) and not any("error" in c for c in self.calls)
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None = None,
-                     call_id: Callable[[int], str] = lambda i: f"call_{i}") -> ToolCalls:
+def parse_tool_calls(
+    text: str, tools: list[dict] | None = None, call_id: Callable[[int], str] = lambda i: f"call_{i}"
+) -> ToolCalls:
     """The tool calls in `text`. With `tools` (the OpenAI function schemas offered), a call must
     name one of them and its arguments must validate against its `parameters`; without, any
     named call whose arguments are a JSON object is well formed."""
-    offered = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()
-               if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]}
+    offered = {
+        t["function"]["name"]: t["function"].get("parameters") or {}
+        for t in tools or ()
+        if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+    }
     calls = []
     for i, match in enumerate(TOOL_CALL.finditer(text)):
         raw, closed = match.group(1).strip(), bool(match.group(2))
@@ -103,8 +107,9 @@ def held_back(text: str) -> int:
     return len(text)
 
 
-def render_turns(tokenizer: Any, prompt: list[dict], turns: list[dict],
-                 tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+def render_turns(
+    tokenizer: Any, prompt: list[dict], turns: list[dict], tools: list[dict] | None = None
+) -> list[tuple[str, bool]]:
     """A conversation (`prompt` messages, then the episode's assistant, tool and user `turns`)
     as the chat template renders it, cut into (text, written by the policy) segments: the first
     is exactly what serving rendered for the prompt (`render_prompt`); each assistant turn -- its
@@ -121,17 +126,18 @@ def render_turns(tokenizer: Any, prompt: list[dict], turns: list[dict],
         if turn.get("role") != "assistant":
             messages.append(turn)
             continue
-        before = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                               add_generation_prompt=True)
+        before = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         messages.append(turn)
         through = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False)
         if not before.startswith(done) or not through.startswith(before):
             raise ValueError("the chat template does not render a conversation's turns as prefixes of each other")
-        written = through[len(before):]
+        written = through[len(before) :]
         # the turn ends with the end-of-turn token the policy wrote; what the template puts after
         # it (a newline) is context. A template without one: trailing newlines are context
         eos = tokenizer.eos_token or ""
         end = written.rfind(eos) + len(eos) if eos and eos in written else len(written.rstrip("\n"))
-        segments += [(before[len(done):], False), (written[:end], True)]
+        segments += [(before[len(done) :], False), (written[:end], True)]
         done = before + written[:end]
     return [(text, mine) for text, mine in segments if text]

@@ -39,35 +39,36 @@ class _Section(BaseModel):
 
 
 class StoreConfig(_Section):
-    url: str | None = Field(
-        default=None, description="SQLAlchemy URL; default: a SQLite file in the state folder"
-    )
+    url: str | None = Field(default=None, description="SQLAlchemy URL; default: a SQLite file in the state folder")
 
 
 class IngestConfig(_Section):
     group_id: str = Field(default="rtrl-ingest", min_length=1, description="the Kafka consumer group of ingest")
-    topics: list[str] | None = Field(
-        default=None, description="default: the interactions and feedback topics"
+    topics: list[str] | None = Field(default=None, description="default: the interactions and feedback topics")
+    batch_max_records: int = Field(
+        default=2000, ge=1, le=100_000, description="records stored in one transaction (with their offsets)"
     )
-    batch_max_records: int = Field(default=2000, ge=1, le=100_000,
-                                   description="records stored in one transaction (with their offsets)")
     poll_timeout_ms: int = Field(default=500, ge=10, le=60_000, description="how long one poll waits for records")
     session_timeout_ms: int = Field(
-        default=10_000, ge=6_000, le=300_000,
+        default=10_000,
+        ge=6_000,
+        le=300_000,
         description="a worker that dies is replaced after this long (broker allows 6s..300s)",
     )
     lanes: int = Field(
-        default=1, ge=0, le=16,
+        default=1,
+        ge=0,
+        le=16,
         description="worker processes that decode and store, partition-affine (0 = in the consumer's process)",
     )
     max_in_flight: int = Field(default=2, ge=1, le=16, description="batches queued per lane")
-    max_event_bytes: int = Field(
-        default=1_048_576, ge=256, description="larger records become dead letters"
-    )
+    max_event_bytes: int = Field(default=1_048_576, ge=256, description="larger records become dead letters")
     start: Literal["earliest", "latest"] = Field(
-        default="earliest", description="where a partition the store has no offset for starts: the beginning "
+        default="earliest",
+        description="where a partition the store has no offset for starts: the beginning "
         "of retention, or only what arrives from now (Kafka's committed offsets are never used: a new store "
-        "would silently skip what an older one consumed)")
+        "would silently skip what an older one consumed)",
+    )
 
 
 class RewardConfig(_Section):
@@ -107,43 +108,72 @@ class GateConfig(_Section):
     """When a candidate may replace the champion. Every criterion must hold."""
 
     min_improvement: float = Field(
-        default=0.0, description="the lower confidence bound of (candidate - champion) reward must exceed this")
-    confidence: float = Field(default=0.95, gt=0.5, lt=1, description="two-sided confidence of the improvement's interval")
+        default=0.0, description="the lower confidence bound of (candidate - champion) reward must exceed this"
+    )
+    confidence: float = Field(
+        default=0.95, gt=0.5, lt=1, description="two-sided confidence of the improvement's interval"
+    )
     bootstrap: int = Field(default=1000, ge=100, le=100_000, description="paired bootstrap resamples of that interval")
     min_ess: float = Field(default=20.0, ge=1, description="effective sample size below which the estimate is refused")
     max_kl: float = Field(default=0.5, gt=0, description="KL(champion || candidate) per token")
     sequence_ratio_cap: float = Field(default=20.0, gt=1, description="clip of the sequence IS ratio")
-    bounds: dict[str, Bound] = Field(default_factory=_default_bounds, description=(
-        "canary metrics' limits ([gate.bounds.<metric>]: min, max, max_increase, max_rel_increase, "
-        "max_rel_decrease); the ones set replace the default of that metric"))
+    bounds: dict[str, Bound] = Field(
+        default_factory=_default_bounds,
+        description=(
+            "canary metrics' limits ([gate.bounds.<metric>]: min, max, max_increase, max_rel_increase, "
+            "max_rel_decrease); the ones set replace the default of that metric"
+        ),
+    )
     suite: Path | None = Field(default=None, description="regression suite TOML (deploy/suite.py)")
     eval_episodes: int = Field(default=500, ge=1, description="most recent held-out episodes to evaluate on")
     generate_prompts: int = Field(default=32, ge=1, description="held-out prompts each policy answers (canaries)")
     max_new_tokens: int = Field(default=64, ge=1, description="tokens each policy writes per canary prompt")
-    tool_prompts: int = Field(default=64, ge=0, description="held-out prompts that offered tools, of each kind (a "
-                              "task's first call; a call after a tool's result), the tool-format canary samples")
-    tool_samples: int = Field(default=4, ge=0, description="answers each policy samples at the serving temperature "
-                              "per such prompt: the tool-format canary (tool_format_error_rate, "
-                              "tool_format_error_rate_after_result)")
+    tool_prompts: int = Field(
+        default=64,
+        ge=0,
+        description="held-out prompts that offered tools, of each kind (a "
+        "task's first call; a call after a tool's result), the tool-format canary samples",
+    )
+    tool_samples: int = Field(
+        default=4,
+        ge=0,
+        description="answers each policy samples at the serving temperature "
+        "per such prompt: the tool-format canary (tool_format_error_rate, "
+        "tool_format_error_rate_after_result)",
+    )
     estimator: Literal["direct", "doubly_robust", "importance"] = Field(
-        default="direct", description="what the improvement check reads (deploy/estimators.py): fresh answers "
+        default="direct",
+        description="what the improvement check reads (deploy/estimators.py): fresh answers "
         "scored by the outcome model; that plus the importance-weighted residuals of the logged episodes; or "
         "the logged episodes importance-weighted (the lower bound of SNIS and plain IS). Every decision records "
         "all three. direct measured with the smallest bias, toward refusing, against the truth (docs/benchmarks.md, "
-        "\"The gate's estimators\")")
+        '"The gate\'s estimators")',
+    )
     fallback: Literal["importance", "refuse"] = Field(
-        default="importance", description="when the estimator needs the outcome model and it is missing or "
-        "unusable: decide by importance sampling (the decision says so), or refuse the candidate")
-    fresh_prompts: int = Field(default=256, ge=0, description="held-out requests whose prompts each policy "
-                               "answers afresh at serving's sampling settings, for the outcome model to score (0: none)")
-    fresh_samples: int = Field(default=8, ge=1, description="answers per such prompt and policy: the improvement's "
-                               "noise is mostly which answers were drawn, and 8 a prompt let a candidate 5 pp better "
-                               "pass ~95 % of the time against 2's ~45 % (docs/benchmarks.md, \"The canary's "
-                               "sequential test\"); each answer costs a generation")
+        default="importance",
+        description="when the estimator needs the outcome model and it is missing or "
+        "unusable: decide by importance sampling (the decision says so), or refuse the candidate",
+    )
+    fresh_prompts: int = Field(
+        default=256,
+        ge=0,
+        description="held-out requests whose prompts each policy "
+        "answers afresh at serving's sampling settings, for the outcome model to score (0: none)",
+    )
+    fresh_samples: int = Field(
+        default=8,
+        ge=1,
+        description="answers per such prompt and policy: the improvement's "
+        "noise is mostly which answers were drawn, and 8 a prompt let a candidate 5 pp better "
+        "pass ~95 % of the time against 2's ~45 % (docs/benchmarks.md, \"The canary's "
+        'sequential test"); each answer costs a generation',
+    )
     first_deployment: Literal["base", "absolute", "refuse"] = Field(
-        default="base", description="with no champion: the base model (what serves until the first promotion) "
-                                    "stands in for the champion in every check; or absolute bounds only; or refuse "
-                                    "(promote by hand)")
+        default="base",
+        description="with no champion: the base model (what serves until the first promotion) "
+        "stands in for the champion in every check; or absolute bounds only; or refuse "
+        "(promote by hand)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -160,24 +190,50 @@ class OutcomeConfig(_Section):
     text, for the gate's fresh answers. Learned from the training slice's rewarded episodes;
     never a training reward."""
 
-    enabled: bool = Field(default=True, description="fit one (refreshed as rewards arrive); off: the gate decides "
-                          "by importance sampling only")
-    max_episodes: int = Field(default=4000, ge=50, description="most recent rewarded episodes of the training slice "
-                              "it learns from")
-    refresh_episodes: int = Field(default=500, ge=1, description="new rewarded episodes since the last fit after "
-                                  "which the next cycle fits it again")
-    min_episodes: int = Field(default=200, ge=8, description="episodes needed to fit (and a quarter of it each to "
-                              "calibrate and to check)")
-    check_percent: float = Field(default=30.0, gt=0, lt=100, description="share of tasks (by hash) kept out of "
-                                 "the fit: half calibrates, half measures the figures below")
-    min_auroc: float = Field(default=0.6, ge=0.5, le=1.0, description="a model that ranks the checked episodes' "
-                             "rewards worse than this is reported and not used (for a graded reward even the exact "
-                             "expected reward ranks far below 1: 0.72 on the demo's)")
-    min_r2: float = Field(default=0.2, ge=0.0, le=1.0, description="the same for the share of the checked rewards' "
-                          "variance it explains (1 - Brier / the Brier of predicting the mean)")
-    max_calibration_error: float = Field(default=0.05, gt=0, le=1.0, description="the same for its "
-                                         "calibration error (debiased: a bin's sampling noise is not counted; "
-                                         "rewards scaled to [0, 1]; train/calibration.py)")
+    enabled: bool = Field(
+        default=True,
+        description="fit one (refreshed as rewards arrive); off: the gate decides by importance sampling only",
+    )
+    max_episodes: int = Field(
+        default=4000, ge=50, description="most recent rewarded episodes of the training slice it learns from"
+    )
+    refresh_episodes: int = Field(
+        default=500,
+        ge=1,
+        description="new rewarded episodes since the last fit after which the next cycle fits it again",
+    )
+    min_episodes: int = Field(
+        default=200, ge=8, description="episodes needed to fit (and a quarter of it each to calibrate and to check)"
+    )
+    check_percent: float = Field(
+        default=30.0,
+        gt=0,
+        lt=100,
+        description="share of tasks (by hash) kept out of the fit: half calibrates, half measures the figures below",
+    )
+    min_auroc: float = Field(
+        default=0.6,
+        ge=0.5,
+        le=1.0,
+        description="a model that ranks the checked episodes' "
+        "rewards worse than this is reported and not used (for a graded reward even the exact "
+        "expected reward ranks far below 1: 0.72 on the demo's)",
+    )
+    min_r2: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=1.0,
+        description="the same for the share of the checked rewards' "
+        "variance it explains (1 - Brier / the Brier of predicting the mean)",
+    )
+    max_calibration_error: float = Field(
+        default=0.05,
+        gt=0,
+        le=1.0,
+        description="the same for its "
+        "calibration error (debiased: a bin's sampling noise is not counted; "
+        "rewards scaled to [0, 1]; train/calibration.py)",
+    )
     epochs: int = Field(default=8, ge=1, le=50, description="passes over the fit slice")
     learning_rate: float = Field(default=3e-3, gt=0, description="AdamW, cosine to 0")
     batch_size: int = Field(default=32, ge=1, description="episodes per step")
@@ -205,8 +261,10 @@ class CycleConfig(_Section):
     def _schedule(cls, value: str) -> str:
         if DURATION.fullmatch(value.strip()) or len(value.split()) == 5:
             return value.strip()
-        raise ValueError(f"cycle.every must be an interval such as '30s', '15m', '4h', '1d' or a 5-field cron "
-                         f"expression such as '0 */4 * * *' (got {value!r})")
+        raise ValueError(
+            f"cycle.every must be an interval such as '30s', '15m', '4h', '1d' or a 5-field cron "
+            f"expression such as '0 */4 * * *' (got {value!r})"
+        )
 
 
 class RolloutConfig(_Section):
@@ -215,33 +273,72 @@ class RolloutConfig(_Section):
     it is not worse than the champion's by more than `margin`, over the same period
     (deploy/sequential.py: valid however often it is looked at)."""
 
-    share: float = Field(default=0.0, ge=0.0, lt=1.0, description="share of requests the canary serves; "
-                         "0: no staged rollout, a candidate that passes the gate is promoted at once")
-    min_requests: int = Field(default=50, ge=10, description="rewarded episodes each side needs before the "
-                              "sequential test's first look (its normal approximation); an agent's episode "
-                              "counts once")
-    max_requests: int = Field(default=2000, ge=10, description="episodes a side at which a test that met neither "
-                              "boundary stops: the canary is withdrawn, not shown to be within the margin")
-    margin: float = Field(default=0.05, ge=0.0, description="how much lower (in reward) the canary's mean may "
-                          "be than the champion's and still pass: a canary worse by more is promoted with "
-                          "probability <= 1 - confidence")
-    effect: float = Field(default=0.05, description="the improvement (in reward) the test is sized for: a canary "
-                          "this much better is withdrawn with probability <= 1 - power; must exceed -margin")
-    confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="1 - the probability of promoting a "
-                              "canary worse than the margin, however often the test is looked at")
-    power: float = Field(default=0.8, gt=0.0, lt=1.0, description="1 - the probability that the futility "
-                         "boundary withdraws a canary `effect` better")
+    share: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="share of requests the canary serves; "
+        "0: no staged rollout, a candidate that passes the gate is promoted at once",
+    )
+    min_requests: int = Field(
+        default=50,
+        ge=10,
+        description="rewarded episodes each side needs before the "
+        "sequential test's first look (its normal approximation); an agent's episode "
+        "counts once",
+    )
+    max_requests: int = Field(
+        default=2000,
+        ge=10,
+        description="episodes a side at which a test that met neither "
+        "boundary stops: the canary is withdrawn, not shown to be within the margin",
+    )
+    margin: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="how much lower (in reward) the canary's mean may "
+        "be than the champion's and still pass: a canary worse by more is promoted with "
+        "probability <= 1 - confidence",
+    )
+    effect: float = Field(
+        default=0.05,
+        description="the improvement (in reward) the test is sized for: a canary "
+        "this much better is withdrawn with probability <= 1 - power; must exceed -margin",
+    )
+    confidence: float = Field(
+        default=0.95,
+        gt=0.5,
+        lt=1.0,
+        description="1 - the probability of promoting a "
+        "canary worse than the margin, however often the test is looked at",
+    )
+    power: float = Field(
+        default=0.8,
+        gt=0.0,
+        lt=1.0,
+        description="1 - the probability that the futility boundary withdraws a canary `effect` better",
+    )
     covariate: Literal["prompt", "user", "none"] = Field(
-        default="prompt", description="the variance-reducing covariate of an episode (CUPED), fixed before it was "
-        "assigned: the mean reward, before the canary went live, of its first call's prompt, or of its user")
-    covariate_history: int = Field(default=5000, ge=0, description="most recent rewarded calls before the canary "
-                                   "went live that the covariate is computed from")
+        default="prompt",
+        description="the variance-reducing covariate of an episode (CUPED), fixed before it was "
+        "assigned: the mean reward, before the canary went live, of its first call's prompt, or of its user",
+    )
+    covariate_history: int = Field(
+        default=5000,
+        ge=0,
+        description="most recent rewarded calls before the canary went live that the covariate is computed from",
+    )
     max_tool_error_increase: float | None = Field(
-        default=0.02, ge=0.0, description="how much higher the canary's share of served calls with a malformed tool "
+        default=0.02,
+        ge=0.0,
+        description="how much higher the canary's share of served calls with a malformed tool "
         "call may be than the champion's (the same one-sided confidence), checked when the reward test decides "
-        "-- the online tool-format canary; unset: not checked")
-    max_wait: str = Field(default="24h", description="a canary without a decision after this long is "
-                          "withdrawn (never promoted unmeasured): <n>s|m|h|d")
+        "-- the online tool-format canary; unset: not checked",
+    )
+    max_wait: str = Field(
+        default="24h",
+        description="a canary without a decision after this long is withdrawn (never promoted unmeasured): <n>s|m|h|d",
+    )
     check_every: str = Field(default="5m", description="how often the daemon checks a canary between cycles")
 
     @model_validator(mode="after")
@@ -249,8 +346,9 @@ class RolloutConfig(_Section):
         if not self.effect > -self.margin:
             raise ValueError(f"rollout.effect ({self.effect:g}) must exceed -rollout.margin ({-self.margin:g})")
         if self.max_requests < self.min_requests:
-            raise ValueError(f"rollout.max_requests ({self.max_requests}) is below rollout.min_requests "
-                             f"({self.min_requests})")
+            raise ValueError(
+                f"rollout.max_requests ({self.max_requests}) is below rollout.min_requests ({self.min_requests})"
+            )
         return self
 
     @field_validator("max_wait", "check_every")
@@ -263,7 +361,8 @@ class RolloutConfig(_Section):
 
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(
-        default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder")
+        default=None, description="MLflow tracking server URL; default: a SQLite store in the state folder"
+    )
     experiment: str = Field(default="rtrl", description="MLflow experiment of the training runs")
     registered_model: str = Field(default="rtrl-policy", description="registry name of the served adapter")
 
@@ -273,14 +372,20 @@ class SpoolConfig(_Section):
     interaction events, under <state>/spool/."""
 
     max_bytes: int = Field(default=1 << 30, ge=1 << 16, description="the spool's bound on disk")
-    when_full: Literal["refuse", "block"] = Field(default="refuse", description=(
-        "a full spool refuses new events (counted in rtrl_serve_events_undelivered, logged) or blocks "
-        "the producer until the broker is back"))
+    when_full: Literal["refuse", "block"] = Field(
+        default="refuse",
+        description=(
+            "a full spool refuses new events (counted in rtrl_serve_events_undelivered, logged) or blocks "
+            "the producer until the broker is back"
+        ),
+    )
 
 
 class Config(_Section):
-    state_dir: Path = Field(default=DEFAULT_STATE_DIR, description=(
-        "where rtrl keeps its files: the SQLite store, the local broker, training runs, caches"))
+    state_dir: Path = Field(
+        default=DEFAULT_STATE_DIR,
+        description=("where rtrl keeps its files: the SQLite store, the local broker, training runs, caches"),
+    )
     store: StoreConfig = StoreConfig()
     kafka: KafkaConfig = KafkaConfig()
     ingest: IngestConfig = IngestConfig()
@@ -314,8 +419,9 @@ class Config(_Section):
     @property
     def kafka_access(self) -> KafkaAccess:
         """What every Kafka client is built from (pipeline/core/kafka_client.py)."""
-        return KafkaAccess(self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s,
-                           self.kafka.max_message_bytes)
+        return KafkaAccess(
+            self.bootstrap, self.kafka.security, self.kafka.connect_timeout_s, self.kafka.max_message_bytes
+        )
 
     @property
     def ingest_topics(self) -> list[str]:
@@ -336,7 +442,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         if name in _SHORT_ENV:
             path = _SHORT_ENV[name]
         elif name.startswith("RTRL_") and "__" in name:
-            path = tuple(part.lower() for part in name[len("RTRL_"):].split("__"))
+            path = tuple(part.lower() for part in name[len("RTRL_") :].split("__"))
         else:
             continue
         node = overrides
@@ -356,8 +462,9 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None,
-                under: dict[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, environ: dict[str, str] | None = None, under: dict[str, Any] | None = None
+) -> Config:
     """Load the config: defaults, then `under` (a command's own settings, e.g. the demo's), then
     the TOML file (if any), then RTRL_* variables: the user's file and environment always win."""
     environ = dict(os.environ if environ is None else environ)
@@ -372,17 +479,18 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     written = [k for k in SECRET_FIELDS if k in data.get("kafka", {}).get("security", {})]
     if written:
-        raise ConfigError(f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
-                          f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
-                          f"kafka.security.password_file")
+        raise ConfigError(
+            f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
+            f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
+            f"kafka.security.password_file"
+        )
     data = _merge(_merge(under or {}, data), _env_overrides(environ))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
         where = f" in {path}" if path else ""
         lines = [
-            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-            for err in exc.errors()
+            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})" for err in exc.errors()
         ]
         raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None
 

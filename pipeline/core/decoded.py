@@ -51,8 +51,9 @@ def _check_ids(*values: str | None) -> None:
     # the reference's Identifier: PostgreSQL text cannot hold NUL; a blank id names nothing (a
     # string whose ends are not whitespace is not blank: strip() only for the rare one that is)
     for value in values:
-        if value is not None and ("\x00" in value or ((value[0].isspace() or value[-1].isspace())
-                                                        and not value.strip())):
+        if value is not None and (
+            "\x00" in value or ((value[0].isspace() or value[-1].isspace()) and not value.strip())
+        ):
             raise ValueError("an identifier must not be blank or contain NUL characters")
 
 
@@ -103,8 +104,16 @@ class DecodedInteraction(msgspec.Struct, tag_field="type", tag="interaction"):
 
     def __post_init__(self) -> None:
         self.ts = _event_time(self.ts)
-        _check_ids(self.event_id, self.request_id, self.session_id, self.user_id, self.tenant,
-                   self.policy_version, self.group_id, self.episode_id)
+        _check_ids(
+            self.event_id,
+            self.request_id,
+            self.session_id,
+            self.user_id,
+            self.tenant,
+            self.policy_version,
+            self.group_id,
+            self.episode_id,
+        )
 
 
 class DecodedFeedback(msgspec.Struct, tag_field="type", tag="feedback"):

@@ -52,8 +52,13 @@ class KafkaRefusedError(KafkaAccessError):
 
 
 # what a broker answers a client it will never serve: its login, or its rights (ACLs)
-REFUSALS = (KafkaRefusedError, kerrors.SaslAuthenticationFailedError, kerrors.TopicAuthorizationFailedError,
-            kerrors.ClusterAuthorizationFailedError, kerrors.TransactionalIdAuthorizationFailedError)
+REFUSALS = (
+    KafkaRefusedError,
+    kerrors.SaslAuthenticationFailedError,
+    kerrors.TopicAuthorizationFailedError,
+    kerrors.ClusterAuthorizationFailedError,
+    kerrors.TransactionalIdAuthorizationFailedError,
+)
 
 
 def consumer(access: KafkaAccess | str, **params: Any) -> KafkaConsumer:
@@ -121,40 +126,61 @@ def diagnose(access: KafkaAccess, reported: list[BaseException | str], failure: 
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
     except (OSError, ValueError) as exc:
-        return (f"cannot reach the Kafka broker at {access.servers[0]} (kafka.bootstrap): "
-                f"{getattr(exc, 'strerror', None) or exc}. Is it running (`rtrl kafka status`), and is kafka.bootstrap right?")
+        return (
+            f"cannot reach the Kafka broker at {access.servers[0]} (kafka.bootstrap): "
+            f"{getattr(exc, 'strerror', None) or exc}. Is it running (`rtrl kafka status`), and is kafka.bootstrap right?"
+        )
     with sock:
         if s.tls:
             problem = _tls_problem(access, sock, host, timeout)
             if problem:
                 return problem
         elif _speaks_tls(sock, host, timeout):
-            return (f"the broker at {access.servers[0]} expects TLS but kafka.security.protocol is {s.protocol}: "
-                    f"set it to SSL or SASL_SSL (with ca_file)")
+            return (
+                f"the broker at {access.servers[0]} expects TLS but kafka.security.protocol is {s.protocol}: "
+                f"set it to SSL or SASL_SSL (with ca_file)"
+            )
     reported = [r for r in reported if not isinstance(r, kerrors.KafkaTimeoutError)]  # that is `failure`
-    source = (f"kafka.security.password_file {s.password_file}" if s.password_file
-              else "kafka.security.password (RTRL_KAFKA_PASSWORD)")
+    source = (
+        f"kafka.security.password_file {s.password_file}"
+        if s.password_file
+        else "kafka.security.password (RTRL_KAFKA_PASSWORD)"
+    )
     for exc in reversed(reported):  # the newest first: what the broker said
         if isinstance(exc, str):
             continue
         if isinstance(exc, kerrors.SaslAuthenticationFailedError):
-            return (f"the broker at {where} refused kafka.security.username {s.username!r} with "
-                    f"kafka.security.sasl_mechanism {s.sasl_mechanism}: check the user and {source}. "
-                    f"The broker said: {exc}")
+            return (
+                f"the broker at {where} refused kafka.security.username {s.username!r} with "
+                f"kafka.security.sasl_mechanism {s.sasl_mechanism}: check the user and {source}. "
+                f"The broker said: {exc}"
+            )
         if isinstance(exc, kerrors.UnsupportedSaslMechanismError):
-            return (f"the broker at {access.bootstrap} does not offer kafka.security.sasl_mechanism "
-                    f"{s.sasl_mechanism}: {exc}")
+            return (
+                f"the broker at {access.bootstrap} does not offer kafka.security.sasl_mechanism "
+                f"{s.sasl_mechanism}: {exc}"
+            )
     if s.sasl and any("disconnected" in str(r) for r in reported):
         # TCP and TLS are fine (checked above), so the connection ended in the SASL login: a
         # broker answers wrong credentials by closing it, often before the client reads why
-        return (f"the broker at {where} closed the connection during the SASL login, as it does for wrong "
-                f"credentials: check kafka.security.username {s.username!r}, {source} and "
-                f"kafka.security.sasl_mechanism {s.sasl_mechanism}")
+        return (
+            f"the broker at {where} closed the connection during the SASL login, as it does for wrong "
+            f"credentials: check kafka.security.username {s.username!r}, {source} and "
+            f"kafka.security.sasl_mechanism {s.sasl_mechanism}"
+        )
     last = reported[-1] if reported else failure
     last = last if isinstance(last, str) else f"{type(last).__name__}: {last}"
-    hint = "" if s.sasl else (f"; kafka.security.protocol is {s.protocol}: if the brokers require a SASL login "
-                              f"(or TLS), set it to SASL_SSL (or SSL), with username and password")
-    return f"no Kafka connection to {where} within {access.connect_timeout_s:g}s (kafka.connect_timeout_s): {last}{hint}"
+    hint = (
+        ""
+        if s.sasl
+        else (
+            f"; kafka.security.protocol is {s.protocol}: if the brokers require a SASL login "
+            f"(or TLS), set it to SASL_SSL (or SSL), with username and password"
+        )
+    )
+    return (
+        f"no Kafka connection to {where} within {access.connect_timeout_s:g}s (kafka.connect_timeout_s): {last}{hint}"
+    )
 
 
 def tls_context(access: KafkaAccess) -> ssl.SSLContext:
@@ -167,11 +193,16 @@ def tls_context(access: KafkaAccess) -> ssl.SSLContext:
     ctx.check_hostname = s.check_hostname
     if s.cert_file:
         try:
-            ctx.load_cert_chain(str(s.cert_file), str(s.key_file) if s.key_file else None,
-                                s.key_password.get_secret_value() if s.key_password else None)
+            ctx.load_cert_chain(
+                str(s.cert_file),
+                str(s.key_file) if s.key_file else None,
+                s.key_password.get_secret_value() if s.key_password else None,
+            )
         except (ssl.SSLError, OSError) as exc:
-            raise KafkaAccessError(f"kafka.security.cert_file {s.cert_file} / key_file {s.key_file} cannot be "
-                                   f"loaded (a PEM certificate and its key; key_password if encrypted): {exc}") from None
+            raise KafkaAccessError(
+                f"kafka.security.cert_file {s.cert_file} / key_file {s.key_file} cannot be "
+                f"loaded (a PEM certificate and its key; key_password if encrypted): {exc}"
+            ) from None
     return ctx
 
 
@@ -206,17 +237,25 @@ def _tls_problem(access: KafkaAccess, sock: socket.socket, host: str, timeout: f
                 pass
             except ssl.SSLError as exc:
                 if "CERTIFICATE_REQUIRED" in str(exc).upper() or "BAD_CERTIFICATE" in str(exc).upper():
-                    return (f"the broker at {endpoint} requires a client certificate it trusts: set "
-                            f"kafka.security.cert_file and key_file ({exc.reason or exc})")
+                    return (
+                        f"the broker at {endpoint} requires a client certificate it trusts: set "
+                        f"kafka.security.cert_file and key_file ({exc.reason or exc})"
+                    )
                 raise
     except ssl.SSLCertVerificationError as exc:
         if exc.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
-            return (f"the certificate of the broker at {endpoint} does not name {host} ({exc.verify_message}): "
-                    f"dial a name it carries (kafka.bootstrap) or set kafka.security.check_hostname = false")
+            return (
+                f"the certificate of the broker at {endpoint} does not name {host} ({exc.verify_message}): "
+                f"dial a name it carries (kafka.bootstrap) or set kafka.security.check_hostname = false"
+            )
         ca = s.ca_file or "unset, so the system's CAs"
-        return (f"the certificate of the broker at {endpoint} is not trusted ({exc.verify_message}): "
-                f"kafka.security.ca_file ({ca}) must be the PEM certificate of the CA that signed it")
+        return (
+            f"the certificate of the broker at {endpoint} is not trusted ({exc.verify_message}): "
+            f"kafka.security.ca_file ({ca}) must be the PEM certificate of the CA that signed it"
+        )
     except (ssl.SSLError, ConnectionError, OSError) as exc:
-        return (f"no TLS handshake with the broker at {endpoint} ({exc}): kafka.security.protocol is "
-                f"{s.protocol}; does that port speak TLS, or should the protocol be PLAINTEXT/SASL_PLAINTEXT?")
+        return (
+            f"no TLS handshake with the broker at {endpoint} ({exc}): kafka.security.protocol is "
+            f"{s.protocol}; does that port speak TLS, or should the protocol be PLAINTEXT/SASL_PLAINTEXT?"
+        )
     return None

@@ -33,21 +33,29 @@ class _Section(BaseModel):
 
 class KafkaSecurityConfig(_Section):
     protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        default="PLAINTEXT", description="PLAINTEXT (the local broker), SSL, SASL_PLAINTEXT or SASL_SSL (managed Kafka)")
+        default="PLAINTEXT", description="PLAINTEXT (the local broker), SSL, SASL_PLAINTEXT or SASL_SSL (managed Kafka)"
+    )
     ca_file: Path | None = Field(
-        default=None, description="PEM file of the CA that signed the brokers' certificates; default: the system's CAs")
+        default=None, description="PEM file of the CA that signed the brokers' certificates; default: the system's CAs"
+    )
     cert_file: Path | None = Field(default=None, description="PEM client certificate, for brokers that require one")
     key_file: Path | None = Field(default=None, description="PEM private key of cert_file (if not inside it)")
     key_password: SecretStr | None = Field(
-        default=None, description="password of key_file: only from RTRL_KAFKA__SECURITY__KEY_PASSWORD")
+        default=None, description="password of key_file: only from RTRL_KAFKA__SECURITY__KEY_PASSWORD"
+    )
     check_hostname: bool = Field(default=True, description="the broker's certificate must name the host dialled")
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
-        default="SCRAM-SHA-512", description="with SASL_PLAINTEXT or SASL_SSL")
-    username: str | None = Field(default=None, min_length=1, description="the SASL user (its password: RTRL_KAFKA_PASSWORD or password_file)")
+        default="SCRAM-SHA-512", description="with SASL_PLAINTEXT or SASL_SSL"
+    )
+    username: str | None = Field(
+        default=None, min_length=1, description="the SASL user (its password: RTRL_KAFKA_PASSWORD or password_file)"
+    )
     password: SecretStr | None = Field(
-        default=None, description="only from the environment: RTRL_KAFKA_PASSWORD (or use password_file)")
+        default=None, description="only from the environment: RTRL_KAFKA_PASSWORD (or use password_file)"
+    )
     password_file: Path | None = Field(
-        default=None, description="a file holding the SASL password (one line), e.g. a mounted secret")
+        default=None, description="a file holding the SASL password (one line), e.g. a mounted secret"
+    )
 
     @property
     def tls(self) -> bool:
@@ -64,18 +72,23 @@ class KafkaSecurityConfig(_Section):
             if path is not None and not path.is_file():
                 raise ValueError(f"kafka.security.{name}: {path} is not a readable file")
         if not self.tls and (self.ca_file or self.cert_file):
-            raise ValueError(f"kafka.security.ca_file/cert_file need protocol SSL or SASL_SSL (protocol is {self.protocol})")
+            raise ValueError(
+                f"kafka.security.ca_file/cert_file need protocol SSL or SASL_SSL (protocol is {self.protocol})"
+            )
         if self.key_file and not self.cert_file:
             raise ValueError("kafka.security.key_file needs cert_file (the certificate it belongs to)")
         if self.sasl:
             if not self.username:
                 raise ValueError(f"protocol {self.protocol} needs kafka.security.username")
             if (self.password is None) == (self.password_file is None):
-                raise ValueError(f"protocol {self.protocol} needs exactly one of RTRL_KAFKA_PASSWORD "
-                                 "(kafka.security.password) and kafka.security.password_file")
+                raise ValueError(
+                    f"protocol {self.protocol} needs exactly one of RTRL_KAFKA_PASSWORD "
+                    "(kafka.security.password) and kafka.security.password_file"
+                )
         elif self.username or self.password or self.password_file:
-            raise ValueError(f"kafka.security.username/password are for SASL_SSL or SASL_PLAINTEXT "
-                             f"(protocol is {self.protocol})")
+            raise ValueError(
+                f"kafka.security.username/password are for SASL_SSL or SASL_PLAINTEXT (protocol is {self.protocol})"
+            )
         return self
 
 
@@ -84,20 +97,31 @@ class KafkaConfig(_Section):
         default=None, description="host:port list; default: the local broker `rtrl kafka up` runs"
     )
     connect_timeout_s: float = Field(
-        default=10.0, gt=0, le=300,
-        description="how long a client tries to reach the brokers before failing with the reason")
+        default=10.0,
+        gt=0,
+        le=300,
+        description="how long a client tries to reach the brokers before failing with the reason",
+    )
     port: int = Field(default=19092, ge=1024, le=65535, description="local broker client port")
-    controller_port: int = Field(default=19093, ge=1024, le=65535, description="the local broker's KRaft controller port")
+    controller_port: int = Field(
+        default=19093, ge=1024, le=65535, description="the local broker's KRaft controller port"
+    )
     version: str = Field(default="4.3.1", description="org.apache.kafka:kafka_2.13 version")
     heap: str = Field(default="512m", description="JVM heap of the local broker")
     partitions: int = Field(default=4, ge=1, le=1024, description="default partitions per topic")
     interactions_topic: str = Field(default="rtrl.interactions", description="what serving produced")
     feedback_topic: str = Field(default="rtrl.feedback", description="what users did next")
     model_updates_topic: str = Field(default="rtrl.model-updates", description="alias moves, announced to serving")
-    max_message_bytes: int = Field(default=1 << 20, ge=1 << 16, le=1 << 30, description=(
-        "the largest event a producer sends (kafka-python's max_request_size) and the max.message.bytes of the "
-        "topics rtrl creates: match it to your topics'. An event over it, or one the broker refuses as too "
-        "large, is set aside (<spool>/set-aside.jsonl, counted) instead of blocking the events behind it"))
+    max_message_bytes: int = Field(
+        default=1 << 20,
+        ge=1 << 16,
+        le=1 << 30,
+        description=(
+            "the largest event a producer sends (kafka-python's max_request_size) and the max.message.bytes of the "
+            "topics rtrl creates: match it to your topics'. An event over it, or one the broker refuses as too "
+            "large, is set aside (<spool>/set-aside.jsonl, counted) instead of blocking the events behind it"
+        ),
+    )
     security: KafkaSecurityConfig = KafkaSecurityConfig()
 
     @model_validator(mode="after")
@@ -144,7 +168,9 @@ class KafkaAccess:
         try:
             value = s.password_file.read_text().rstrip("\r\n")
         except OSError as exc:
-            raise KafkaSecretError(f"kafka.security.password_file {s.password_file} cannot be read: {exc.strerror}") from None
+            raise KafkaSecretError(
+                f"kafka.security.password_file {s.password_file} cannot be read: {exc.strerror}"
+            ) from None
         if not value:
             raise KafkaSecretError(f"kafka.security.password_file {s.password_file} is empty")
         return value
@@ -154,14 +180,17 @@ class KafkaAccess:
         s = self.security
         params: dict[str, Any] = {"bootstrap_servers": self.servers, "security_protocol": s.protocol}
         if s.tls:
-            params.update(ssl_check_hostname=s.check_hostname,
-                          ssl_cafile=str(s.ca_file) if s.ca_file else None,
-                          ssl_certfile=str(s.cert_file) if s.cert_file else None,
-                          ssl_keyfile=str(s.key_file) if s.key_file else None,
-                          ssl_password=s.key_password.get_secret_value() if s.key_password else None)
+            params.update(
+                ssl_check_hostname=s.check_hostname,
+                ssl_cafile=str(s.ca_file) if s.ca_file else None,
+                ssl_certfile=str(s.cert_file) if s.cert_file else None,
+                ssl_keyfile=str(s.key_file) if s.key_file else None,
+                ssl_password=s.key_password.get_secret_value() if s.key_password else None,
+            )
         if s.sasl:
-            params.update(sasl_mechanism=s.sasl_mechanism, sasl_plain_username=s.username,
-                          sasl_plain_password=self.password())
+            params.update(
+                sasl_mechanism=s.sasl_mechanism, sasl_plain_username=s.username, sasl_plain_password=self.password()
+            )
         return params
 
 

@@ -62,8 +62,14 @@ class SpoolBusy(RuntimeError):
 
 
 class Spool:
-    def __init__(self, directory: Path, max_bytes: int = 1 << 30, when_full: Literal["refuse", "block"] = "refuse",
-                 commit_s: float = 0.05, segment_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int = 1 << 30,
+        when_full: Literal["refuse", "block"] = "refuse",
+        commit_s: float = 0.05,
+        segment_bytes: int = 16 << 20,
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.lockfile = open(self.dir / "lock", "a+")
@@ -71,8 +77,10 @@ class Spool:
             fcntl.flock(self.lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.lockfile.close()
-            raise SpoolBusy(f"the spool under {self.dir} is in use by another process: give each process "
-                            "(each gateway port, each application worker) its own spool directory") from None
+            raise SpoolBusy(
+                f"the spool under {self.dir} is in use by another process: give each process "
+                "(each gateway port, each application worker) its own spool directory"
+            ) from None
         self.max_bytes, self.when_full = max_bytes, when_full
         self.owner = os.getpid()  # a child forked from this process holds the same lock, not its own
         self.commit_s, self.segment_bytes = commit_s, segment_bytes
@@ -101,21 +109,26 @@ class Spool:
         """SpoolBusy in a process forked after the spool was opened: the lock came along with the
         fork (both would append to one segment, and the child has no thread to send it)."""
         if os.getpid() != self.owner:
-            raise SpoolBusy(f"the spool under {self.dir} was opened by process {self.owner} before it forked: "
-                            "open one in each worker after the fork (a pre-forking server: in its post-fork hook)")
+            raise SpoolBusy(
+                f"the spool under {self.dir} was opened by process {self.owner} before it forked: "
+                "open one in each worker after the fork (a pre-forking server: in its post-fork hook)"
+            )
 
     def append(self, topic: str, key: bytes | None, value: bytes) -> None:
         """Keep a record until drain() sends it; SpoolFull when the spool is full and refuses."""
         self.check_owner()
-        payload = json.dumps({"topic": topic, "key": key.decode() if key is not None else None,
-                              "value": value.decode()}).encode()
+        payload = json.dumps(
+            {"topic": topic, "key": key.decode() if key is not None else None, "value": value.decode()}
+        ).encode()
         record = _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
         with self.lock:
             while self.size() + len(record) > self.max_bytes:
                 if self.when_full == "refuse":
                     self.refused += 1
-                    raise SpoolFull(f"the spool under {self.dir} holds {self.size()} bytes (max {self.max_bytes}); "
-                                    "the broker has been away too long: raise spool.max_bytes or bring it back")
+                    raise SpoolFull(
+                        f"the spool under {self.dir} holds {self.size()} bytes (max {self.max_bytes}); "
+                        "the broker has been away too long: raise spool.max_bytes or bring it back"
+                    )
                 self.waiting += 1
                 try:
                     self.lock.wait(timeout=1.0)  # "block": until a drain makes room
@@ -138,9 +151,13 @@ class Spool:
 
     # -- draining ----------------------------------------------------------------------------
 
-    def drain(self, send: Callable[[str, bytes | None, bytes], Any], batch: int = 500,
-              permanent: Callable[[Exception], bool] = lambda exc: False,
-              on_set_aside: Callable[[], None] = lambda: None) -> int:
+    def drain(
+        self,
+        send: Callable[[str, bytes | None, bytes], Any],
+        batch: int = 500,
+        permanent: Callable[[Exception], bool] = lambda exc: False,
+        on_set_aside: Callable[[], None] = lambda: None,
+    ) -> int:
         """Send every waiting record in order; returns how many were sent. `send` may return a
         future (anything with `.get()`): the records of a batch are then in flight together,
         and the position is saved only once every one of them is acknowledged. A send (or a
@@ -182,8 +199,9 @@ class Spool:
                 self.lock.notify_all()  # room for a blocked append
         return sent
 
-    def _settle(self, in_flight: list, permanent: Callable[[Exception], bool],
-                on_set_aside: Callable[[], None]) -> None:
+    def _settle(
+        self, in_flight: list, permanent: Callable[[Exception], bool], on_set_aside: Callable[[], None]
+    ) -> None:
         """Wait for every acknowledgement of a batch; a record refused for good goes aside --
         when it was alone in flight: a producer fails every record in flight with the one
         record's refusal (kafka-python aborts them all), so which one is at fault is then
@@ -193,27 +211,44 @@ class Spool:
                 future.get()
             except Exception as exc:  # noqa: BLE001 - the broker's refusal: aside, or stop the drain
                 if len(in_flight) > 1 and permanent(exc):
-                    raise BatchRefused(f"{len(in_flight)} records in flight refused with {type(exc).__name__}: "
-                                       f"{exc}") from exc
+                    raise BatchRefused(
+                        f"{len(in_flight)} records in flight refused with {type(exc).__name__}: {exc}"
+                    ) from exc
                 self._refused(record, exc, permanent)
                 on_set_aside()
         in_flight.clear()
 
-    def _refused(self, record: tuple[str, bytes | None, bytes], exc: Exception,
-                 permanent: Callable[[Exception], bool]) -> None:
+    def _refused(
+        self, record: tuple[str, bytes | None, bytes], exc: Exception, permanent: Callable[[Exception], bool]
+    ) -> None:
         if not permanent(exc):
             raise exc
         topic, key, value = record
-        line = json.dumps({"topic": topic, "key": key.decode() if key is not None else None, "bytes": len(value),
-                           "error": f"{type(exc).__name__}: {exc}", "at": time.time(), "value": value.decode()})
+        line = json.dumps(
+            {
+                "topic": topic,
+                "key": key.decode() if key is not None else None,
+                "bytes": len(value),
+                "error": f"{type(exc).__name__}: {exc}",
+                "at": time.time(),
+                "value": value.decode(),
+            }
+        )
         with open(self.dir / "set-aside.jsonl", "a") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.set_aside += 1
-        log.error("a record the broker refuses for good was set aside; the records behind it go on", extra={
-            "topic": topic, "key": key.decode(errors="replace") if key else None, "bytes": len(value),
-            "file": str(self.dir / "set-aside.jsonl"), "error": f"{type(exc).__name__}: {exc}"})
+        log.error(
+            "a record the broker refuses for good was set aside; the records behind it go on",
+            extra={
+                "topic": topic,
+                "key": key.decode(errors="replace") if key else None,
+                "bytes": len(value),
+                "file": str(self.dir / "set-aside.jsonl"),
+                "error": f"{type(exc).__name__}: {exc}",
+            },
+        )
 
     # -- internals ---------------------------------------------------------------------------
 

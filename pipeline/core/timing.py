@@ -1,9 +1,9 @@
 """Where the seconds of a piece of work went, by named part:
 
-    watch = Stopwatch()
-    with watch("generate"):
-        ...
-    watch.parts  ->  {"generate": 0.412, ...}   (a part entered twice adds up)
+watch = Stopwatch()
+with watch("generate"):
+    ...
+watch.parts  ->  {"generate": 0.412, ...}   (a part entered twice adds up)
 """
 
 from __future__ import annotations

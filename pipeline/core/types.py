@@ -40,7 +40,14 @@ SCHEMA_VERSION = 1
 """The newest event schema version this code understands."""
 
 FEEDBACK_KINDS_KNOWN = (
-    "accepted", "rejected", "edited", "persisted", "followup", "thumbs", "tool_error", "test_result",
+    "accepted",
+    "rejected",
+    "edited",
+    "persisted",
+    "followup",
+    "thumbs",
+    "tool_error",
+    "test_result",
 )
 """Feedback kinds with a documented meaning. The set is open: any other kind is stored as-is."""
 
@@ -202,8 +209,10 @@ class FeedbackEvent(_Envelope):
     def _one_subject(self) -> FeedbackEvent:
         # both would be ambiguous: an outcome of the call, or of its whole episode?
         if (self.request_id is None) == (self.episode_id is None):
-            raise ValueError("name exactly one of request_id (an outcome of one call) and episode_id "
-                             "(an outcome of the whole episode)")
+            raise ValueError(
+                "name exactly one of request_id (an outcome of one call) and episode_id "
+                "(an outcome of the whole episode)"
+            )
         return self
 
 
@@ -324,9 +333,18 @@ class ModelUpdate:
     at: str | None = None  # when the move was announced (ISO 8601, UTC)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "model_update", "name": self.name, "alias": self.alias, "version": self.version,
-                "adapter_uri": self.adapter_uri, "share": self.share, "seq": self.seq,
-                "base_model": self.base_model, "run_id": self.run_id, "at": self.at}
+        return {
+            "type": "model_update",
+            "name": self.name,
+            "alias": self.alias,
+            "version": self.version,
+            "adapter_uri": self.adapter_uri,
+            "share": self.share,
+            "seq": self.seq,
+            "base_model": self.base_model,
+            "run_id": self.run_id,
+            "at": self.at,
+        }
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ModelUpdate:
@@ -335,10 +353,16 @@ class ModelUpdate:
         if not isinstance(event, dict) or event.get("type", "model_update") != "model_update":
             raise ValueError("not a model_update event")
         alias, version, share = event.get("alias"), event.get("version"), event.get("share") or 0.0
-        if not isinstance(alias, str) or not (version is None or isinstance(version, str)) \
-                or isinstance(share, bool) or not isinstance(share, (int, float)):
+        if (
+            not isinstance(alias, str)
+            or not (version is None or isinstance(version, str))
+            or isinstance(share, bool)
+            or not isinstance(share, (int, float))
+        ):
             raise ValueError("a model_update event needs a string alias, a string or null version, a numeric share")
-        text = {k: event.get(k) if isinstance(event.get(k), str) else None
-                for k in ("adapter_uri", "name", "base_model", "run_id", "at")}
+        text = {
+            k: event.get(k) if isinstance(event.get(k), str) else None
+            for k in ("adapter_uri", "name", "base_model", "run_id", "at")
+        }
         seq = event.get("seq") if isinstance(event.get("seq"), int) and not isinstance(event.get("seq"), bool) else None
         return cls(alias, version, share=float(share), seq=seq, **text)

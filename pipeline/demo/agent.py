@@ -50,9 +50,16 @@ TEMPERATURE = 0.7
 KEYS = 10  # "0" .. "9": tasks (first user messages) recur, so advantages have groups and the
 # held-out split has tasks on both sides
 TOOL = "read_selection"
-TOOLS = [{"type": "function", "function": {
-    "name": TOOL, "description": "the word the user selected, as the editor holds it",
-    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": TOOL,
+            "description": "the word the user selected, as the editor holds it",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    }
+]
 
 # The toy's context window: a user turn as "U: ...", an assistant turn as "A: ..." (an earlier
 # tool call as name(arguments)) -- and once a tool has answered, only the latest result, as
@@ -101,16 +108,23 @@ def call_text() -> str:
 def broken_call(rng: random.Random) -> str:
     """A call gone wrong the ways models write them: cut short, not JSON, arguments as a string."""
     good = call_text()
-    return rng.choice([good[:-len("</tool_call>")],                                        # unterminated
-                       good.replace("}</tool_call>", "</tool_call>"),                      # not JSON
-                       good.replace('"}</tool_call>', '", "arguments": "{}"}</tool_call>')])  # not an object
+    return rng.choice(
+        [
+            good[: -len("</tool_call>")],  # unterminated
+            good.replace("}</tool_call>", "</tool_call>"),  # not JSON
+            good.replace('"}</tool_call>', '", "arguments": "{}"}</tool_call>'),
+        ]
+    )  # not an object
 
 
 def messages_after_call(task: AgentTask) -> list[dict[str, Any]]:
     """The conversation of step 2: the ask, the agent's call, the tool's result."""
     call = {"id": "call_0", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
-    return [{"role": "user", "content": task.ask}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": task.word}]
+    return [
+        {"role": "user", "content": task.ask},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": task.word},
+    ]
 
 
 P_CALL, P_BROKEN_CALL = 0.30, 0.05  # step 1: otherwise it answers GUESS without the tool
@@ -160,7 +174,7 @@ def format_behaviour(rng: random.Random, tokenizer: Any) -> tuple[str, str]:
     task = draw_agent_task(rng)
     call = broken_call(rng) if rng.random() < P_BROKEN_CALL / (P_CALL + P_BROKEN_CALL) else call_text()
     marker = "<tool_call>"
-    return _rendered(tokenizer, task.key, None) + marker, call[len(marker):]
+    return _rendered(tokenizer, task.key, None) + marker, call[len(marker) :]
 
 
 def base_behaviour(rng: random.Random, tokenizer: Any, p_call: float = P_CALL) -> tuple[str, str]:

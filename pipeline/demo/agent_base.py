@@ -54,18 +54,36 @@ CALIBRATION_EPISODES, CALIBRATION_ROUNDS = 200, 3
 SHARE_TOLERANCE, SHARE_LR, SHARE_MIN_STEPS, SHARE_MAX_STEPS, FORMAT_ROWS = 0.01, 3e-4, 10, 300, 64
 MARKER = "<tool_call>"
 
-AGENT_RECIPE = {"task": "agent", "arch": "llama", "tokenizer": "char + tool-call markers",
-                "call": call_text(),
-                "hidden": 128, "layers": 2, "heads": 4,
-                "answer_steps": 500, "both_steps": 250, "both_batch": 64, "both_lr": 3e-3,
-                "behaviour": "agent.answer_behaviour without broken calls: reverse up to 5 letters, copy 6; "
-                             "then agent.base_behaviour: step 1 call 0.30, broken call 0.05, GUESS; step 2 as "
-                             "before with broken calls 0.05 at 6 letters",
-                "calibration": {"target": list(TARGET), "temperature": TEMPERATURE, "episodes": CALIBRATION_EPISODES,
-                                "rounds": CALIBRATION_ROUNDS, "format_max": FORMAT_MAX,
-                                "set_call_share": {"tolerance": SHARE_TOLERANCE, "lr": SHARE_LR,
-                                                   "min_steps": SHARE_MIN_STEPS, "max_steps": SHARE_MAX_STEPS,
-                                                   "format_rows": FORMAT_ROWS}}}
+AGENT_RECIPE = {
+    "task": "agent",
+    "arch": "llama",
+    "tokenizer": "char + tool-call markers",
+    "call": call_text(),
+    "hidden": 128,
+    "layers": 2,
+    "heads": 4,
+    "answer_steps": 500,
+    "both_steps": 250,
+    "both_batch": 64,
+    "both_lr": 3e-3,
+    "behaviour": "agent.answer_behaviour without broken calls: reverse up to 5 letters, copy 6; "
+    "then agent.base_behaviour: step 1 call 0.30, broken call 0.05, GUESS; step 2 as "
+    "before with broken calls 0.05 at 6 letters",
+    "calibration": {
+        "target": list(TARGET),
+        "temperature": TEMPERATURE,
+        "episodes": CALIBRATION_EPISODES,
+        "rounds": CALIBRATION_ROUNDS,
+        "format_max": FORMAT_MAX,
+        "set_call_share": {
+            "tolerance": SHARE_TOLERANCE,
+            "lr": SHARE_LR,
+            "min_steps": SHARE_MIN_STEPS,
+            "max_steps": SHARE_MAX_STEPS,
+            "format_rows": FORMAT_ROWS,
+        },
+    },
+}
 
 
 def build_agent_base(out: str | Path, seed: int, say=print) -> Path:
@@ -81,18 +99,33 @@ def build_agent_base(out: str | Path, seed: int, say=print) -> Path:
     marker = out / "rtrl_base_recipe.json"
     if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return out
-    say(f"building the agent's base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width "
+    say(
+        f"building the agent's base model: a tiny {recipe['arch']} ({recipe['layers']} layers, width "
         f"{recipe['hidden']}), {recipe['answer_steps']} + {recipe['both_steps']} supervised warm-up steps, then "
         f"calibrated to {100 * TARGET[0]:.0f}-{100 * TARGET[1]:.0f} % episode success (about two minutes, once "
-        "per state folder)")
+        "per state folder)"
+    )
     shutil.rmtree(out, ignore_errors=True)
-    init_tiny(out, arch=recipe["arch"], hidden=recipe["hidden"], layers=recipe["layers"], heads=recipe["heads"],
-              seed=seed, tool_markers=True)
+    init_tiny(
+        out,
+        arch=recipe["arch"],
+        hidden=recipe["hidden"],
+        layers=recipe["layers"],
+        heads=recipe["heads"],
+        seed=seed,
+        tool_markers=True,
+    )
     (out / "chat_template.jinja").write_text(AGENT_TEMPLATE)  # where transformers reads a template from
     tokenizer = AutoTokenizer.from_pretrained(out)
     warm_up(out, lambda rng: answer_behaviour(rng, tokenizer, breaks=False), steps=recipe["answer_steps"], seed=seed)
-    warm_up(out, lambda rng: base_behaviour(rng, tokenizer), steps=recipe["both_steps"], batch=recipe["both_batch"],
-            lr=recipe["both_lr"], seed=seed + 1)
+    warm_up(
+        out,
+        lambda rng: base_behaviour(rng, tokenizer),
+        steps=recipe["both_steps"],
+        batch=recipe["both_batch"],
+        lr=recipe["both_lr"],
+        seed=seed + 1,
+    )
     rounds = calibrate(out, seed, say)
     (out / "rtrl_base_calibration.json").write_text(json.dumps(rounds, indent=2))
     marker.write_text(json.dumps(recipe, indent=2))
@@ -120,9 +153,12 @@ def calibrate(out: Path, seed: int, say=print) -> list[dict[str, float]]:
         target = share if low <= success <= high else min(0.8, max(0.03, (low + high) / 2 / per_call / valid))
         rounds[-1]["next_call_share"] = round(target, 3)
         set_call_share(out, target, seed=seed + 2 + k)
-    say("the agent's base: episode success " + " -> ".join(f"{100 * r['success']:.0f} %" for r in rounds)
+    say(
+        "the agent's base: episode success "
+        + " -> ".join(f"{100 * r['success']:.0f} %" for r in rounds)
         + f", broken calls {100 * rounds[-1]['broken_calls']:.0f} % of its first calls (of "
-        f"{CALIBRATION_EPISODES} sampled episodes each)")
+        f"{CALIBRATION_EPISODES} sampled episodes each)"
+    )
     return rounds
 
 
@@ -177,8 +213,8 @@ def set_call_share(model_dir: Path, target: float, seed: int) -> int:
     ids = torch.full((len(rows), width), tok.pad_token_id)  # [R, W]
     labels = torch.full((len(rows), width), -100)  # only the call after the marker
     for i, (p, a) in enumerate(zip(prompts, answers)):
-        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-        labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
     marker = tok.convert_tokens_to_ids(MARKER)
     opt = torch.optim.AdamW(model.parameters(), lr=SHARE_LR, weight_decay=0.0)
     model.train()
@@ -187,8 +223,9 @@ def set_call_share(model_dir: Path, target: float, seed: int) -> int:
         if abs(share.item() - target) <= SHARE_TOLERANCE and step >= SHARE_MIN_STEPS:
             break
         logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits[:, :-1]  # [R, W-1, V]
-        loss = -(target * torch.log(share) + (1 - target) * torch.log(1 - share)) \
-            + torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:])
+        loss = -(target * torch.log(share) + (1 - target) * torch.log(1 - share)) + torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), labels[:, 1:]
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -209,12 +246,26 @@ def estimate_base(model_dir: Path, rng: random.Random, episodes: int) -> tuple[f
     policies = PolicySet.load(model_dir, device="cpu")
     seed = rng.randrange(1 << 30)
     tasks = [draw_agent_task(rng) for _ in range(episodes)]
-    firsts = policies.generate(None, [messages_after_call(t)[:1] for t in tasks], max_new_tokens=40,
-                               temperature=TEMPERATURE, seed=seed, batch_size=episodes, tools=TOOLS)
+    firsts = policies.generate(
+        None,
+        [messages_after_call(t)[:1] for t in tasks],
+        max_new_tokens=40,
+        temperature=TEMPERATURE,
+        seed=seed,
+        batch_size=episodes,
+        tools=TOOLS,
+    )
     parsed = [parse_tool_calls(g.text, TOOLS) for g in firsts]
     attempts = [p for g, p in zip(firsts, parsed) if "<tool_call>" in g.text]
     broken = sum(any(malformed_tool_call(c) for c in p.calls) for p in attempts) / max(len(attempts), 1)
     called = [t for t, p in zip(tasks, parsed) if p.valid]
-    answers = policies.generate(None, [messages_after_call(t) for t in called], max_new_tokens=12,
-                                temperature=TEMPERATURE, seed=seed + 1, batch_size=episodes, tools=TOOLS)
+    answers = policies.generate(
+        None,
+        [messages_after_call(t) for t in called],
+        max_new_tokens=12,
+        temperature=TEMPERATURE,
+        seed=seed + 1,
+        batch_size=episodes,
+        tools=TOOLS,
+    )
     return sum(g.text.strip() == t.answer for t, g in zip(called, answers)) / episodes, broken

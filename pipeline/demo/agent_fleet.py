@@ -53,8 +53,9 @@ class AgentFleet(Fleet):
             calls += 1
             first_version = first_version or version
             if message.get("tool_calls"):
-                messages.append({"role": "assistant", "content": message.get("content"),
-                                 "tool_calls": message["tool_calls"]})
+                messages.append(
+                    {"role": "assistant", "content": message.get("content"), "tool_calls": message["tool_calls"]}
+                )
                 messages.extend(self._run_tools(task, message["tool_calls"]))
                 continue
             text = message.get("content") or ""
@@ -72,15 +73,29 @@ class AgentFleet(Fleet):
         row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + bool(outcome), row[2] + errors, row[3] + calls
         return True
 
-    def _call(self, session: requests.Session, episode_id: str, step: int, user: str,
-              messages: list[dict]) -> tuple[str, str, dict] | None:
+    def _call(
+        self, session: requests.Session, episode_id: str, step: int, user: str, messages: list[dict]
+    ) -> tuple[str, str, dict] | None:
         """One call of the episode: (request id, version, the assistant's message), or None."""
         try:
-            resp = session.post(f"{self.url}/v1/chat/completions", timeout=60, headers={
-                "X-Rtrl-Episode-Id": episode_id, "X-Rtrl-Step": str(step), "X-Session-Id": user,
-                "X-Tenant": self.tenant}, json={"model": "policy", "messages": messages, "tools": TOOLS,
-                                                "max_tokens": self.max_tokens, "temperature": TEMPERATURE,
-                                                "seed": self.rng.randrange(1 << 30)})
+            resp = session.post(
+                f"{self.url}/v1/chat/completions",
+                timeout=60,
+                headers={
+                    "X-Rtrl-Episode-Id": episode_id,
+                    "X-Rtrl-Step": str(step),
+                    "X-Session-Id": user,
+                    "X-Tenant": self.tenant,
+                },
+                json={
+                    "model": "policy",
+                    "messages": messages,
+                    "tools": TOOLS,
+                    "max_tokens": self.max_tokens,
+                    "temperature": TEMPERATURE,
+                    "seed": self.rng.randrange(1 << 30),
+                },
+            )
             resp.raise_for_status()
             body = resp.json()
             answer = (body["id"], resp.headers["X-Rtrl-Policy-Version"], body["choices"][0]["message"])

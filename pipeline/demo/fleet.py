@@ -61,23 +61,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: Config, base: Path, run_dir: Path, gateway: bool = False,
-                 timeout_s: float = 120.0) -> tuple[list[subprocess.Popen], str]:
+def start_server(
+    config: Config, base: Path, run_dir: Path, gateway: bool = False, timeout_s: float = 120.0
+) -> tuple[list[subprocess.Popen], str]:
     """`rtrl serve` on a free port with this run's topics and registry -- and with `gateway`,
     `rtrl gateway` in front of it, capturing the traffic and routing the canary's share (serve
     then sends no events of its own); returns the processes and the URL the fleet uses once
     /health answers there."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_KAFKA")}  # the demo's broker only
-    env = {**inherited, **security_env(config.kafka.security, with_secrets=True),
-           "RTRL_STATE_DIR": str(run_dir), "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
-           "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
-           "RTRL_KAFKA__FEEDBACK_TOPIC": config.kafka.feedback_topic,
-           "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
-           "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
-           "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model,
-           # one core for serving: requests are single, tiny generations, and the daemon trains
-           # on the same (laptop) cores; two processes each claiming every core slow both
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **inherited,
+        **security_env(config.kafka.security, with_secrets=True),
+        "RTRL_STATE_DIR": str(run_dir),
+        "RTRL_KAFKA_BOOTSTRAP": config.bootstrap,
+        "RTRL_KAFKA__INTERACTIONS_TOPIC": config.kafka.interactions_topic,
+        "RTRL_KAFKA__FEEDBACK_TOPIC": config.kafka.feedback_topic,
+        "RTRL_KAFKA__MODEL_UPDATES_TOPIC": config.kafka.model_updates_topic,
+        "RTRL_MLFLOW__TRACKING_URI": config.tracking_uri,
+        "RTRL_MLFLOW__REGISTERED_MODEL": config.mlflow.registered_model,
+        # one core for serving: requests are single, tiny generations, and the daemon trains
+        # on the same (laptop) cores; two processes each claiming every core slow both
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("RTRL_CONFIG", None)
     env["RTRL_ROUTING_SECRET"] = uuid.uuid4().hex  # the gateway's routing choices, trusted by the server behind
     procs: list[subprocess.Popen] = []
@@ -86,16 +91,34 @@ def start_server(config: Config, base: Path, run_dir: Path, gateway: bool = Fals
     url = _start(procs, "rtrl serve", serve, f"http://127.0.0.1:{port}", env, run_dir / "serve.log", timeout_s)
     if gateway:
         front = _free_port()
-        url = _start(procs, "rtrl gateway", ["gateway", "--upstream", url, "--port", str(front)],
-                     f"http://127.0.0.1:{front}", env, run_dir / "gateway.log", timeout_s)
+        url = _start(
+            procs,
+            "rtrl gateway",
+            ["gateway", "--upstream", url, "--port", str(front)],
+            f"http://127.0.0.1:{front}",
+            env,
+            run_dir / "gateway.log",
+            timeout_s,
+        )
     return procs, url
 
 
-def _start(procs: list[subprocess.Popen], name: str, args: list[str], url: str, env: dict[str, str], log_path: Path,
-           timeout_s: float) -> str:
+def _start(
+    procs: list[subprocess.Popen],
+    name: str,
+    args: list[str],
+    url: str,
+    env: dict[str, str],
+    log_path: Path,
+    timeout_s: float,
+) -> str:
     with log_path.open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", *args], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     procs.append(proc)
     deadline = time.monotonic() + timeout_s
     while served_version(url) is None:
@@ -131,9 +154,22 @@ def stop_server(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def run_fleet(config: Config, engine: Engine, url: str, daemon: Any, cycles: int, measure: int, rate: float,
-              seed: int, every: str, timeout_s: float, t0: float, terminal: Terminal, gateway: bool = False,
-              task: str = "reverse") -> str:
+def run_fleet(
+    config: Config,
+    engine: Engine,
+    url: str,
+    daemon: Any,
+    cycles: int,
+    measure: int,
+    rate: float,
+    seed: int,
+    every: str,
+    timeout_s: float,
+    t0: float,
+    terminal: Terminal,
+    gateway: bool = False,
+    task: str = "reverse",
+) -> str:
     """The simulated users, with a progress line every 5 s, until `cycles` cycles reached the gate;
     then, with no further cycle, until the last champion has served `measure` requests (an accept
     rate of a version promoted by the last cycle would otherwise rest on the few requests served
@@ -157,13 +193,16 @@ def run_fleet(config: Config, engine: Engine, url: str, daemon: Any, cycles: int
             if d.id not in shown:
                 shown.add(d.id)
                 terminal.say(decision_line(d, time.monotonic() - t0))
-        rates = ", ".join(f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}"
-                          for v, n in sorted(fleet.stats.by_version.items()))
+        rates = ", ".join(
+            f"{v}: {100 * fleet.stats.accept_rate(v):.0f}% of {n[0]}" for v, n in sorted(fleet.stats.by_version.items())
+        )
         health = _health(url) or {}
         canary = health.get("canary")
         staged = f" (canary {canary['version']}: {100 * canary['share']:.0f} % of requests)" if canary else ""
-        terminal.progress(f"[{time.monotonic() - t0:5.0f}s] {what}  champion {health.get('version')}{staged}  "
-                          f"{rate_name} by version: {rates or '-'}")
+        terminal.progress(
+            f"[{time.monotonic() - t0:5.0f}s] {what}  champion {health.get('version')}{staged}  "
+            f"{rate_name} by version: {rates or '-'}"
+        )
 
     final = "base"
     try:
@@ -218,7 +257,9 @@ def wait_stored(engine: Engine, requests_sent: int, feedback_sent: int, deadline
         if stored[0] >= requests_sent and stored[1] >= feedback_sent:
             return
         if time.monotonic() > deadline:
-            say(f"warning: the store holds {stored[0]} of {requests_sent} interactions and {stored[1]} of "
-                f"{feedback_sent} feedback events the fleet produced; the report counts what is stored")
+            say(
+                f"warning: the store holds {stored[0]} of {requests_sent} interactions and {stored[1]} of "
+                f"{feedback_sent} feedback events the fleet produced; the report counts what is stored"
+            )
             return
         time.sleep(0.5)

@@ -34,8 +34,12 @@ from reward.spec import load_spec
 DEMO_SPEC = Path(__file__).with_name("demo_spec.toml")
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 # the users' reactions to a wrong answer and their probabilities (sim.Fleet._react)
-WRONG = (("rejected", False, 0.6 * 2 / 3), ("rejected", True, 0.6 / 3), ("edited", False, 0.4 * 2 / 3),
-         ("edited", True, 0.4 / 3))
+WRONG = (
+    ("rejected", False, 0.6 * 2 / 3),
+    ("rejected", True, 0.6 / 3),
+    ("edited", False, 0.4 * 2 / 3),
+    ("edited", True, 0.4 / 3),
+)
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,17 @@ class Policy:
     @classmethod
     def base(cls) -> Policy:
         """The demo's base model as it is warmed up (sim.base_behaviour)."""
-        return cls({n: 0.0 if n == 6 else P_REVERSE for n in LENGTHS},
-                   {n: P_DECLINE_HARD if n == 6 else P_DECLINE for n in LENGTHS})
+        return cls(
+            {n: 0.0 if n == 6 else P_REVERSE for n in LENGTHS},
+            {n: P_DECLINE_HARD if n == 6 else P_DECLINE for n in LENGTHS},
+        )
 
     def shifted(self, right: float) -> Policy:
         """`right` more (or less) of every length's answers right, taken from (or given to)
         copying: a candidate `right` x 100 pp better or worse at every length."""
-        return Policy({n: min(max(p + right, 0.0), 1.0 - self.abstain[n]) for n, p in self.right.items()},
-                      dict(self.abstain))
-
+        return Policy(
+            {n: min(max(p + right, 0.0), 1.0 - self.abstain[n]) for n, p in self.right.items()}, dict(self.abstain)
+        )
 
     def abstaining(self, extra: float) -> Policy:
         """`extra` more of every length's answers abstentions, taken from copying (then from
@@ -73,22 +79,29 @@ class Oracle:
 
     def __init__(self, spec_path: Path = DEMO_SPEC) -> None:
         self.scorer = Scorer(load_spec(spec_path))
-        self.tasks = [Task("".join(t)) for n in LENGTHS for t in itertools.product(ALPHABET, repeat=n)
-                      if t != t[::-1]]
+        self.tasks = [Task("".join(t)) for n in LENGTHS for t in itertools.product(ALPHABET, repeat=n) if t != t[::-1]]
         self.length = np.array([len(t.text) for t in self.tasks])
         # per task: r(right), r(abstain), then r(copy) for each reaction in WRONG
-        self.table = np.array([[self._reward(t, t.answer, [("accepted", None), ("persisted", None)]),
-                                self._reward(t, "sorry", [])]
-                               + [self._reward(t, t.text, [(kind, t.answer)] + ([("followup", None)] if f else []))
-                                  for kind, f, _ in WRONG] for t in self.tasks])
+        self.table = np.array(
+            [
+                [self._reward(t, t.answer, [("accepted", None), ("persisted", None)]), self._reward(t, "sorry", [])]
+                + [
+                    self._reward(t, t.text, [(kind, t.answer)] + ([("followup", None)] if f else []))
+                    for kind, f, _ in WRONG
+                ]
+                for t in self.tasks
+            ]
+        )
         # a task is drawn as sim.draw_task draws it: a length uniformly, then a string of it
         per_length = {n: int((self.length == n).sum()) for n in LENGTHS}
         self.p_task = np.array([1 / len(LENGTHS) / per_length[n] for n in self.length])
         self._values: dict[tuple[str, str], float] = {}
 
     def _reward(self, task: Task, output: str, reactions: list[tuple[str, str | None]]) -> float:
-        fb = tuple(Feedback(f"f{i}", kind, 1.0, T0 + timedelta(seconds=i + 1), {"text": text} if text else None)
-                   for i, (kind, text) in enumerate(reactions))
+        fb = tuple(
+            Feedback(f"f{i}", kind, 1.0, T0 + timedelta(seconds=i + 1), {"text": text} if text else None)
+            for i, (kind, text) in enumerate(reactions)
+        )
         return self.scorer(Episode("r", T0, "v", output, feedback=fb)).value
 
     def value(self, task: Task, output: str) -> float:
@@ -102,8 +115,10 @@ class Oracle:
             elif output.strip() == task.answer:
                 v = self._reward(task, output, [("accepted", None), ("persisted", None)])
             else:
-                v = sum(p * self._reward(task, output, [(kind, task.answer)] + ([("followup", None)] if f else []))
-                        for kind, f, p in WRONG)
+                v = sum(
+                    p * self._reward(task, output, [(kind, task.answer)] + ([("followup", None)] if f else []))
+                    for kind, f, p in WRONG
+                )
             self._values[key] = v
         return self._values[key]
 

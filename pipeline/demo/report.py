@@ -55,9 +55,16 @@ def per_version(engine: Engine, spec_version: str) -> list[dict[str, Any]]:
     and mean reward, per version."""
     counts, reward = served_and_accepted(engine), mean_rewards(engine, spec_version)
     order = version_order(counts)
-    return [{"version": v, "served": counts[v][0], "accept_rate": counts[v][1] / counts[v][0],
-             "accept_ci95": wilson(counts[v][1], counts[v][0]),
-             "reward_mean": float(reward[v]) if v in reward else None} for v in order]
+    return [
+        {
+            "version": v,
+            "served": counts[v][0],
+            "accept_rate": counts[v][1] / counts[v][0],
+            "accept_ci95": wilson(counts[v][1], counts[v][0]),
+            "reward_mean": float(reward[v]) if v in reward else None,
+        }
+        for v in order
+    ]
 
 
 def per_version_episodes(episodes: list[EpisodeSummary], reward: dict[str, Any]) -> list[dict[str, Any]]:
@@ -71,14 +78,23 @@ def per_version_episodes(episodes: list[EpisodeSummary], reward: dict[str, Any])
     out = []
     for v in version_order(by):
         n, ok, calls, errors = by[v]
-        out.append({"version": v, "served": n, "accept_rate": ok / n, "accept_ci95": wilson(ok, n),
-                    "calls_per_episode": calls / n, "tool_error_rate": errors / max(calls, 1),
-                    "reward_mean": float(reward[v]) if v in reward else None})
+        out.append(
+            {
+                "version": v,
+                "served": n,
+                "accept_rate": ok / n,
+                "accept_ci95": wilson(ok, n),
+                "calls_per_episode": calls / n,
+                "tool_error_rate": errors / max(calls, 1),
+                "reward_mean": float(reward[v]) if v in reward else None,
+            }
+        )
     return out
 
 
-def timeline(engine: Engine, bucket_s: float = 60.0,
-             rows: list[tuple[datetime, str, bool]] | None = None) -> tuple[list[dict[str, Any]], datetime | None]:
+def timeline(
+    engine: Engine, bucket_s: float = 60.0, rows: list[tuple[datetime, str, bool]] | None = None
+) -> tuple[list[dict[str, Any]], datetime | None]:
     """The accept rate over time -- of `rows` (served at, version, accepted; the agent task's:
     its episodes) or else every request's (accepts_over_time): one bucket per `bucket_s` of
     serving (minute 0 is the first served), each with its Wilson interval; and the time of
@@ -91,8 +107,10 @@ def timeline(engine: Engine, bucket_s: float = 60.0,
     for ts, _, accepted in rows:
         b = buckets.setdefault(int((ts - t0).total_seconds() // bucket_s), [0, 0])
         b[0], b[1] = b[0] + 1, b[1] + accepted
-    return [{"minute": k * bucket_s / 60, "served": n, "accept_rate": a / n, "accept_ci95": wilson(a, n)}
-            for k, (n, a) in sorted(buckets.items())], t0
+    return [
+        {"minute": k * bucket_s / 60, "served": n, "accept_rate": a / n, "accept_ci95": wilson(a, n)}
+        for k, (n, a) in sorted(buckets.items())
+    ], t0
 
 
 def markers(engine: Engine, model_name: str, t0: datetime | None) -> list[dict[str, Any]]:
@@ -107,8 +125,13 @@ def markers(engine: Engine, model_name: str, t0: datetime | None) -> list[dict[s
             out.append({"minute": (m.at - t0).total_seconds() / 60, "kind": kind, "label": f"v{m.to_version}"})
     for d in all_decisions(engine):
         if not d.passed:
-            out.append({"minute": (d.decided_at - t0).total_seconds() / 60, "kind": "rejected",
-                        "label": f"v{d.candidate_version} ({d.stage})"})
+            out.append(
+                {
+                    "minute": (d.decided_at - t0).total_seconds() / 60,
+                    "kind": "rejected",
+                    "label": f"v{d.candidate_version} ({d.stage})",
+                }
+            )
     return sorted(out, key=lambda m: m["minute"])
 
 
@@ -126,13 +149,20 @@ def canary_shares(engine: Engine, model_name: str) -> list[dict[str, Any]]:
         end = every[k + 1].at if k + 1 < len(every) else None
         during = [version for at, version, _ in served if at >= stage.at and (end is None or at < end)]
         if during:
-            out.append({"version": stage.to_version, "share": stage.share, "requests": len(during),
-                        "answered": sum(v == stage.to_version for v in during) / len(during)})
+            out.append(
+                {
+                    "version": stage.to_version,
+                    "share": stage.share,
+                    "requests": len(during),
+                    "answered": sum(v == stage.to_version for v in during) / len(during),
+                }
+            )
     return out
 
 
-def collect(engine: Engine, spec_version: str, model_name: str, champion: str, seconds: float,
-            task: str = "reverse") -> DemoReport:
+def collect(
+    engine: Engine, spec_version: str, model_name: str, champion: str, seconds: float, task: str = "reverse"
+) -> DemoReport:
     """The report's numbers, from the store."""
     if task == "agent":  # the episodes, read once for both
         episodes = episode_summaries(engine)
@@ -140,8 +170,14 @@ def collect(engine: Engine, spec_version: str, model_name: str, champion: str, s
         rows = [(e.started, e.version, e.succeeded) for e in episodes]
     else:
         versions, rows = per_version(engine, spec_version), None
-    report = DemoReport(seconds=seconds, champion=champion, versions=versions, served_by=served_by(engine),
-                        canaries=canary_shares(engine, model_name), task=task)
+    report = DemoReport(
+        seconds=seconds,
+        champion=champion,
+        versions=versions,
+        served_by=served_by(engine),
+        canaries=canary_shares(engine, model_name),
+        task=task,
+    )
     report.timeline, t0 = timeline(engine, rows=rows)
     report.markers = markers(engine, model_name, t0)
     for c in reversed(recent_cycles(engine, 100)):
@@ -149,13 +185,29 @@ def collect(engine: Engine, spec_version: str, model_name: str, champion: str, s
         total = sum((c.timings or {}).values())
         summary = run.summary if run is not None and run.summary else {}
         loop_s = float(summary.get("loop_wall_s", summary.get("seconds", 0.0)))
-        report.cycles.append({"cycle_id": c.cycle_id, "state": c.state, "candidate_version": c.candidate_version,
-                              "reason": c.reason, "timings": c.timings, "seconds": round(total, 2),
-                              "training_loop_s": round(loop_s, 2),
-                              "overhead_frac": round(1 - loop_s / total, 3) if total else None,
-                              "split": cycle_split(engine, c, run)})
-    report.decisions = [{"candidate": d.candidate_version, "champion": d.champion_version, "stage": d.stage,
-                         "passed": d.passed, "reasons": d.reasons} for d in all_decisions(engine)]
+        report.cycles.append(
+            {
+                "cycle_id": c.cycle_id,
+                "state": c.state,
+                "candidate_version": c.candidate_version,
+                "reason": c.reason,
+                "timings": c.timings,
+                "seconds": round(total, 2),
+                "training_loop_s": round(loop_s, 2),
+                "overhead_frac": round(1 - loop_s / total, 3) if total else None,
+                "split": cycle_split(engine, c, run),
+            }
+        )
+    report.decisions = [
+        {
+            "candidate": d.candidate_version,
+            "champion": d.champion_version,
+            "stage": d.stage,
+            "passed": d.passed,
+            "reasons": d.reasons,
+        }
+        for d in all_decisions(engine)
+    ]
     return report
 
 
@@ -179,18 +231,25 @@ def headline(versions: list[dict[str, Any]], champion: str, task: str = "reverse
     base, last = by["base"], by[champion]
     lo, hi = last["accept_ci95"]
     what, unit = ("Episode success rate", "episodes") if task == "agent" else ("Online accept rate", "requests")
-    return (f"{what}: base {100 * base['accept_rate']:.1f} % of {base['served']} {unit} -> champion "
-            f"v{champion} {100 * last['accept_rate']:.1f} % of {last['served']} (95 % CI {100 * lo:.1f}-"
-            f"{100 * hi:.1f} %): {100 * (last['accept_rate'] - base['accept_rate']):+.1f} pp.")
+    return (
+        f"{what}: base {100 * base['accept_rate']:.1f} % of {base['served']} {unit} -> champion "
+        f"v{champion} {100 * last['accept_rate']:.1f} % of {last['served']} (95 % CI {100 * lo:.1f}-"
+        f"{100 * hi:.1f} %): {100 * (last['accept_rate'] - base['accept_rate']):+.1f} pp."
+    )
 
 
 def canary_line(canaries: list[dict[str, Any]]) -> str:
     """'Canaries, staged share -> answered: v1 50 % -> 49.2 % of 512 requests; ...'."""
     if not canaries:
         return "No canary was staged."
-    return "Canaries, staged share -> share of the requests they answered: " + "; ".join(
-        f"v{c['version']} {100 * (c['share'] or 0):.0f} % -> {100 * c['answered']:.1f} % of {c['requests']:,}"
-        for c in canaries) + "."
+    return (
+        "Canaries, staged share -> share of the requests they answered: "
+        + "; ".join(
+            f"v{c['version']} {100 * (c['share'] or 0):.0f} % -> {100 * c['answered']:.1f} % of {c['requests']:,}"
+            for c in canaries
+        )
+        + "."
+    )
 
 
 def routing(by_server: dict[str, dict[str, int]]) -> str:
@@ -198,8 +257,10 @@ def routing(by_server: dict[str, dict[str, int]]) -> str:
     v1 (canary, then champion) 1,377 ..." -- per server, the interactions of each version."""
     parts = []
     for server, versions in sorted(by_server.items()):
-        counts = ", ".join(f"{'v' if v.isdigit() else ''}{v} {n:,}" for v, n in sorted(
-            versions.items(), key=lambda kv: (kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
+        counts = ", ".join(
+            f"{'v' if v.isdigit() else ''}{v} {n:,}"
+            for v, n in sorted(versions.items(), key=lambda kv: (kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0))
+        )
         parts.append(f"{server or 'unnamed'} ({sum(versions.values()):,}: {counts})")
     return "Requests captured and routed by " + "; ".join(parts) + "." if parts else "No requests were captured."
 
@@ -218,8 +279,13 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     ax.set_xlabel("policy version (served)")
     ax.set_ylabel(f"{rate_name(report)} (%)")
     ax2 = ax.twinx()
-    ax2.plot(names, [v["reward_mean"] if v["reward_mean"] is not None else float("nan") for v in report.versions],
-             "o-", color="#cc6677", label="mean reward")
+    ax2.plot(
+        names,
+        [v["reward_mean"] if v["reward_mean"] is not None else float("nan") for v in report.versions],
+        "o-",
+        color="#cc6677",
+        label="mean reward",
+    )
     ax2.set_ylabel("mean reward")
     ax.set_title(f"per version: {rate_name(report)} (bars), mean reward (line)")
     fig.suptitle("rtrl demo" + (" (naive reward)" if naive else ""))
@@ -227,31 +293,53 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
     png = out / "report.png"
     fig.savefig(png, dpi=100)
     plt.close(fig)
-    lines = ["# rtrl demo report" + (" (--naive-reward)" if naive else ""), "",
-             f"{len(report.cycles)} cycles in {report.seconds:.0f} s.", "",
-             headline(report.versions, report.champion, report.task), "", routing(report.served_by), "",
-             canary_line(report.canaries), ""]
+    lines = [
+        "# rtrl demo report" + (" (--naive-reward)" if naive else ""),
+        "",
+        f"{len(report.cycles)} cycles in {report.seconds:.0f} s.",
+        "",
+        headline(report.versions, report.champion, report.task),
+        "",
+        routing(report.served_by),
+        "",
+        canary_line(report.canaries),
+        "",
+    ]
     agent = report.task == "agent"
-    lines += [f"| version | {report.unit} | {rate_name(report)} | 95 % CI | mean reward |"
-              + (" calls per episode | tool-call errors |" if agent else ""),
-              "|---|---:|---:|---:|---:|" + ("---:|---:|" if agent else "")]
+    lines += [
+        f"| version | {report.unit} | {rate_name(report)} | 95 % CI | mean reward |"
+        + (" calls per episode | tool-call errors |" if agent else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if agent else ""),
+    ]
     for v in report.versions:
         reward = "" if v["reward_mean"] is None else f"{v['reward_mean']:+.3f}"
         lo, hi = v["accept_ci95"]
-        lines.append(f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | "
-                     f"{100 * lo:.0f}-{100 * hi:.0f} % | {reward} |"
-                     + (f" {v['calls_per_episode']:.2f} | {100 * v['tool_error_rate']:.1f} % |" if agent else ""))
-    lines += ["", "| cycle | state | candidate | seconds | training loop | outside the loop | reason |",
-              "|---|---|---|---:|---:|---:|---|"]
+        lines.append(
+            f"| {v['version']} | {v['served']} | {100 * v['accept_rate']:.1f} % | "
+            f"{100 * lo:.0f}-{100 * hi:.0f} % | {reward} |"
+            + (f" {v['calls_per_episode']:.2f} | {100 * v['tool_error_rate']:.1f} % |" if agent else "")
+        )
+    lines += [
+        "",
+        "| cycle | state | candidate | seconds | training loop | outside the loop | reason |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
     for c in report.cycles:
         outside = "" if c["overhead_frac"] is None else f"{100 * c['overhead_frac']:.0f} %"
-        lines.append(f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['seconds']} | "
-                     f"{c['training_loop_s']} | {outside} | {c['reason'] or ''} |")
+        lines.append(
+            f"| {c['cycle_id']} | {c['state']} | {c['candidate_version'] or ''} | {c['seconds']} | "
+            f"{c['training_loop_s']} | {outside} | {c['reason'] or ''} |"
+        )
     gated = [c for c in report.cycles if c.get("split") and c["state"] in ("done", "rejected")]
     if gated:
         cycle_s = sum(c["seconds"] for c in gated)
-        lines += ["", f"Where the {len(gated)} decided cycles' seconds went (all cycles together):", "",
-                  "| part | seconds | share |", "|---|---:|---:|"]
+        lines += [
+            "",
+            f"Where the {len(gated)} decided cycles' seconds went (all cycles together):",
+            "",
+            "| part | seconds | share |",
+            "|---|---:|---:|",
+        ]
         totals: dict[str, float] = {}
         for c in gated:
             for part, s in c["split"].items():
@@ -259,14 +347,30 @@ def write_report(report: DemoReport, out: Path, naive: bool) -> list[Path]:
         for part, s in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {part} | {s:.2f} | {100 * s / cycle_s:.1f} % |")
     lines += ["", "| candidate | champion | decided by | passed | failing checks |", "|---|---|---|---|---|"]
-    lines += [f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['stage']} | "
-              f"{d['passed']} | {'; '.join(d['reasons'])} |" for d in report.decisions]
+    lines += [
+        f"| v{d['candidate']} | {('v' + d['champion']) if d['champion'] else 'base'} | {d['stage']} | "
+        f"{d['passed']} | {'; '.join(d['reasons'])} |"
+        for d in report.decisions
+    ]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "report.json"
-    data.write_text(json.dumps({"champion": report.champion, "versions": report.versions, "cycles": report.cycles,
-                                "decisions": report.decisions, "timeline": report.timeline, "markers": report.markers,
-                                "seconds": report.seconds, "task": report.task}, indent=2, default=str))
+    data.write_text(
+        json.dumps(
+            {
+                "champion": report.champion,
+                "versions": report.versions,
+                "cycles": report.cycles,
+                "decisions": report.decisions,
+                "timeline": report.timeline,
+                "markers": report.markers,
+                "seconds": report.seconds,
+                "task": report.task,
+            },
+            indent=2,
+            default=str,
+        )
+    )
     return [png, md, data]
 
 
@@ -283,9 +387,18 @@ def _plot_over_time(ax: Any, report: DemoReport) -> None:
     rates = [100 * b["accept_rate"] for b in report.timeline]
     # (each at least 0: an interval's bound at 0 % or 100 % can round past the rate by 1e-15,
     # which matplotlib refuses)
-    ax.errorbar(minutes, rates, yerr=[[max(r - 100 * b["accept_ci95"][0], 0.0) for r, b in zip(rates, report.timeline)],
-                                      [max(100 * b["accept_ci95"][1] - r, 0.0) for r, b in zip(rates, report.timeline)]],
-                fmt="o-", color="#4477aa", capsize=3, label=f"{rate_name(report)} (95 % interval)")
+    ax.errorbar(
+        minutes,
+        rates,
+        yerr=[
+            [max(r - 100 * b["accept_ci95"][0], 0.0) for r, b in zip(rates, report.timeline)],
+            [max(100 * b["accept_ci95"][1] - r, 0.0) for r, b in zip(rates, report.timeline)],
+        ],
+        fmt="o-",
+        color="#4477aa",
+        capsize=3,
+        label=f"{rate_name(report)} (95 % interval)",
+    )
     seen = set()
     for m in report.markers:
         colour, style = MARKER_STYLE[m["kind"]]

@@ -61,10 +61,21 @@ def explore_commands(config_file: Path, tracking_uri: str, report: DemoReport, r
     return lines
 
 
-def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int = 5, naive: bool = False,
-             seed: int = 0, rate: float = 24.0, every: str = "45s", timeout_s: float = 900.0, measure: int = 200,
-             verbose: bool = False, terminal: Terminal | None = None, gateway: bool = False,
-             task: str = "reverse") -> DemoReport:
+def run_demo(
+    state_dir: Path,
+    config_path: str | Path | None = None,
+    cycles: int = 5,
+    naive: bool = False,
+    seed: int = 0,
+    rate: float = 24.0,
+    every: str = "45s",
+    timeout_s: float = 900.0,
+    measure: int = 200,
+    verbose: bool = False,
+    terminal: Terminal | None = None,
+    gateway: bool = False,
+    task: str = "reverse",
+) -> DemoReport:
     """Run the demo in `<state_dir>/demo[-agent][-naive]` (wiped first); the report lands in its
     `report/`."""
     from deploy.registry import CHAMPION
@@ -88,8 +99,11 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
     broker = kafka_local.up(config, progress=terminal.say)
     config.kafka.security = broker.access().security  # a local broker set up --secure: its users and CA
     config_file = write_config(config, run_dir / "rtrl.toml")
-    kafka_local.ensure_topics(config.kafka_access, [config.kafka.interactions_topic, config.kafka.feedback_topic,
-                                                 config.kafka.model_updates_topic], config.kafka.partitions)
+    kafka_local.ensure_topics(
+        config.kafka_access,
+        [config.kafka.interactions_topic, config.kafka.feedback_topic, config.kafka.model_updates_topic],
+        config.kafka.partitions,
+    )
     store_db.upgrade(config.db_url)
     engine = store_db.make_engine(config.db_url)
     base = config.train.base_model
@@ -110,8 +124,9 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
         daemon = Daemon(config, deps, lease_ttl_s=30)
         daemon.start(ingest=True, metrics_port=None)
         try:
-            champion = run_fleet(config, engine, url, daemon, cycles, measure, rate, seed, every, timeout_s, t0,
-                                 terminal, gateway, task)
+            champion = run_fleet(
+                config, engine, url, daemon, cycles, measure, rate, seed, every, timeout_s, t0, terminal, gateway, task
+            )
         finally:
             daemon.shutdown()
     finally:
@@ -120,12 +135,14 @@ def run_demo(state_dir: Path, config_path: str | Path | None = None, cycles: int
     report = collect(engine, spec.version, config.mlflow.registered_model, champion, time.monotonic() - t0, task)
     report.files = write_report(report, run_dir / "report", naive)
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root, run_name="demo-report")
-    tracker.log_params({"task": task, "naive_reward": naive, "seed": seed, "cycles": cycles, "rate": rate,
-                        "every": every})
+    tracker.log_params(
+        {"task": task, "naive_reward": naive, "seed": seed, "cycles": cycles, "rate": rate, "every": every}
+    )
     for v in report.versions:
         if v["version"].isdigit():
-            tracker.log_metrics({"episode_success_rate" if task == "agent" else "accept_rate": v["accept_rate"]},
-                                step=int(v["version"]))
+            tracker.log_metrics(
+                {"episode_success_rate" if task == "agent" else "accept_rate": v["accept_rate"]}, step=int(v["version"])
+            )
     tracker.log_artifacts(run_dir / "report", "report")
     tracker.end("FINISHED")
     report.explore = explore_commands(config_file, config.tracking_uri, report, latest_request_id(engine))

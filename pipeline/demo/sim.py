@@ -86,8 +86,16 @@ class FleetStats:
 
 
 class Fleet:
-    def __init__(self, serve_url: str, send_feedback, rate: float = 5.0, seed: int = 0, tenant: str = "sim",
-                 max_tokens: int = 8, delay_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        serve_url: str,
+        send_feedback,
+        rate: float = 5.0,
+        seed: int = 0,
+        tenant: str = "sim",
+        max_tokens: int = 8,
+        delay_scale: float = 1.0,
+    ) -> None:
         """`send_feedback(event)`: puts a feedback event on Kafka (the caller owns the producer);
         `delay_scale` stretches or shrinks the users' reaction times (0: immediate)."""
         self.delay_scale = delay_scale
@@ -99,12 +107,19 @@ class Fleet:
         self._due: list[tuple[float, int, dict]] = []  # (send at, tie-breaker, event)
         self._n = 0
 
-    def _feedback(self, request_id: str | None, kind: str, value, delay: float, payload=None,
-                  episode_id: str | None = None) -> None:
+    def _feedback(
+        self, request_id: str | None, kind: str, value, delay: float, payload=None, episode_id: str | None = None
+    ) -> None:
         """A reaction sent `delay` s from now, on one call (`request_id`) or a whole episode."""
         self._n += 1
-        event = {"schema_version": 1, "event_id": f"sim-fb-{uuid.uuid4().hex}", "type": "feedback", "kind": kind,
-                 "value": value, **({"request_id": request_id} if episode_id is None else {"episode_id": episode_id})}
+        event = {
+            "schema_version": 1,
+            "event_id": f"sim-fb-{uuid.uuid4().hex}",
+            "type": "feedback",
+            "kind": kind,
+            "value": value,
+            **({"request_id": request_id} if episode_id is None else {"episode_id": episode_id}),
+        }
         if payload is not None:
             event["payload"] = payload
         heapq.heappush(self._due, (time.monotonic() + delay * self.delay_scale, self._n, event))
@@ -139,10 +154,21 @@ class Fleet:
         task = draw_task(self.rng)
         own_id = f"sim-{self.seed}-{self.stats.requests}-{uuid.uuid4().hex[:6]}"  # kept beside the server's
         try:
-            resp = session.post(f"{self.url}/v1/completions", timeout=60, headers={
-                "X-Request-Id": own_id, "X-Session-Id": f"user-{self.rng.randrange(50)}",
-                "X-Tenant": self.tenant}, json={"prompt": task.prompt, "max_tokens": self.max_tokens,
-                                                "temperature": 1.0, "seed": self.rng.randrange(1 << 30)})
+            resp = session.post(
+                f"{self.url}/v1/completions",
+                timeout=60,
+                headers={
+                    "X-Request-Id": own_id,
+                    "X-Session-Id": f"user-{self.rng.randrange(50)}",
+                    "X-Tenant": self.tenant,
+                },
+                json={
+                    "prompt": task.prompt,
+                    "max_tokens": self.max_tokens,
+                    "temperature": 1.0,
+                    "seed": self.rng.randrange(1 << 30),
+                },
+            )
             resp.raise_for_status()
             # feedback names the request by the id the server chose (its response's `id`)
             body = resp.json()

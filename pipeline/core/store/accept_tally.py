@@ -30,8 +30,14 @@ from pipeline.core.store.watermarks import safe_tops
 def _accepted(up_to: int):
     """Whether an accept (an `accepted` event with a positive value) with a feedback id up to
     `up_to` names the interaction."""
-    return exists().where(and_(feedback.c.request_id == interactions.c.request_id, feedback.c.kind == "accepted",
-                               feedback.c.value > 0, feedback.c.id <= up_to))
+    return exists().where(
+        and_(
+            feedback.c.request_id == interactions.c.request_id,
+            feedback.c.kind == "accepted",
+            feedback.c.value > 0,
+            feedback.c.id <= up_to,
+        )
+    )
 
 
 class AcceptTally:
@@ -55,17 +61,25 @@ class AcceptTally:
         top_interaction, top_feedback = tops
         seen_interaction, seen_feedback = self.seen or (0, 0)
         counts = dict(self.counts) if self.seen else {}
-        new = (select(interactions.c.policy_version, func.count(),
-                      func.sum(case((_accepted(top_feedback), 1), else_=0)))
-               .where(interactions.c.id > seen_interaction, interactions.c.id <= top_interaction)
-               .group_by(interactions.c.policy_version))
-        accepts = (select(feedback.c.request_id).where(
-            feedback.c.id > seen_feedback, feedback.c.id <= top_feedback, feedback.c.kind == "accepted",
-            feedback.c.value > 0, feedback.c.request_id.is_not(None)))
-        newly_accepted = (select(interactions.c.policy_version, func.count())
-                          .where(interactions.c.id <= seen_interaction, interactions.c.request_id.in_(accepts),
-                                 ~_accepted(seen_feedback))
-                          .group_by(interactions.c.policy_version))
+        new = (
+            select(interactions.c.policy_version, func.count(), func.sum(case((_accepted(top_feedback), 1), else_=0)))
+            .where(interactions.c.id > seen_interaction, interactions.c.id <= top_interaction)
+            .group_by(interactions.c.policy_version)
+        )
+        accepts = select(feedback.c.request_id).where(
+            feedback.c.id > seen_feedback,
+            feedback.c.id <= top_feedback,
+            feedback.c.kind == "accepted",
+            feedback.c.value > 0,
+            feedback.c.request_id.is_not(None),
+        )
+        newly_accepted = (
+            select(interactions.c.policy_version, func.count())
+            .where(
+                interactions.c.id <= seen_interaction, interactions.c.request_id.in_(accepts), ~_accepted(seen_feedback)
+            )
+            .group_by(interactions.c.policy_version)
+        )
         with engine.connect() as conn:
             for version, served, accepted in conn.execute(new):
                 was_served, was_accepted = counts.get(version, (0, 0))

@@ -58,8 +58,19 @@ class CycleRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> CycleRecord:
-        return cls(row.cycle_id, row.state, row.reason, row.run_id, row.candidate_version, row.promoted,
-                   row.timings or {}, row.owner, row.started_at, row.updated_at, row.finished_at)
+        return cls(
+            row.cycle_id,
+            row.state,
+            row.reason,
+            row.run_id,
+            row.candidate_version,
+            row.promoted,
+            row.timings or {},
+            row.owner,
+            row.started_at,
+            row.updated_at,
+            row.finished_at,
+        )
 
 
 def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None, fence: Fence | None = None) -> None:
@@ -67,8 +78,16 @@ def create_cycle(engine: Engine, cycle_id: str, owner: str | None = None, fence:
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        conn.execute(cycles.insert().values(cycle_id=cycle_id, state=CycleState.PENDING.value, timings={}, owner=owner,
-                                            started_at=now, updated_at=now))
+        conn.execute(
+            cycles.insert().values(
+                cycle_id=cycle_id,
+                state=CycleState.PENDING.value,
+                timings={},
+                owner=owner,
+                started_at=now,
+                updated_at=now,
+            )
+        )
 
 
 def get_cycle(engine: Engine, cycle_id: str) -> CycleRecord | None:
@@ -96,8 +115,12 @@ def set_cycle(engine: Engine, cycle_id: str, fence: Fence | None = None, **value
 
 def unfinished_cycle(engine: Engine) -> CycleRecord | None:
     with engine.connect() as conn:
-        row = conn.execute(select(cycles).where(cycles.c.state.not_in([s.value for s in TERMINAL]))
-                           .order_by(cycles.c.started_at.desc()).limit(1)).first()
+        row = conn.execute(
+            select(cycles)
+            .where(cycles.c.state.not_in([s.value for s in TERMINAL]))
+            .order_by(cycles.c.started_at.desc())
+            .limit(1)
+        ).first()
     return CycleRecord.from_row(row) if row is not None else None
 
 
@@ -114,8 +137,10 @@ def cycle_split(engine: Engine, row: CycleRecord, run: RunRecord | None) -> dict
     ...); `<stage>.other` is what the stage spent around its parts. `run`: the cycle's training
     run row (None if it has none)."""
     decision = decision_for_run(engine, row.run_id) if row.run_id else None
-    inner = {"train": (run.summary or {}).get("split_s", {}) if run is not None else {},
-             "evaluate": decision.report.get("seconds", {}) if decision is not None else {}}
+    inner = {
+        "train": (run.summary or {}).get("split_s", {}) if run is not None else {},
+        "evaluate": decision.report.get("seconds", {}) if decision is not None else {},
+    }
     out: dict[str, float] = {}
     for stage, seconds in (row.timings or {}).items():
         parts = inner.get(stage, {})

@@ -96,6 +96,4 @@ def require_current_schema(engine: Engine) -> None:
     if current != head:
         shown = engine.url.render_as_string(hide_password=True)
         state = "has no rtrl schema" if current is None else f"is at revision {current}"
-        raise SchemaError(
-            f"database {shown} {state}, the code needs {head}: run `rtrl db upgrade` first"
-        )
+        raise SchemaError(f"database {shown} {state}, the code needs {head}: run `rtrl db upgrade` first")

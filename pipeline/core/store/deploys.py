@@ -27,15 +27,30 @@ from pipeline.core.store.leases import Fence
 from pipeline.core.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
 
 
-def record_decision(engine: Engine, model_name: str, candidate_version: str, champion_version: str | None,
-                    run_id: str | None, passed: bool, report: dict[str, Any], fence: Fence | None = None) -> int:
+def record_decision(
+    engine: Engine,
+    model_name: str,
+    candidate_version: str,
+    champion_version: str | None,
+    run_id: str | None,
+    passed: bool,
+    report: dict[str, Any],
+    fence: Fence | None = None,
+) -> int:
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        return conn.execute(gate_decisions.insert().values(
-            model_name=model_name, candidate_version=candidate_version, champion_version=champion_version,
-            run_id=run_id, passed=int(passed), report=report, decided_at=utcnow(),
-        )).inserted_primary_key[0]
+        return conn.execute(
+            gate_decisions.insert().values(
+                model_name=model_name,
+                candidate_version=candidate_version,
+                champion_version=champion_version,
+                run_id=run_id,
+                passed=int(passed),
+                report=report,
+                decided_at=utcnow(),
+            )
+        ).inserted_primary_key[0]
 
 
 @dataclass(frozen=True)
@@ -55,12 +70,20 @@ class StoredDecision:
 
     @classmethod
     def from_row(cls, row: Any) -> StoredDecision:
-        return cls(row.id, row.model_name, row.candidate_version, row.champion_version, row.run_id,
-                   bool(row.passed), row.report, row.decided_at)
+        return cls(
+            row.id,
+            row.model_name,
+            row.candidate_version,
+            row.champion_version,
+            row.run_id,
+            bool(row.passed),
+            row.report,
+            row.decided_at,
+        )
 
     @property
     def stage(self) -> str:
-        """"gate" (offline, before any traffic) or "online" (a canary's live comparison)."""
+        """ "gate" (offline, before any traffic) or "online" (a canary's live comparison)."""
         return self.report.get("stage", "gate")
 
     @property
@@ -84,17 +107,29 @@ class StoredDecision:
 
 def latest_decision(engine: Engine, model_name: str, version: str) -> StoredDecision | None:
     with engine.connect() as conn:
-        row = conn.execute(select(gate_decisions).where(and_(
-            gate_decisions.c.model_name == model_name, gate_decisions.c.candidate_version == version,
-        )).order_by(gate_decisions.c.id.desc()).limit(1)).first()
+        row = conn.execute(
+            select(gate_decisions)
+            .where(
+                and_(
+                    gate_decisions.c.model_name == model_name,
+                    gate_decisions.c.candidate_version == version,
+                )
+            )
+            .order_by(gate_decisions.c.id.desc())
+            .limit(1)
+        ).first()
     return StoredDecision.from_row(row) if row is not None else None
 
 
 def decision_for_run(engine: Engine, run_id: str) -> StoredDecision | None:
     """The latest gate decision on training run `run_id`'s candidate."""
     with engine.connect() as conn:
-        row = conn.execute(select(gate_decisions).where(gate_decisions.c.run_id == run_id)
-                           .order_by(gate_decisions.c.id.desc()).limit(1)).first()
+        row = conn.execute(
+            select(gate_decisions)
+            .where(gate_decisions.c.run_id == run_id)
+            .order_by(gate_decisions.c.id.desc())
+            .limit(1)
+        ).first()
     return StoredDecision.from_row(row) if row is not None else None
 
 
@@ -118,8 +153,20 @@ class MoveRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> MoveRecord:
-        return cls(row.id, row.model_name, row.alias, row.from_version, row.to_version, row.reason, row.actor,
-                   row.at, row.status, row.published_at, row.share, row.kind)
+        return cls(
+            row.id,
+            row.model_name,
+            row.alias,
+            row.from_version,
+            row.to_version,
+            row.reason,
+            row.actor,
+            row.at,
+            row.status,
+            row.published_at,
+            row.share,
+            row.kind,
+        )
 
 
 def all_decisions(engine: Engine) -> list[StoredDecision]:
@@ -128,61 +175,113 @@ def all_decisions(engine: Engine) -> list[StoredDecision]:
         return [StoredDecision.from_row(r) for r in conn.execute(select(gate_decisions).order_by(gate_decisions.c.id))]
 
 
-def begin_move(engine: Engine, model_name: str, alias: str, from_version: str | None, to_version: str | None,
-               reason: str, actor: str, share: float | None = None, kind: str | None = None,
-               fence: Fence | None = None) -> int:
+def begin_move(
+    engine: Engine,
+    model_name: str,
+    alias: str,
+    from_version: str | None,
+    to_version: str | None,
+    reason: str,
+    actor: str,
+    share: float | None = None,
+    kind: str | None = None,
+    fence: Fence | None = None,
+) -> int:
     """`to_version` None clears the alias; `share`: a canary's share of requests; `kind`:
     promote | rollback | stage | withdraw; `fence`: a daemon's move is recorded (and then made)
     only while it holds the cycle lease."""
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        return conn.execute(alias_moves.insert().values(
-            model_name=model_name, alias=alias, from_version=from_version, to_version=to_version,
-            reason=reason, actor=actor, at=utcnow(), status="pending", share=share, kind=kind,
-        )).inserted_primary_key[0]
+        return conn.execute(
+            alias_moves.insert().values(
+                model_name=model_name,
+                alias=alias,
+                from_version=from_version,
+                to_version=to_version,
+                reason=reason,
+                actor=actor,
+                at=utcnow(),
+                status="pending",
+                share=share,
+                kind=kind,
+            )
+        ).inserted_primary_key[0]
 
 
 def promoted_from(engine: Engine, model_name: str, version: str) -> str | None:
     """The champion `version` replaced when it was last promoted (not restored by a rollback):
     where a rollback from `version` goes. None if it never was promoted, or replaced nothing."""
     with engine.connect() as conn:
-        return conn.execute(select(alias_moves.c.from_version).where(and_(
-            alias_moves.c.model_name == model_name, alias_moves.c.alias == "champion",
-            alias_moves.c.to_version == version, alias_moves.c.status == "done",
-            (alias_moves.c.kind.is_(None)) | (alias_moves.c.kind != "rollback"),
-        )).order_by(alias_moves.c.id.desc()).limit(1)).scalar()
+        return conn.execute(
+            select(alias_moves.c.from_version)
+            .where(
+                and_(
+                    alias_moves.c.model_name == model_name,
+                    alias_moves.c.alias == "champion",
+                    alias_moves.c.to_version == version,
+                    alias_moves.c.status == "done",
+                    (alias_moves.c.kind.is_(None)) | (alias_moves.c.kind != "rollback"),
+                )
+            )
+            .order_by(alias_moves.c.id.desc())
+            .limit(1)
+        ).scalar()
 
 
 def rolled_back(engine: Engine, model_name: str, version: str) -> MoveRecord | None:
     """The rollback that took `version` off `champion`, if that is the last thing that happened
     to it as champion (a later promotion, forced, makes it a champion again); else None."""
     with engine.connect() as conn:
-        row = conn.execute(select(alias_moves).where(and_(
-            alias_moves.c.model_name == model_name, alias_moves.c.alias == "champion",
-            alias_moves.c.status == "done",
-            (alias_moves.c.from_version == version) | (alias_moves.c.to_version == version),
-        )).order_by(alias_moves.c.id.desc()).limit(1)).first()
-    return MoveRecord.from_row(row) if row is not None and row.kind == "rollback" and row.from_version == version \
-        else None
+        row = conn.execute(
+            select(alias_moves)
+            .where(
+                and_(
+                    alias_moves.c.model_name == model_name,
+                    alias_moves.c.alias == "champion",
+                    alias_moves.c.status == "done",
+                    (alias_moves.c.from_version == version) | (alias_moves.c.to_version == version),
+                )
+            )
+            .order_by(alias_moves.c.id.desc())
+            .limit(1)
+        ).first()
+    return (
+        MoveRecord.from_row(row) if row is not None and row.kind == "rollback" and row.from_version == version else None
+    )
 
 
 def superseded_by(engine: Engine, move: MoveRecord) -> int | None:
     """The id of a newer applied move of the same alias, if any: `move`'s event would be stale."""
     with engine.connect() as conn:
-        return conn.execute(select(func.max(alias_moves.c.id)).where(and_(
-            alias_moves.c.model_name == move.model_name, alias_moves.c.alias == move.alias,
-            alias_moves.c.status == "done", alias_moves.c.id > move.id,
-        ))).scalar()
+        return conn.execute(
+            select(func.max(alias_moves.c.id)).where(
+                and_(
+                    alias_moves.c.model_name == move.model_name,
+                    alias_moves.c.alias == move.alias,
+                    alias_moves.c.status == "done",
+                    alias_moves.c.id > move.id,
+                )
+            )
+        ).scalar()
 
 
 def last_move_to(engine: Engine, model_name: str, alias: str, version: str) -> MoveRecord | None:
     """The latest applied move of `alias` to `version` (when a canary went live)."""
     with engine.connect() as conn:
-        row = conn.execute(select(alias_moves).where(and_(
-            alias_moves.c.model_name == model_name, alias_moves.c.alias == alias,
-            alias_moves.c.to_version == version, alias_moves.c.status == "done",
-        )).order_by(alias_moves.c.id.desc()).limit(1)).first()
+        row = conn.execute(
+            select(alias_moves)
+            .where(
+                and_(
+                    alias_moves.c.model_name == model_name,
+                    alias_moves.c.alias == alias,
+                    alias_moves.c.to_version == version,
+                    alias_moves.c.status == "done",
+                )
+            )
+            .order_by(alias_moves.c.id.desc())
+            .limit(1)
+        ).first()
     return MoveRecord.from_row(row) if row is not None else None
 
 
@@ -199,32 +298,45 @@ def mark_published(engine: Engine, move_id: int) -> None:
 def unfinished_moves(engine: Engine, model_name: str) -> list[MoveRecord]:
     """Pending moves, and done moves whose event was never published, oldest first."""
     with engine.connect() as conn:
-        rows = conn.execute(select(alias_moves).where(and_(
-            alias_moves.c.model_name == model_name,
-            (alias_moves.c.status == "pending") | ((alias_moves.c.status == "done") & alias_moves.c.published_at.is_(None)),
-        )).order_by(alias_moves.c.id)).all()
+        rows = conn.execute(
+            select(alias_moves)
+            .where(
+                and_(
+                    alias_moves.c.model_name == model_name,
+                    (alias_moves.c.status == "pending")
+                    | ((alias_moves.c.status == "done") & alias_moves.c.published_at.is_(None)),
+                )
+            )
+            .order_by(alias_moves.c.id)
+        ).all()
     return [MoveRecord.from_row(r) for r in rows]
 
 
 def moves(engine: Engine, model_name: str, limit: int = 50) -> list[MoveRecord]:
     """The newest moves first."""
     with engine.connect() as conn:
-        rows = conn.execute(select(alias_moves).where(alias_moves.c.model_name == model_name)
-                            .order_by(alias_moves.c.id.desc()).limit(limit)).all()
+        rows = conn.execute(
+            select(alias_moves)
+            .where(alias_moves.c.model_name == model_name)
+            .order_by(alias_moves.c.id.desc())
+            .limit(limit)
+        ).all()
     return [MoveRecord.from_row(r) for r in rows]
 
 
 def _accepted() -> Exists:
     """Whether an interaction was accepted: at least one `accepted` event with a positive value."""
-    return exists().where(and_(feedback.c.request_id == interactions.c.request_id,
-                               feedback.c.kind == "accepted", feedback.c.value > 0))
+    return exists().where(
+        and_(feedback.c.request_id == interactions.c.request_id, feedback.c.kind == "accepted", feedback.c.value > 0)
+    )
 
 
 def accepts_over_time(engine: Engine) -> list[tuple[datetime, str, bool]]:
     """Every interaction as (served at, policy version, accepted), oldest first: the accept rate
     of served_and_accepted, over time (the demo's report buckets it by minute)."""
-    stmt = (select(interactions.c.ts, interactions.c.policy_version, case((_accepted(), 1), else_=0))
-            .order_by(interactions.c.ts))
+    stmt = select(interactions.c.ts, interactions.c.policy_version, case((_accepted(), 1), else_=0)).order_by(
+        interactions.c.ts
+    )
     with engine.connect() as conn:
         return [(ts, version, bool(a)) for ts, version, a in conn.execute(stmt)]
 
@@ -237,8 +349,9 @@ def served_and_accepted(engine: Engine, versions: list[str] | None = None) -> di
     here. Versions that served nothing are left out."""
     if versions is not None and not versions:
         return {}
-    stmt = (select(interactions.c.policy_version, func.count(), func.sum(case((_accepted(), 1), else_=0)))
-            .group_by(interactions.c.policy_version))
+    stmt = select(interactions.c.policy_version, func.count(), func.sum(case((_accepted(), 1), else_=0))).group_by(
+        interactions.c.policy_version
+    )
     if versions is not None:
         stmt = stmt.where(interactions.c.policy_version.in_(versions))
     with engine.connect() as conn:
@@ -281,14 +394,23 @@ def _episodes(rows: Any, covariate: str) -> dict[tuple[str, str, str], tuple[lis
         rewards, first, first_key = out.get(key, ([], None, ""))
         rewards.append(float(value))
         if first is None or order < first:
-            first, first_key = order, (user if covariate == "user" else _prompt_key(body) if covariate == "prompt"
-                                       else "")
+            first, first_key = (
+                order,
+                (user if covariate == "user" else _prompt_key(body) if covariate == "prompt" else ""),
+            )
         out[key] = (rewards, first, first_key)
     return {k: (r, key) for k, (r, _, key) in out.items()}
 
 
-def online_units(engine: Engine, spec_version: str, versions: list[str], since: datetime,
-                 until: datetime | None = None, covariate: str = "none", history: int = 0) -> dict[str, OnlineUnits]:
+def online_units(
+    engine: Engine,
+    spec_version: str,
+    versions: list[str],
+    since: datetime,
+    until: datetime | None = None,
+    covariate: str = "none",
+    history: int = 0,
+) -> dict[str, OnlineUnits]:
     """Per policy version: its episodes served from `since` to `until`, each one's mean call
     reward under `spec_version` -- a staged rollout's online comparison, both sides over the same
     period. An episode counts once whatever its number of calls (an agent that calls a tool more
@@ -305,14 +427,29 @@ def online_units(engine: Engine, spec_version: str, versions: list[str], since: 
     # every reward the champion ever had; docs/benchmarks.md has the figures)
     unit = func.coalesce(interactions.c.episode_id, interactions.c.request_id)  # (an episode: of its tenant)
     body = interactions.c.body if covariate == "prompt" else literal("")  # (prompts are most of a body)
-    columns = (rewards.c.policy_version, interactions.c.tenant, unit, interactions.c.step, interactions.c.ts,
-               interactions.c.user_id, body, rewards.c.value)
+    columns = (
+        rewards.c.policy_version,
+        interactions.c.tenant,
+        unit,
+        interactions.c.step,
+        interactions.c.ts,
+        interactions.c.user_id,
+        body,
+        rewards.c.value,
+    )
     joined = interactions.join(rewards, rewards.c.request_id == interactions.c.request_id)
-    stmt = select(*columns).select_from(joined).where(
-        *window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
-    before = (select(*columns).select_from(joined)
-              .where(interactions.c.ts < since, rewards.c.spec_version == spec_version)
-              .order_by(interactions.c.ts.desc()).limit(history))
+    stmt = (
+        select(*columns)
+        .select_from(joined)
+        .where(*window, rewards.c.spec_version == spec_version, rewards.c.policy_version.in_(versions))
+    )
+    before = (
+        select(*columns)
+        .select_from(joined)
+        .where(interactions.c.ts < since, rewards.c.spec_version == spec_version)
+        .order_by(interactions.c.ts.desc())
+        .limit(history)
+    )
     with engine.connect() as conn:
         served = _episodes(conn.execute(stmt), covariate)
         past = _episodes(conn.execute(before), covariate) if covariate != "none" and history > 0 else {}
@@ -330,19 +467,29 @@ def online_units(engine: Engine, spec_version: str, versions: list[str], since: 
     return out
 
 
-def tool_call_errors(engine: Engine, versions: list[str], since: datetime,
-                     until: datetime | None = None) -> dict[str, tuple[int, int]]:
+def tool_call_errors(
+    engine: Engine, versions: list[str], since: datetime, until: datetime | None = None
+) -> dict[str, tuple[int, int]]:
     """Per policy version: calls it served from `since` to `until`, and how many of them wrote a
     malformed tool call (store.episodes.wrote_malformed_call: one a server flagged, no name,
     arguments that are no JSON object) -- a staged rollout's online tool-format canary.
     Versions that served nothing are left out."""
-    window = [interactions.c.ts >= since, interactions.c.policy_version.in_(versions)] + \
-        ([interactions.c.ts <= until] if until is not None else [])
+    window = [interactions.c.ts >= since, interactions.c.policy_version.in_(versions)] + (
+        [interactions.c.ts <= until] if until is not None else []
+    )
     with engine.connect() as conn:
-        served = dict(conn.execute(select(interactions.c.policy_version, func.count()).where(*window)
-                                   .group_by(interactions.c.policy_version)).all())
-        with_calls = conn.execute(select(interactions.c.policy_version, interactions.c.output_tool_calls)
-                                  .where(*window, interactions.c.output_tool_calls.is_not(None))).all()
+        served = dict(
+            conn.execute(
+                select(interactions.c.policy_version, func.count())
+                .where(*window)
+                .group_by(interactions.c.policy_version)
+            ).all()
+        )
+        with_calls = conn.execute(
+            select(interactions.c.policy_version, interactions.c.output_tool_calls).where(
+                *window, interactions.c.output_tool_calls.is_not(None)
+            )
+        ).all()
     errors: dict[str, int] = {}
     for version, calls in with_calls:
         if wrote_malformed_call(calls):
@@ -359,7 +506,8 @@ def served_by(engine: Engine) -> dict[str, dict[str, int]]:
         server = cast(interactions.c.body, JSONB)["metadata"]["server"].astext
     out: dict[str, dict[str, int]] = {}
     with engine.connect() as conn:
-        for name, version, n in conn.execute(select(server, interactions.c.policy_version, func.count())
-                                             .group_by(server, interactions.c.policy_version)):
+        for name, version, n in conn.execute(
+            select(server, interactions.c.policy_version, func.count()).group_by(server, interactions.c.policy_version)
+        ):
             out.setdefault(name or "", {})[version] = n
     return out

@@ -38,15 +38,29 @@ def wrote_malformed_call(output_tool_calls: str | None) -> bool:
 def episode_summaries(engine: Engine) -> list[EpisodeSummary]:
     """Every episode (of each tenant), oldest first."""
     with engine.connect() as conn:
-        rows = conn.execute(select(interactions.c.tenant, interactions.c.episode_id, interactions.c.step,
-                                   interactions.c.ts, interactions.c.policy_version, interactions.c.output_tool_calls)
-                            .where(interactions.c.episode_id.is_not(None))).all()
-        accepted = {(tenant, episode) for tenant, episode in conn.execute(select(feedback.c.tenant, feedback.c.episode_id)
-                    .where(feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0))}
+        rows = conn.execute(
+            select(
+                interactions.c.tenant,
+                interactions.c.episode_id,
+                interactions.c.step,
+                interactions.c.ts,
+                interactions.c.policy_version,
+                interactions.c.output_tool_calls,
+            ).where(interactions.c.episode_id.is_not(None))
+        ).all()
+        accepted = {
+            (tenant, episode)
+            for tenant, episode in conn.execute(
+                select(feedback.c.tenant, feedback.c.episode_id).where(
+                    feedback.c.episode_id.is_not(None), feedback.c.kind == "accepted", feedback.c.value > 0
+                )
+            )
+        }
     calls: dict[tuple[str, str], list] = {}
     for tenant, episode_id, step, ts, version, tool_calls in rows:
         calls.setdefault((tenant, episode_id), []).append(
-            (step if step is not None else 1 << 30, ts, version, tool_calls))
+            (step if step is not None else 1 << 30, ts, version, tool_calls)
+        )
     out = []
     for (tenant, episode_id), its in calls.items():
         first = min(its, key=lambda c: (c[0], c[1]))

@@ -101,9 +101,14 @@ def event_row(ev: DecodedEvent, pos: SourcePosition, body: str) -> dict[str, Any
         "offset": pos.offset,
     }
     if isinstance(ev, DecodedInteraction):
-        row.update(session_id=ev.session_id, user_id=ev.user_id, tenant=ev.tenant,
-                   policy_version=ev.policy_version, step=ev.step,
-                   **output_columns(ev.completion, ev.metadata, ev.tool_calls))
+        row.update(
+            session_id=ev.session_id,
+            user_id=ev.user_id,
+            tenant=ev.tenant,
+            policy_version=ev.policy_version,
+            step=ev.step,
+            **output_columns(ev.completion, ev.metadata, ev.tool_calls),
+        )
     else:
         row.update(kind=ev.kind, value=float(ev.value), tenant=ev.tenant)
     return row
@@ -117,9 +122,11 @@ def output_columns(completion: Any, metadata: Any, tool_calls: list | None = Non
     escape it arrived as); tool calls are JSON text, where it is escaped anyway."""
     text, calls = completion_parts(completion)
     calls = (*calls, *(tool_calls or ()))
-    return {"output_text": text.replace("\x00", "\ufffd") if "\x00" in text else text,
-            "output_tool_calls": _json_text(calls) if calls else None,
-            "expects_attempt": expects_attempt(metadata)}
+    return {
+        "output_text": text.replace("\x00", "\ufffd") if "\x00" in text else text,
+        "output_tool_calls": _json_text(calls) if calls else None,
+        "expects_attempt": expects_attempt(metadata),
+    }
 
 
 def _json_text(value: Any) -> str:
@@ -158,8 +165,10 @@ def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
     if cache_key not in _PLANS:
         dialect_mod = sqlite if conn.dialect.name == "sqlite" else postgresql
         cols = [c for c in table.columns if not (c.primary_key and c.autoincrement is True)]
-        compiled = dialect_mod.insert(table).on_conflict_do_nothing(index_elements=key).compile(
-            dialect=conn.dialect, column_keys=[c.key for c in cols]
+        compiled = (
+            dialect_mod.insert(table)
+            .on_conflict_do_nothing(index_elements=key)
+            .compile(dialect=conn.dialect, column_keys=[c.key for c in cols])
         )
         names = tuple(compiled.positiontup) if compiled.positional else tuple(c.key for c in cols)
         by_name = {c.key: c for c in cols}
@@ -173,7 +182,10 @@ def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
 
 
 def insert_ignore(
-    conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
+    conn: Connection,
+    table: Table,
+    rows: Sequence[dict[str, Any]],
+    key: list[str],
     same: dict[str, Any] | None = None,
 ) -> int:
     """Insert many rows, skipping those whose `key` exists; returns how many were new.
@@ -191,9 +203,7 @@ def insert_ignore(
     shared = {n: (same[n] if p is None else p(same[n])) for n, p in columns if n in (same or {})}
     params: list[Any] = []
     for row in rows:
-        values = [
-            shared[n] if n in shared else (row.get(n) if p is None else p(row.get(n))) for n, p in columns
-        ]
+        values = [shared[n] if n in shared else (row.get(n) if p is None else p(row.get(n))) for n, p in columns]
         params.append(tuple(values) if plan.positional else dict(zip(plan.columns, values)))
     return conn.exec_driver_sql(plan.sql, params).rowcount
 
@@ -216,14 +226,19 @@ def _stage(cur: Any, table: Table) -> _CopyPlan:
     stage, names = f"rtrl_stage_{table.name}", ", ".join(f'"{c}"' for c in cols)
     # IF NOT EXISTS every time: a rolled-back transaction takes the session's table with it
     # `_ord`: the batch's order, so that ids are handed out in log order, as executemany does
-    cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-                f"SELECT {names}, 0::bigint AS _ord FROM {table.name} WITH NO DATA")
+    cur.execute(
+        f"CREATE TEMPORARY TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+        f"SELECT {names}, 0::bigint AS _ord FROM {table.name} WITH NO DATA"
+    )
     if table.name not in _COPY_PLANS:
         cur.execute(f"SELECT {names}, _ord FROM {stage} LIMIT 0")
         _COPY_PLANS[table.name] = _CopyPlan(
-            stage=stage, copy=f"COPY {stage} ({names}, _ord) FROM STDIN (FORMAT BINARY)",
+            stage=stage,
+            copy=f"COPY {stage} ({names}, _ord) FROM STDIN (FORMAT BINARY)",
             insert=f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {stage} ORDER BY _ord",
-            columns=cols, types=[d.type_code for d in cur.description])
+            columns=cols,
+            types=[d.type_code for d in cur.description],
+        )
     return _COPY_PLANS[table.name]
 
 
@@ -236,13 +251,17 @@ def _may_stage(conn: Connection) -> bool:
     every batch. Asked once per process and database."""
     key = conn.engine.url.render_as_string()
     if key not in _MAY_STAGE:
-        _MAY_STAGE[key] = bool(conn.exec_driver_sql(
-            "SELECT has_database_privilege(current_database(), 'TEMPORARY')").scalar())
+        _MAY_STAGE[key] = bool(
+            conn.exec_driver_sql("SELECT has_database_privilege(current_database(), 'TEMPORARY')").scalar()
+        )
     return _MAY_STAGE[key]
 
 
 def copy_insert_ignore(
-    conn: Connection, table: Table, rows: Sequence[dict[str, Any]], key: list[str],
+    conn: Connection,
+    table: Table,
+    rows: Sequence[dict[str, Any]],
+    key: list[str],
     same: dict[str, Any] | None = None,
 ) -> int:
     """`insert_ignore` on PostgreSQL for ingest's batches: the rows COPYed (binary) into a
@@ -316,8 +335,10 @@ def write_rows(
         kept, refused = _split_refused(engine, rows)
         if not refused:
             raise  # not one event on its own: a fault of the batch, not of a record
-        log.warning("events the store refused are dead letters", extra={
-            "refused": len(refused), "error": f"{type(exc.orig).__name__}: {exc.orig}"[:500]})
+        log.warning(
+            "events the store refused are dead letters",
+            extra={"refused": len(refused), "error": f"{type(exc.orig).__name__}: {exc.orig}"[:500]},
+        )
         kept.dead_letters.extend(refused)
         result = _write_rows(engine, kept, group_id, next_offsets)
         result.refused = len(refused)
@@ -335,10 +356,18 @@ def _split_refused(engine: Engine, rows: Rows) -> tuple[Rows, list[dict[str, Any
                 try:
                     insert_ignore(conn, table, [row], ["event_id"], same={"ingested_at": utcnow()})
                 except (DataError, IntegrityError) as exc:
-                    refused.append(dead_letter_row(DeadLetter(
-                        reason=DeadLetterReason.STORE_REFUSED, detail=f"the store refused the event: {exc.orig}"[:2000],
-                        raw=row["body"].encode("utf-8", "surrogatepass"), source=row["source"],
-                        partition=row["partition"], offset=row["offset"])))
+                    refused.append(
+                        dead_letter_row(
+                            DeadLetter(
+                                reason=DeadLetterReason.STORE_REFUSED,
+                                detail=f"the store refused the event: {exc.orig}"[:2000],
+                                raw=row["body"].encode("utf-8", "surrogatepass"),
+                                source=row["source"],
+                                partition=row["partition"],
+                                offset=row["offset"],
+                            )
+                        )
+                    )
                     continue
                 finally:
                     trial.rollback()
@@ -346,8 +375,9 @@ def _split_refused(engine: Engine, rows: Rows) -> tuple[Rows, list[dict[str, Any
     return kept, refused
 
 
-def _write_rows(engine: Engine, rows: Rows, group_id: str | None,
-                next_offsets: dict[tuple[str, int], int] | None) -> WriteResult:
+def _write_rows(
+    engine: Engine, rows: Rows, group_id: str | None, next_offsets: dict[tuple[str, int], int] | None
+) -> WriteResult:
     now = utcnow()
     result = WriteResult()
     with engine.begin() as conn:
@@ -383,10 +413,7 @@ def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> s
 
 def table_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {
-            name: conn.scalar(select(func.count()).select_from(table))
-            for name, table in metadata.tables.items()
-        }
+        return {name: conn.scalar(select(func.count()).select_from(table)) for name, table in metadata.tables.items()}
 
 
 def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
@@ -396,6 +423,7 @@ def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
 
 
 # --- reading events back out (export) -------------------------------------------------------
+
 
 def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[list[Any]]:
     """Rows of `stmt` in chunks of `size`, in `id_column` order (keyset pagination: each chunk

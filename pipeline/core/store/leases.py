@@ -55,25 +55,42 @@ def acquire(engine: Engine, name: str, owner: str, ttl_s: float) -> int | None:
     with engine.begin() as conn:
         # a new row: the first generation (an existing one is left to the update below)
         insert = (sqlite_insert if dialect == "sqlite" else pg_insert)(leases)
-        inserted = conn.execute(insert.values(name=name, owner=owner, expires_at=expires, heartbeat_at=now,
-                                              generation=1).on_conflict_do_nothing(index_elements=["name"]))
+        inserted = conn.execute(
+            insert.values(
+                name=name, owner=owner, expires_at=expires, heartbeat_at=now, generation=1
+            ).on_conflict_do_nothing(index_elements=["name"])
+        )
         if inserted.rowcount == 1:
             return 1
         mine_and_live = and_(leases.c.owner == owner, leases.c.expires_at >= now)
-        taken = conn.execute(update(leases).where(and_(
-            leases.c.name == name, or_(leases.c.owner == owner, leases.c.expires_at < now),
-        )).values(owner=owner, expires_at=expires, heartbeat_at=now,
-                  # renewing a live lease keeps the generation; taking it (or re-taking our own
-                  # after it expired, when a cycle of ours may still be running) moves it on
-                  generation=case((mine_and_live, leases.c.generation), else_=leases.c.generation + 1))
-            .returning(leases.c.generation)).first()
+        taken = conn.execute(
+            update(leases)
+            .where(
+                and_(
+                    leases.c.name == name,
+                    or_(leases.c.owner == owner, leases.c.expires_at < now),
+                )
+            )
+            .values(
+                owner=owner,
+                expires_at=expires,
+                heartbeat_at=now,
+                # renewing a live lease keeps the generation; taking it (or re-taking our own
+                # after it expired, when a cycle of ours may still be running) moves it on
+                generation=case((mine_and_live, leases.c.generation), else_=leases.c.generation + 1),
+            )
+            .returning(leases.c.generation)
+        ).first()
         return None if taken is None else int(taken[0])
 
 
 def release(engine: Engine, name: str, owner: str) -> None:
     with engine.begin() as conn:
-        conn.execute(update(leases).where(and_(leases.c.name == name, leases.c.owner == owner))
-                     .values(expires_at=db_now(engine.dialect.name)))
+        conn.execute(
+            update(leases)
+            .where(and_(leases.c.name == name, leases.c.owner == owner))
+            .values(expires_at=db_now(engine.dialect.name))
+        )
 
 
 @dataclass(frozen=True)
@@ -90,8 +107,9 @@ class LeaseRecord:
 def holder(engine: Engine, name: str) -> LeaseRecord | None:
     with engine.connect() as conn:
         row = conn.execute(select(leases).where(leases.c.name == name)).first()
-    return LeaseRecord(row.name, row.owner, row.expires_at, row.heartbeat_at, row.generation) if row is not None \
-        else None
+    return (
+        LeaseRecord(row.name, row.owner, row.expires_at, row.heartbeat_at, row.generation) if row is not None else None
+    )
 
 
 @dataclass(frozen=True)
@@ -104,9 +122,14 @@ class Fence:
 
     def held(self, dialect: str) -> Exists:
         """A condition for a write's WHERE: the lease is still ours, this generation, not expired."""
-        return exists().where(and_(leases.c.name == self.name, leases.c.owner == self.owner,
-                                   leases.c.generation == self.generation,
-                                   leases.c.expires_at >= db_now(dialect)))
+        return exists().where(
+            and_(
+                leases.c.name == self.name,
+                leases.c.owner == self.owner,
+                leases.c.generation == self.generation,
+                leases.c.expires_at >= db_now(dialect),
+            )
+        )
 
     def check(self, conn: Connection) -> None:
         """Raise LeaseLost unless the lease is still ours (inside the caller's transaction)."""
@@ -114,5 +137,7 @@ class Fence:
             raise LeaseLost(self.lost())
 
     def lost(self) -> str:
-        return (f"lease {self.name!r} generation {self.generation} is no longer held by {self.owner}: "
-                "another daemon took it over (or it expired); this cycle stops, the holder resumes it")
+        return (
+            f"lease {self.name!r} generation {self.generation} is no longer held by {self.owner}: "
+            "another daemon took it over (or it expired); this cycle stops, the holder resumes it"
+        )

@@ -70,10 +70,14 @@ def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None, on: Any = 
     rows per episode through the driver and SQLAlchemy's row processing cost more: the chunk
     reads of a 100k-episode run went from 2.9 s to 1.8 s. (The newest id, which the stored
     reward is compared with, costs nothing here and 1.3 us per episode in Python.)"""
-    agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
-                                                                                        func.json_build_array)
-    body = feedback.c.body if payload_kinds is None else case(
-        (feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
+    agg, array = (
+        (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg, func.json_build_array)
+    )
+    body = (
+        feedback.c.body
+        if payload_kinds is None
+        else case((feedback.c.kind.in_(list(payload_kinds)), feedback.c.body), else_=null())
+    )
     events = agg(array(feedback.c.id, feedback.c.event_id, feedback.c.kind, feedback.c.value, feedback.c.ts, body))
     on = feedback.c.request_id == interactions.c.request_id if on is None else on
     return select(array(func.max(feedback.c.id), events)).where(on).scalar_subquery()
@@ -84,13 +88,18 @@ def _episode_json(dialect: str, payload_kinds: Sequence[str] | None):
     episode, without a probe): its episode's outcome, as _feedback_json's value of the feedback
     naming the episode, and its episode's calls as [[request_id, step, ts], ...] (the call's
     place and the episode's last call are worked out from these in Python: episodes are short)."""
-    agg, array = (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg,
-                                                                                        func.json_build_array)
-    outcome = _feedback_json(dialect, payload_kinds,
-                             on=same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))
+    agg, array = (
+        (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg, func.json_build_array)
+    )
+    outcome = _feedback_json(
+        dialect, payload_kinds, on=same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None))
+    )
     calls = interactions.alias("calls")
-    siblings = (select(agg(array(calls.c.request_id, calls.c.step, calls.c.ts)))
-                .where(same_episode(calls, interactions)).scalar_subquery())
+    siblings = (
+        select(agg(array(calls.c.request_id, calls.c.step, calls.c.ts)))
+        .where(same_episode(calls, interactions))
+        .scalar_subquery()
+    )
     alone = interactions.c.episode_id.is_(None)
     return case((alone, null()), else_=outcome), case((alone, null()), else_=siblings)
 
@@ -147,43 +156,66 @@ def iter_episode_chunks(
     # planned from the same statistics; and without JIT, whose compilation costs a large share
     # of a chunk's read, for a plan the cost model overrates.
     # a request is one episode: its first interaction (a producer that sent two is buggy)
-    first = interactions.c.id == (select(func.min(earlier.c.id))
-                                  .where(earlier.c.request_id == interactions.c.request_id).scalar_subquery())
-    stored = (select(rewards.c.last_feedback_id)
-              .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
-              .scalar_subquery())
+    first = interactions.c.id == (
+        select(func.min(earlier.c.id)).where(earlier.c.request_id == interactions.c.request_id).scalar_subquery()
+    )
+    stored = (
+        select(rewards.c.last_feedback_id)
+        .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
+        .scalar_subquery()
+    )
     # Stale: the episode has feedback its reward does not count. By count, not by the newest id:
     # ids are handed out at insert, not at commit, so on PostgreSQL a feedback row committed late
     # by one lane can carry a smaller id than one another lane committed before a reward run read
     # it -- its reward's "newest id" then already covers the late row, which was missed for good.
     # Feedback rows are never deleted, so any row committed after a run read the episode raises
     # its count above the stored one, whatever its id.
-    stored_count = (select(rewards.c.feedback_count)
-                    .where(and_(rewards.c.request_id == interactions.c.request_id,
-                                rewards.c.spec_version == spec_version))
-                    .scalar_subquery())
+    stored_count = (
+        select(rewards.c.feedback_count)
+        .where(and_(rewards.c.request_id == interactions.c.request_id, rewards.c.spec_version == spec_version))
+        .scalar_subquery()
+    )
     count = select(func.count()).where(feedback.c.request_id == interactions.c.request_id).scalar_subquery()
     # a call of an agent episode also reflects the episode's outcome and its calls (a late call
     # moves the others' place from the end): reward.scoring.inputs_counted counts the same
-    in_episode = case((interactions.c.episode_id.is_(None), 0), else_=(
-        select(func.count()).where(same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))
-        .scalar_subquery()
-        + select(func.count()).select_from(siblings).where(same_episode(siblings, interactions))
-        .scalar_subquery()))
+    in_episode = case(
+        (interactions.c.episode_id.is_(None), 0),
+        else_=(
+            select(func.count())
+            .where(same_episode(interactions, feedback, any_tenant=feedback.c.tenant.is_(None)))
+            .scalar_subquery()
+            + select(func.count()).select_from(siblings).where(same_episode(siblings, interactions)).scalar_subquery()
+        ),
+    )
     # (no reward yet is tested first: a first run then never counts)
     stale = or_(stored_count.is_(None), count + in_episode != stored_count)
     # ts as the driver gives it (SQLite: ISO text; build_episode parses it): SQLAlchemy's own
     # DateTime parsing was a fifth of the time spent reading a chunk
     # in EpisodeRow's order, each labelled with its field's name
-    columns = [c.label(name) for name, c in zip(EpisodeRow._fields, (
-        interactions.c.id, interactions.c.request_id, type_coerce(interactions.c.ts, String),
-        interactions.c.policy_version, interactions.c.output_text, interactions.c.output_tool_calls,
-        interactions.c.expects_attempt, _feedback_json(engine.dialect.name, payload_kinds), stored,
-        interactions.c.body if with_body else null(),
-        interactions.c.episode_id, *_episode_json(engine.dialect.name, payload_kinds)), strict=True)]
+    columns = [
+        c.label(name)
+        for name, c in zip(
+            EpisodeRow._fields,
+            (
+                interactions.c.id,
+                interactions.c.request_id,
+                type_coerce(interactions.c.ts, String),
+                interactions.c.policy_version,
+                interactions.c.output_text,
+                interactions.c.output_tool_calls,
+                interactions.c.expects_attempt,
+                _feedback_json(engine.dialect.name, payload_kinds),
+                stored,
+                interactions.c.body if with_body else null(),
+                interactions.c.episode_id,
+                *_episode_json(engine.dialect.name, payload_kinds),
+            ),
+            strict=True,
+        )
+    ]
     if ids is not None:
         for i in range(k * chunk, len(ids), n * chunk):
-            batch = list(ids[i:i + chunk])
+            batch = list(ids[i : i + chunk])
             with engine.connect() as conn:
                 if conn.dialect.name == "postgresql":
                     conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL jit = off")  # see above
@@ -197,10 +229,12 @@ def iter_episode_chunks(
     else:
         with engine.connect() as conn:
             first_id, last_id = conn.execute(
-                select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)).one()
+                select(func.min(interactions.c.id), func.max(interactions.c.id)).where(where)
+            ).one()
             if served_since is not None and first_id is not None:
-                first_id = conn.scalar(select(func.min(interactions.c.id))
-                                       .where(where, interactions.c.ts >= served_since))
+                first_id = conn.scalar(
+                    select(func.min(interactions.c.id)).where(where, interactions.c.ts >= served_since)
+                )
     if first_id is None:
         return
     for lo in range(first_id - 1 + k * chunk, last_id, n * chunk):  # the range (lo, lo + chunk]
@@ -209,8 +243,9 @@ def iter_episode_chunks(
         with engine.connect() as conn:
             if conn.dialect.name == "postgresql":
                 conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL jit = off")  # see above
-            total, duplicates = conn.execute(select(
-                func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0)).where(rng)).one()
+            total, duplicates = conn.execute(
+                select(func.count(), func.coalesce(func.sum(case((first, 0), else_=1)), 0)).where(rng)
+            ).one()
             if not total:
                 continue
             # `first` costs an index probe per row: only a chunk with duplicates needs it again.
@@ -236,15 +271,23 @@ class RewardRow(NamedTuple):
     outcome: dict[str, Any] | None = None  # the agent episode's outcome it credited (see tables.rewards)
 
 
-_COLUMNS = ("request_id", "spec_version", "policy_version", "value", "components", "feedback_count",
-            "last_feedback_id", "outcome", "computed_at")
+_COLUMNS = (
+    "request_id",
+    "spec_version",
+    "policy_version",
+    "value",
+    "components",
+    "feedback_count",
+    "last_feedback_id",
+    "outcome",
+    "computed_at",
+)
 # Sent to the driver as is, because it runs for every reward of a run: SQLAlchemy's
 # per-row parameter processing cost more than the insert itself. The statement is the same
 # in SQLite and PostgreSQL but for the placeholders; values are made driver-ready here.
 _UPSERT = (
     "INSERT INTO rewards (" + ", ".join(_COLUMNS) + ") VALUES ({values}) "
-    "ON CONFLICT (request_id, spec_version) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[2:])
+    "ON CONFLICT (request_id, spec_version) DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[2:])
 )
 
 
@@ -260,11 +303,23 @@ def upsert_rewards(engine: Engine, spec_version: str, rows: Sequence[RewardRow])
             sql = _UPSERT.format(values=", ".join("?" * len(_COLUMNS)))
         else:
             sql = _UPSERT.format(values=", ".join(["%s"] * len(_COLUMNS)))
-        conn.exec_driver_sql(sql, [
-            (request_id, spec_version, policy_version, float(value), orjson.dumps(components).decode(),
-             feedback_count, last_feedback_id, None if outcome is None else orjson.dumps(outcome).decode(), now)
-            for request_id, policy_version, value, components, feedback_count, last_feedback_id, outcome in rows
-        ])
+        conn.exec_driver_sql(
+            sql,
+            [
+                (
+                    request_id,
+                    spec_version,
+                    policy_version,
+                    float(value),
+                    orjson.dumps(components).decode(),
+                    feedback_count,
+                    last_feedback_id,
+                    None if outcome is None else orjson.dumps(outcome).decode(),
+                    now,
+                )
+                for request_id, policy_version, value, components, feedback_count, last_feedback_id, outcome in rows
+            ],
+        )
 
 
 @dataclass(frozen=True)
@@ -284,8 +339,18 @@ class StoredReward:
 
     @classmethod
     def from_row(cls, row: Any) -> StoredReward:
-        return cls(row.id, row.request_id, row.spec_version, row.policy_version, row.value, row.components,
-                   row.feedback_count, row.last_feedback_id, row.computed_at, row.outcome)
+        return cls(
+            row.id,
+            row.request_id,
+            row.spec_version,
+            row.policy_version,
+            row.value,
+            row.components,
+            row.feedback_count,
+            row.last_feedback_id,
+            row.computed_at,
+            row.outcome,
+        )
 
 
 def stored_reward(engine: Engine, request_id: str, spec_version: str) -> StoredReward | None:
@@ -307,20 +372,35 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
     total = 0
     with engine.connect() as conn:
         # feedback on one call by request_id (NULL: an episode's outcome)
-        with_feedback = select(feedback.c.request_id.label("key")).where(
-            window, feedback.c.request_id.is_not(None)).distinct().subquery()
+        with_feedback = (
+            select(feedback.c.request_id.label("key"))
+            .where(window, feedback.c.request_id.is_not(None))
+            .distinct()
+            .subquery()
+        )
         orphans = select(with_feedback.c.key).where(~exists().where(interactions.c.request_id == with_feedback.c.key))
-        total += conn.scalar(select(func.count()).select_from(feedback).where(
-            feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window))
+        total += conn.scalar(
+            select(func.count())
+            .select_from(feedback)
+            .where(feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
+        )
         # an episode's outcome whose tenant has no call of that episode (the same two steps, by
         # pair; '' stands for a tenant not named, which any tenant's calls match)
         named = func.coalesce(feedback.c.tenant, "")
-        pairs = select(feedback.c.episode_id, named.label("tenant")).where(
-            window, feedback.c.episode_id.is_not(None)).distinct().subquery()
+        pairs = (
+            select(feedback.c.episode_id, named.label("tenant"))
+            .where(window, feedback.c.episode_id.is_not(None))
+            .distinct()
+            .subquery()
+        )
         orphans = select(pairs.c.episode_id, pairs.c.tenant).where(
-            ~exists().where(same_episode(interactions, pairs, any_tenant=pairs.c.tenant == "")))
-        total += conn.scalar(select(func.count()).select_from(feedback).where(
-            tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window))
+            ~exists().where(same_episode(interactions, pairs, any_tenant=pairs.c.tenant == ""))
+        )
+        total += conn.scalar(
+            select(func.count())
+            .select_from(feedback)
+            .where(tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window)
+        )
     return total
 
 
@@ -328,9 +408,11 @@ def episode_request_ids(engine: Engine, episode_id: str, tenant: str | None = No
     """The request ids of tenant `tenant`'s agent episode's calls, in the order they were stored
     (None: the one tenant that has an episode of that id; ValueError naming them if several do)."""
     with engine.connect() as conn:
-        rows = conn.execute(select(interactions.c.request_id, interactions.c.tenant).where(
-            interactions.c.episode_id == episode_id, *([interactions.c.tenant == tenant] if tenant else []))
-            .order_by(interactions.c.id)).all()
+        rows = conn.execute(
+            select(interactions.c.request_id, interactions.c.tenant)
+            .where(interactions.c.episode_id == episode_id, *([interactions.c.tenant == tenant] if tenant else []))
+            .order_by(interactions.c.id)
+        ).all()
     tenants = sorted({t for _, t in rows})
     if len(tenants) > 1:
         raise ValueError(f"tenants {', '.join(tenants)} each have an episode {episode_id!r}: name one")
@@ -358,8 +440,7 @@ def trained_request_ids(engine: Engine, request_ids: Sequence[str], spec_version
     if not request_ids:
         return set()
     stmt = select(training_episodes.c.request_id).where(
-        and_(training_episodes.c.spec_version == spec_version,
-             training_episodes.c.request_id.in_(list(request_ids)))
+        and_(training_episodes.c.spec_version == spec_version, training_episodes.c.request_id.in_(list(request_ids)))
     )
     with engine.connect() as conn:
         return set(conn.scalars(stmt))
@@ -368,9 +449,14 @@ def trained_request_ids(engine: Engine, request_ids: Sequence[str], spec_version
 def mean_rewards(engine: Engine, spec_version: str) -> dict[str, float]:
     """Per policy version: the mean of its episodes' rewards under `spec_version`."""
     with engine.connect() as conn:
-        return {v: float(m) for v, m in conn.execute(
-            select(rewards.c.policy_version, func.avg(rewards.c.value))
-            .where(rewards.c.spec_version == spec_version).group_by(rewards.c.policy_version))}
+        return {
+            v: float(m)
+            for v, m in conn.execute(
+                select(rewards.c.policy_version, func.avg(rewards.c.value))
+                .where(rewards.c.spec_version == spec_version)
+                .group_by(rewards.c.policy_version)
+            )
+        }
 
 
 def latest_request_id(engine: Engine) -> str | None:

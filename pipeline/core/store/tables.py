@@ -296,12 +296,12 @@ Index("ix_feedback_request_kind", feedback.c.request_id, feedback.c.kind)
 EVENT_TABLES = {"interaction": interactions, "feedback": feedback}
 
 
-def same_episode(calls: FromClause, other: FromClause,
-                 any_tenant: ColumnElement[bool] | None = None) -> ColumnElement[bool]:
+def same_episode(
+    calls: FromClause, other: FromClause, any_tenant: ColumnElement[bool] | None = None
+) -> ColumnElement[bool]:
     """`calls` (interactions) and `other` (interactions, or feedback naming an episode) are of one
     agent episode: the same episode id of the same tenant -- episode ids are the applications',
     and two tenants may both have a "task-7". `any_tenant`: a condition on `other` under which
     its tenant is not named and any tenant's episode of that id matches (feedback's NULL)."""
     tenant = calls.c.tenant == other.c.tenant
-    return and_(calls.c.episode_id == other.c.episode_id,
-                tenant if any_tenant is None else or_(any_tenant, tenant))
+    return and_(calls.c.episode_id == other.c.episode_id, tenant if any_tenant is None else or_(any_tenant, tenant))

@@ -64,9 +64,24 @@ class RunRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
-        return cls(row.run_id, row.tracking_run_id, row.status, row.spec_version, row.loss, row.base_model,
-                   row.base_revision, row.parent_run_id, row.watermark_from, row.watermark_to, row.episodes,
-                   row.adapter_path, row.summary, row.error, row.started_at, row.finished_at)
+        return cls(
+            row.run_id,
+            row.tracking_run_id,
+            row.status,
+            row.spec_version,
+            row.loss,
+            row.base_model,
+            row.base_revision,
+            row.parent_run_id,
+            row.watermark_from,
+            row.watermark_to,
+            row.episodes,
+            row.adapter_path,
+            row.summary,
+            row.error,
+            row.started_at,
+            row.finished_at,
+        )
 
 
 @dataclass
@@ -122,8 +137,14 @@ def episode_tasks(conn: Any, episodes: set[EpisodeKey]) -> dict[EpisodeKey, byte
     out: dict[EpisodeKey, tuple] = {}
     ids = sorted({episode for _, episode in episodes})
     for k in range(0, len(ids), 500):
-        stmt = (select(interactions.c.tenant, interactions.c.episode_id, interactions.c.step, interactions.c.ts,
-                       interactions.c.id, interactions.c.body).where(interactions.c.episode_id.in_(ids[k:k + 500])))
+        stmt = select(
+            interactions.c.tenant,
+            interactions.c.episode_id,
+            interactions.c.step,
+            interactions.c.ts,
+            interactions.c.id,
+            interactions.c.body,
+        ).where(interactions.c.episode_id.in_(ids[k : k + 500]))
         for tenant, episode_id, step, ts, row_id, body in conn.execute(stmt):
             key = (tenant, episode_id)
             if key not in episodes:
@@ -147,9 +168,15 @@ def _tasks(conn: Any, rows: list[Any]) -> dict[str, bytes]:
     return out
 
 
-def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
-                    served_after: datetime | None = None, tenant: str | None = None,
-                    limit: int | None = None, holdout_percent: float = 0.0) -> Selection:
+def select_episodes(
+    engine: Engine,
+    spec_version: str,
+    since_reward_id: int = 0,
+    served_after: datetime | None = None,
+    tenant: str | None = None,
+    limit: int | None = None,
+    holdout_percent: float = 0.0,
+) -> Selection:
     """Rewarded episodes for a training run; see the module docstring."""
     joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
     window = and_(rewards.c.spec_version == spec_version, rewards.c.id > since_reward_id)
@@ -157,21 +184,39 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
         candidates = conn.scalar(select(func.count()).select_from(rewards).where(window))
         stale = 0
         if served_after is not None:
-            stale = conn.scalar(select(func.count(func.distinct(rewards.c.id))).select_from(joined).where(
-                and_(window, interactions.c.ts < served_after)))
+            stale = conn.scalar(
+                select(func.count(func.distinct(rewards.c.id)))
+                .select_from(joined)
+                .where(and_(window, interactions.c.ts < served_after))
+            )
         other_tenant = 0
         keep = [window]
         if served_after is not None:
             keep.append(interactions.c.ts >= served_after)
         if tenant is not None:
-            other_tenant = conn.scalar(select(func.count(func.distinct(rewards.c.id))).select_from(joined).where(
-                and_(*keep, interactions.c.tenant != tenant)))
+            other_tenant = conn.scalar(
+                select(func.count(func.distinct(rewards.c.id)))
+                .select_from(joined)
+                .where(and_(*keep, interactions.c.tenant != tenant))
+            )
             keep.append(interactions.c.tenant == tenant)
-        stmt = (select(rewards.c.id.label("reward_id"), rewards.c.request_id, rewards.c.value.label("reward"),
-                       rewards.c.outcome,
-                       interactions.c.id.label("interaction_id"), interactions.c.event_id,
-                       interactions.c.policy_version, interactions.c.tenant, interactions.c.ts, interactions.c.body)
-                .select_from(joined).where(and_(*keep)).order_by(rewards.c.id, interactions.c.id))
+        stmt = (
+            select(
+                rewards.c.id.label("reward_id"),
+                rewards.c.request_id,
+                rewards.c.value.label("reward"),
+                rewards.c.outcome,
+                interactions.c.id.label("interaction_id"),
+                interactions.c.event_id,
+                interactions.c.policy_version,
+                interactions.c.tenant,
+                interactions.c.ts,
+                interactions.c.body,
+            )
+            .select_from(joined)
+            .where(and_(*keep))
+            .order_by(rewards.c.id, interactions.c.id)
+        )
         found = []
         seen: set[int] = set()
         other_policy = 0
@@ -189,24 +234,46 @@ def select_episodes(engine: Engine, spec_version: str, since_reward_id: int = 0,
     over_limit = 0
     if limit is not None and len(rows) > limit:
         # the newest (see the module docstring); in reward order still
-        over_limit, rows = len(rows) - limit, rows[len(rows) - limit:]
-    counts = {"candidates": candidates, "stale": stale, "other_tenant": other_tenant,
-              "other_policy": other_policy, "held_out": held_out, "over_limit": over_limit, "selected": len(rows)}
+        over_limit, rows = len(rows) - limit, rows[len(rows) - limit :]
+    counts = {
+        "candidates": candidates,
+        "stale": stale,
+        "other_tenant": other_tenant,
+        "other_policy": other_policy,
+        "held_out": held_out,
+        "over_limit": over_limit,
+        "selected": len(rows),
+    }
     watermark_to = max((r.reward_id for r in rows), default=since_reward_id)
-    return Selection(rows, since_reward_id, watermark_to, counts, {r.request_id: tasks[r.request_id] for r in rows
-                                                                   if r.request_id in tasks})
+    return Selection(
+        rows,
+        since_reward_id,
+        watermark_to,
+        counts,
+        {r.request_id: tasks[r.request_id] for r in rows if r.request_id in tasks},
+    )
 
 
-def select_eval_episodes(engine: Engine, spec_version: str, holdout_percent: float, limit: int,
-                         served_after: datetime | None = None) -> list[Any]:
+def select_eval_episodes(
+    engine: Engine, spec_version: str, holdout_percent: float, limit: int, served_after: datetime | None = None
+) -> list[Any]:
     """The most recent rewarded episodes of the held-out slice, newest first."""
     joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
     where = [rewards.c.spec_version == spec_version]
     if served_after is not None:
         where.append(interactions.c.ts >= served_after)
-    stmt = (select(rewards.c.request_id, rewards.c.value.label("reward"), interactions.c.policy_version,
-                   interactions.c.ts, interactions.c.body)
-            .select_from(joined).where(and_(*where)).order_by(interactions.c.ts.desc(), interactions.c.id))
+    stmt = (
+        select(
+            rewards.c.request_id,
+            rewards.c.value.label("reward"),
+            interactions.c.policy_version,
+            interactions.c.ts,
+            interactions.c.body,
+        )
+        .select_from(joined)
+        .where(and_(*where))
+        .order_by(interactions.c.ts.desc(), interactions.c.id)
+    )
     out, seen = [], set()
     tasks: dict[EpisodeKey, bytes] = {}  # an episode's task, looked up once per episode
     with engine.connect() as conn, engine.connect() as lookup:
@@ -233,8 +300,11 @@ def start_run(engine: Engine, **values: Any) -> None:
 
 def finish_run(engine: Engine, run_id: str, status: str, **values: Any) -> None:
     with engine.begin() as conn:
-        conn.execute(update(training_runs).where(training_runs.c.run_id == run_id)
-                     .values(status=status, finished_at=utcnow(), **values))
+        conn.execute(
+            update(training_runs)
+            .where(training_runs.c.run_id == run_id)
+            .values(status=status, finished_at=utcnow(), **values)
+        )
 
 
 def get_run(engine: Engine, run_id: str) -> RunRecord | None:
@@ -243,8 +313,9 @@ def get_run(engine: Engine, run_id: str) -> RunRecord | None:
     return RunRecord.from_row(row) if row is not None else None
 
 
-def latest_finished_run(engine: Engine, spec_version: str | None = None,
-                        watermark_from: int | None = None, skip_failed_cycles: bool = False) -> RunRecord | None:
+def latest_finished_run(
+    engine: Engine, spec_version: str | None = None, watermark_from: int | None = None, skip_failed_cycles: bool = False
+) -> RunRecord | None:
     """The newest finished run, optionally of one spec and trained from one watermark (that is,
     continued from the same champion). With `skip_failed_cycles`, not a run whose cycle failed:
     its candidate was never judged or never promoted (say the registry was away), so it says
@@ -257,24 +328,32 @@ def latest_finished_run(engine: Engine, spec_version: str | None = None,
     if watermark_from is not None:
         where.append(training_runs.c.watermark_from == watermark_from)
     with engine.connect() as conn:
-        row = conn.execute(select(training_runs).where(and_(*where))
-                           .order_by(training_runs.c.finished_at.desc()).limit(1)).first()
+        row = conn.execute(
+            select(training_runs).where(and_(*where)).order_by(training_runs.c.finished_at.desc()).limit(1)
+        ).first()
     return RunRecord.from_row(row) if row is not None else None
 
 
-def record_lineage(engine: Engine, run_id: str, spec_version: str,
-                   episodes: list[tuple[str, float, dict[str, Any] | None]]) -> None:
+def record_lineage(
+    engine: Engine, run_id: str, spec_version: str, episodes: list[tuple[str, float, dict[str, Any] | None]]
+) -> None:
     """The exact episodes (request_id, reward used, the agent episode outcome it credited) a
     run trained on."""
     rows = [{"request_id": rid, "reward": value, "outcome": outcome} for rid, value, outcome in episodes]
     with engine.begin() as conn:
-        insert_ignore(conn, training_episodes, rows, ["run_id", "request_id"],
-                      same={"run_id": run_id, "spec_version": spec_version, "used_at": utcnow()})
+        insert_ignore(
+            conn,
+            training_episodes,
+            rows,
+            ["run_id", "request_id"],
+            same={"run_id": run_id, "spec_version": spec_version, "used_at": utcnow()},
+        )
 
 
 def lineage(engine: Engine, run_id: str) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(select(training_episodes.c.request_id, training_episodes.c.reward,
-                                   training_episodes.c.outcome)
-                            .where(training_episodes.c.run_id == run_id)
-                            .order_by(training_episodes.c.request_id)).all()
+        return conn.execute(
+            select(training_episodes.c.request_id, training_episodes.c.reward, training_episodes.c.outcome)
+            .where(training_episodes.c.run_id == run_id)
+            .order_by(training_episodes.c.request_id)
+        ).all()

@@ -45,7 +45,11 @@ def _locked(conn: Connection, table: str) -> bool:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(LOCK_TIMEOUT_S * 1000)}ms'")
         conn.exec_driver_sql(f"LOCK TABLE {table} IN SHARE MODE")
     except DBAPIError as exc:  # InsufficientPrivilege, LockNotAvailable
-        log.warning("no incremental read: the lock on %s was refused or timed out (%s); this read covers the "
-                    "whole history", table, type(exc.orig).__name__, extra={"table": table})
+        log.warning(
+            "no incremental read: the lock on %s was refused or timed out (%s); this read covers the whole history",
+            table,
+            type(exc.orig).__name__,
+            extra={"table": table},
+        )
         return False
     return True
