@@ -6,8 +6,8 @@ from the event: anyone who can write to the topic could otherwise make serving l
 adapter, ungated, and an event delivered late (a repair after an outage, a replayed topic)
 would switch serving back to an older state. A registry that cannot be read when an event
 arrives is read again every `retry_s` until it answers, and an update the caller fails to apply
-(vLLM refused the load, the download broke) is tried again, backing off to once a minute. Versions must be plain registry ids
-(digits): a version becomes a path component of the adapter's download folder.
+(vLLM refused the load, the download broke) is tried again, backing off to once a minute.
+Versions must be plain registry ids (digits): a version becomes a path component of the adapter's download folder.
 
 Used by the reference server (deploy/serve.py: load the new adapter, swap) and by the vLLM hook
 (deploy/vllm.py: load it on a vLLM server under a versioned name, unload the old one). The

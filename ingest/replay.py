@@ -63,7 +63,8 @@ class ReplayReport:
             parts.append(f"{self.blank_lines} blank lines skipped")
         if self.recovered or self.still_dead:
             parts.append(
-                f"{'would recover' if self.dry_run else 'recovered'} {self.recovered} dead letters, {self.still_dead} still failing"
+                f"{'would recover' if self.dry_run else 'recovered'} {self.recovered} dead letters, "
+                f"{self.still_dead} still failing"
             )
         return "; ".join(parts)
 

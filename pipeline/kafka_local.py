@@ -209,7 +209,8 @@ def up(cfg: Config, progress=print, timeout_s: float = 120.0, secure: bool = Fal
         return broker
     if shutil.which("java") is None:
         raise KafkaLocalError(
-            "Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) to run the local Kafka broker"
+            "Java is not installed: install a JDK 17+ (apt-get install openjdk-17-jre-headless) "
+            "to run the local Kafka broker"
         )
     ensure_jars(broker, cfg.kafka.version, progress)
     for port in (cfg.kafka.port, cfg.kafka.controller_port):

@@ -120,7 +120,8 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     code = (
         "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
         f"sys.path.insert(0, {str(target)!r}); "
-        "import pipeline, pipeline.core.store.db as d; assert pipeline.__file__.startswith(sys.path[0]), pipeline.__file__; "
+        "import pipeline, pipeline.core.store.db as d; "
+        "assert pipeline.__file__.startswith(sys.path[0]), pipeline.__file__; "
         "print('migrations', d.migrations_dir()); from pipeline.cli import main; main()"
     )
     env = dict(os.environ, RTRL_STATE_DIR=str(tmp_path / "state"))

@@ -98,8 +98,9 @@ def advantages(
     scale: bool = True,
 ) -> torch.Tensor:
     """[N] advantages (over their group's std unless `scale` is False). `groups` names each
-    episode's task. `auto`: tasks sampled two or more times are normalised within their group, single samples against the batch of single
-    samples; `group`: single samples get 0; `batch`: everything against the batch.
+    episode's task. `auto`: tasks sampled two or more times are normalised within their group,
+    single samples against the batch of single samples; `group`: single samples get 0;
+    `batch`: everything against the batch.
 
     `episodes` names each item's agent episode (None: a call that is its own episode). The
     calls of one episode count once: a group's mean and std are over its episodes (each

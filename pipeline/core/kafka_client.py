@@ -128,7 +128,8 @@ def diagnose(access: KafkaAccess, reported: list[BaseException | str], failure: 
     except (OSError, ValueError) as exc:
         return (
             f"cannot reach the Kafka broker at {access.servers[0]} (kafka.bootstrap): "
-            f"{getattr(exc, 'strerror', None) or exc}. Is it running (`rtrl kafka status`), and is kafka.bootstrap right?"
+            f"{getattr(exc, 'strerror', None) or exc}. "
+            "Is it running (`rtrl kafka status`), and is kafka.bootstrap right?"
         )
     with sock:
         if s.tls:

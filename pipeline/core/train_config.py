@@ -23,7 +23,8 @@ class TrainConfig(_Section):
     loss: LossName = Field(default="cispo", description="the policy loss (train/losses.py's table)")
     advantage: Literal["auto", "group", "batch"] = Field(
         default="auto",
-        description="group-relative where a task (a chat prompt's first user message) was answered several times, batch-relative otherwise",
+        description="group-relative where a task (a chat prompt's first user message) was answered several times, "
+        "batch-relative otherwise",
     )
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0, description="AdamW's, on the LoRA weights")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW's")

@@ -66,10 +66,11 @@ def feedback_rows(row: EpisodeRow) -> tuple[int, list[list[Any]]]:
 
 def _feedback_json(dialect: str, payload_kinds: Sequence[str] | None, on: Any = None):
     """A correlated subquery: [newest feedback id, [[id, event_id, kind, value, ts, body], ...]]
-    of the interaction's feedback (`on`: which feedback; default, the request's) as one JSON value, built by SQLite or PostgreSQL in C. Three
-    rows per episode through the driver and SQLAlchemy's row processing cost more: the chunk
-    reads of a 100k-episode run went from 2.9 s to 1.8 s. (The newest id, which the stored
-    reward is compared with, costs nothing here and 1.3 us per episode in Python.)"""
+    of the interaction's feedback (`on`: which feedback; default, the request's) as one JSON value,
+    built by SQLite or PostgreSQL in C. Three rows per episode through the driver and
+    SQLAlchemy's row processing cost more: the chunk reads of a 100k-episode run went from
+    2.9 s to 1.8 s. (The newest id, which the stored reward is compared with, costs nothing
+    here and 1.3 us per episode in Python.)"""
     agg, array = (
         (func.json_group_array, func.json_array) if dialect == "sqlite" else (func.json_agg, func.json_build_array)
     )
@@ -138,7 +139,8 @@ def iter_episode_chunks(
     interaction's body (its prompt: a judge's business) only `with_body`. Feedback bodies are
     read only for `payload_kinds` (None: all); the others come back as None. With
     `only_stale`, episodes whose reward under `spec_version` already counts all their feedback
-    are left in the store (counted, not read): an incremental run reads only what changed. Interactions that arrive during the run are left to the next one. With
+    are left in the store (counted, not read): an incremental run reads only what changed.
+    Interactions that arrive during the run are left to the next one. With
     `served_since`, the chunks start at the first interaction served from then on (found
     through the ts index; ids after it that were served earlier, arriving late, are read too).
     With `span=(first, last)`, the chunks cover those ids instead. With `ids` (first
