@@ -21,12 +21,15 @@ kafka-jars: venv
 postgres:
 	@bash scripts/postgres.sh
 
+# The import layers, ruff's lint and format, and mypy on pipeline/core (see pyproject.toml).
 lint: venv
 	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # PostgreSQL: RTRL_TEST_POSTGRES if set, else scripts/postgres.sh installs/starts one (as root).
-test: venv kafka-jars
-	$(BIN)/lint-imports
+test: venv kafka-jars lint
 	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q --durations=15
 
 # The main job on embedded defaults: local Kafka, SQLite, a local MLflow store, a tiny model.

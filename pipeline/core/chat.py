@@ -67,7 +67,7 @@ def parse_tool_calls(
         call: dict[str, Any] = {"id": call_id(i), "type": "function", "function": {"name": "", "arguments": raw}}
         error = None if closed else "unterminated <tool_call>"
         try:
-            parsed = json.loads(raw) if error is None else None
+            parsed: Any = json.loads(raw) if error is None else None
         except ValueError:
             parsed, error = None, "not JSON"
         if error is None and not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and parsed["name"]):

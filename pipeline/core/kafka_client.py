@@ -147,19 +147,19 @@ def diagnose(access: KafkaAccess, reported: list[BaseException | str], failure: 
         if s.password_file
         else "kafka.security.password (RTRL_KAFKA_PASSWORD)"
     )
-    for exc in reversed(reported):  # the newest first: what the broker said
-        if isinstance(exc, str):
+    for said in reversed(reported):  # the newest first: what the broker said
+        if isinstance(said, str):
             continue
-        if isinstance(exc, kerrors.SaslAuthenticationFailedError):
+        if isinstance(said, kerrors.SaslAuthenticationFailedError):
             return (
                 f"the broker at {where} refused kafka.security.username {s.username!r} with "
                 f"kafka.security.sasl_mechanism {s.sasl_mechanism}: check the user and {source}. "
-                f"The broker said: {exc}"
+                f"The broker said: {said}"
             )
-        if isinstance(exc, kerrors.UnsupportedSaslMechanismError):
+        if isinstance(said, kerrors.UnsupportedSaslMechanismError):
             return (
                 f"the broker at {access.bootstrap} does not offer kafka.security.sasl_mechanism "
-                f"{s.sasl_mechanism}: {exc}"
+                f"{s.sasl_mechanism}: {said}"
             )
     if s.sasl and any("disconnected" in str(r) for r in reported):
         # TCP and TLS are fine (checked above), so the connection ended in the SASL login: a

@@ -165,6 +165,8 @@ class KafkaAccess:
             return None
         if s.password is not None:
             return s.password.get_secret_value()
+        if s.password_file is None:  # the section's validator refuses SASL without one of the two
+            raise KafkaSecretError("kafka.security: SASL needs password (RTRL_KAFKA_PASSWORD) or password_file")
         try:
             value = s.password_file.read_text().rstrip("\r\n")
         except OSError as exc:

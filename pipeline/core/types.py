@@ -231,7 +231,8 @@ def completion_parts(completion: Any) -> tuple[str, tuple]:
     calls as sent). Ingest stores both beside the body; the reward stage reads them there."""
     if isinstance(completion, str):
         return completion, ()
-    texts, calls = [], []
+    texts: list[str] = []
+    calls: list[Any] = []
     for msg in completion if isinstance(completion, list) else ():
         if isinstance(msg, dict) and msg.get("role") == "assistant":
             content = msg.get("content")

@@ -39,7 +39,7 @@ def make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if not in_memory(parsed):
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            Path(parsed.database or "").expanduser().parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 60}, **_JSON)
 
         @event.listens_for(engine, "connect")
@@ -74,7 +74,10 @@ def alembic_config(url: str) -> AlembicConfig:
 
 
 def head_revision() -> str:
-    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    if head is None:
+        raise SchemaError(f"no alembic revision under {migrations_dir()}: reinstall rtrl")
+    return head
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import Engine, and_, case, cast, exists, func, literal, select, update
+from sqlalchemy import CursorResult, Engine, and_, case, cast, exists, func, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.selectable import Exists
 
@@ -25,6 +25,14 @@ from pipeline.core.store.episodes import wrote_malformed_call
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.leases import Fence
 from pipeline.core.store.tables import alias_moves, feedback, gate_decisions, interactions, rewards
+
+
+def _inserted_id(result: CursorResult[Any]) -> int:
+    """The id the store gave the row one INSERT added."""
+    key = result.inserted_primary_key
+    if key is None:  # only for an INSERT of several rows, which these are not
+        raise RuntimeError("the store returned no id for the inserted row")
+    return int(key[0])
 
 
 def record_decision(
@@ -40,17 +48,19 @@ def record_decision(
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        return conn.execute(
-            gate_decisions.insert().values(
-                model_name=model_name,
-                candidate_version=candidate_version,
-                champion_version=champion_version,
-                run_id=run_id,
-                passed=int(passed),
-                report=report,
-                decided_at=utcnow(),
+        return _inserted_id(
+            conn.execute(
+                gate_decisions.insert().values(
+                    model_name=model_name,
+                    candidate_version=candidate_version,
+                    champion_version=champion_version,
+                    run_id=run_id,
+                    passed=int(passed),
+                    report=report,
+                    decided_at=utcnow(),
+                )
             )
-        ).inserted_primary_key[0]
+        )
 
 
 @dataclass(frozen=True)
@@ -193,20 +203,22 @@ def begin_move(
     with engine.begin() as conn:
         if fence is not None:
             fence.check(conn)
-        return conn.execute(
-            alias_moves.insert().values(
-                model_name=model_name,
-                alias=alias,
-                from_version=from_version,
-                to_version=to_version,
-                reason=reason,
-                actor=actor,
-                at=utcnow(),
-                status="pending",
-                share=share,
-                kind=kind,
+        return _inserted_id(
+            conn.execute(
+                alias_moves.insert().values(
+                    model_name=model_name,
+                    alias=alias,
+                    from_version=from_version,
+                    to_version=to_version,
+                    reason=reason,
+                    actor=actor,
+                    at=utcnow(),
+                    status="pending",
+                    share=share,
+                    kind=kind,
+                )
             )
-        ).inserted_primary_key[0]
+        )
 
 
 def promoted_from(engine: Engine, model_name: str, version: str) -> str | None:
@@ -478,7 +490,7 @@ def tool_call_errors(
         [interactions.c.ts <= until] if until is not None else []
     )
     with engine.connect() as conn:
-        served = dict(
+        served: dict[str, int] = dict(
             conn.execute(
                 select(interactions.c.policy_version, func.count())
                 .where(*window)

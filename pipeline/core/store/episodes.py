@@ -32,7 +32,9 @@ class EpisodeSummary:
 def wrote_malformed_call(output_tool_calls: str | None) -> bool:
     """Whether a stored call (its `interactions.output_tool_calls`, JSON text) wrote a malformed
     tool call."""
-    return bool(output_tool_calls) and any(malformed_tool_call(c) for c in orjson.loads(output_tool_calls))
+    if not output_tool_calls:
+        return False
+    return any(malformed_tool_call(c) for c in orjson.loads(output_tool_calls))
 
 
 def episode_summaries(engine: Engine) -> list[EpisodeSummary]:

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Engine, Select, Table, delete, func, select
+from sqlalchemy import Connection, Engine, Row, Select, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
@@ -200,7 +200,8 @@ def insert_ignore(
         return 0
     plan = _insert_plan(conn, table, key)
     columns = list(zip(plan.columns, plan.processors))
-    shared = {n: (same[n] if p is None else p(same[n])) for n, p in columns if n in (same or {})}
+    same = same or {}
+    shared = {n: (same[n] if p is None else p(same[n])) for n, p in columns if n in same}
     params: list[Any] = []
     for row in rows:
         values = [shared[n] if n in shared else (row.get(n) if p is None else p(row.get(n))) for n, p in columns]
@@ -274,7 +275,9 @@ def copy_insert_ignore(
 
     shared = same or {}
     try:
-        with conn.connection.driver_connection.cursor() as cur:
+        driver = conn.connection.driver_connection
+        assert driver is not None  # an open Connection holds its DBAPI connection
+        with driver.cursor() as cur:
             plan = _stage(cur, table)
             cur.execute(f"DELETE FROM {plan.stage}")  # empty unless a batch earlier in this transaction used it
             with cur.copy(plan.copy) as copy:
@@ -413,7 +416,9 @@ def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> s
 
 def table_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {name: conn.scalar(select(func.count()).select_from(table)) for name, table in metadata.tables.items()}
+        return {
+            name: conn.scalar(select(func.count()).select_from(table)) or 0 for name, table in metadata.tables.items()
+        }
 
 
 def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
@@ -425,7 +430,7 @@ def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
 # --- reading events back out (export) -------------------------------------------------------
 
 
-def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[list[Any]]:
+def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[Sequence[Row]]:
     """Rows of `stmt` in chunks of `size`, in `id_column` order (keyset pagination: each chunk
     is one short query, so nothing is held open and memory stays flat)."""
     last_id = 0

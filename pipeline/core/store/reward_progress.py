@@ -89,7 +89,9 @@ def save_progress(
         ).rowcount
         if not done:
             conn.execute(reward_progress.insert().values(spec_version=spec_version, **values))
-        return conn.scalar(select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before))
+        return (
+            conn.scalar(select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before)) or 0
+        )
 
 
 def first_interaction_id(engine: Engine) -> int:

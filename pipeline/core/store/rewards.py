@@ -113,7 +113,8 @@ def episode_rows(row: EpisodeRow) -> tuple[int, list[list[Any]], list[list[Any]]
         return None
     found, calls = row.outcome, row.calls
     newest, events = (orjson.loads(found) if isinstance(found, str) else found) or (None, None)
-    return newest or 0, events or [], orjson.loads(calls) if isinstance(calls, str) else calls
+    # an episode's calls include this one: never empty once episode_id is set
+    return newest or 0, events or [], (orjson.loads(calls) if isinstance(calls, str) else calls) or []
 
 
 def iter_episode_chunks(
@@ -297,11 +298,12 @@ def upsert_rewards(engine: Engine, spec_version: str, rows: Sequence[RewardRow])
     """Insert or replace rewards on (request_id, spec_version)."""
     if not rows:
         return
-    now = utcnow()
+    stamp = utcnow()
+    now: datetime | str = stamp
     with engine.begin() as conn:
         if conn.dialect.name == "sqlite":
             # the text format SQLAlchemy's DateTime writes and reads back on SQLite
-            now = now.strftime("%Y-%m-%d %H:%M:%S.%f")
+            now = stamp.strftime("%Y-%m-%d %H:%M:%S.%f")
             sql = _UPSERT.format(values=", ".join("?" * len(_COLUMNS)))
         else:
             sql = _UPSERT.format(values=", ".join(["%s"] * len(_COLUMNS)))
@@ -381,10 +383,13 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
             .subquery()
         )
         orphans = select(with_feedback.c.key).where(~exists().where(interactions.c.request_id == with_feedback.c.key))
-        total += conn.scalar(
-            select(func.count())
-            .select_from(feedback)
-            .where(feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
+        total += (
+            conn.scalar(
+                select(func.count())
+                .select_from(feedback)
+                .where(feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
+            )
+            or 0
         )
         # an episode's outcome whose tenant has no call of that episode (the same two steps, by
         # pair; '' stands for a tenant not named, which any tenant's calls match)
@@ -398,10 +403,13 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
         orphans = select(pairs.c.episode_id, pairs.c.tenant).where(
             ~exists().where(same_episode(interactions, pairs, any_tenant=pairs.c.tenant == ""))
         )
-        total += conn.scalar(
-            select(func.count())
-            .select_from(feedback)
-            .where(tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window)
+        total += (
+            conn.scalar(
+                select(func.count())
+                .select_from(feedback)
+                .where(tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window)
+            )
+            or 0
         )
     return total
 

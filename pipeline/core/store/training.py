@@ -28,12 +28,13 @@ episode's outcome still credits the calls our policy made.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, and_, exists, func, select, update
+from sqlalchemy import Engine, Row, and_, exists, func, select, update
 
 from pipeline.core.store.events import insert_ignore, utcnow
 from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
@@ -181,23 +182,29 @@ def select_episodes(
     joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
     window = and_(rewards.c.spec_version == spec_version, rewards.c.id > since_reward_id)
     with engine.connect() as conn:
-        candidates = conn.scalar(select(func.count()).select_from(rewards).where(window))
+        candidates = conn.scalar(select(func.count()).select_from(rewards).where(window)) or 0
         stale = 0
         if served_after is not None:
-            stale = conn.scalar(
-                select(func.count(func.distinct(rewards.c.id)))
-                .select_from(joined)
-                .where(and_(window, interactions.c.ts < served_after))
+            stale = (
+                conn.scalar(
+                    select(func.count(func.distinct(rewards.c.id)))
+                    .select_from(joined)
+                    .where(and_(window, interactions.c.ts < served_after))
+                )
+                or 0
             )
         other_tenant = 0
         keep = [window]
         if served_after is not None:
             keep.append(interactions.c.ts >= served_after)
         if tenant is not None:
-            other_tenant = conn.scalar(
-                select(func.count(func.distinct(rewards.c.id)))
-                .select_from(joined)
-                .where(and_(*keep, interactions.c.tenant != tenant))
+            other_tenant = (
+                conn.scalar(
+                    select(func.count(func.distinct(rewards.c.id)))
+                    .select_from(joined)
+                    .where(and_(*keep, interactions.c.tenant != tenant))
+                )
+                or 0
             )
             keep.append(interactions.c.tenant == tenant)
         stmt = (
@@ -350,7 +357,7 @@ def record_lineage(
         )
 
 
-def lineage(engine: Engine, run_id: str) -> list[Any]:
+def lineage(engine: Engine, run_id: str) -> Sequence[Row]:
     with engine.connect() as conn:
         return conn.execute(
             select(training_episodes.c.request_id, training_episodes.c.reward, training_episodes.c.outcome)
