@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv test demo lint postgres kafka-jars clean
+.PHONY: venv test test-unit demo lint postgres kafka-jars clean
 
 venv: $(VENV)/.installed
 
@@ -28,9 +28,15 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The unit layer alone (tests/unit): no broker, no PostgreSQL, no subprocess.
+test-unit: venv
+	$(BIN)/pytest -q tests/unit
+
 # PostgreSQL: RTRL_TEST_POSTGRES if set, else scripts/postgres.sh installs/starts one (as root).
+# Two processes, each taking whole modules (its module-scoped servers start once): the integration
+# tests mostly wait on brokers, servers and subprocesses, so two share the machine's cores well.
 test: venv kafka-jars lint
-	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q --durations=15
+	RTRL_TEST_POSTGRES="$${RTRL_TEST_POSTGRES:-$$(bash scripts/postgres.sh)}" $(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
 # The main job on embedded defaults: local Kafka, SQLite, a local MLflow store, a tiny model.
 demo: venv kafka-jars

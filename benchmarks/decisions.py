@@ -3,7 +3,7 @@ their champion, the sequential test looked at continuously, over many runs.
 
 The single-turn demo's users are an oracle (pipeline/demo/oracle.py): a policy that answers
 each task length right / abstaining / copying with fixed probabilities has an exact expected
-reward under the demo's spec (tests/test_oracle.py checks it against the simulated users). The
+reward under the demo's spec (tests/unit/test_oracle.py checks it against the simulated users). The
 champion is the demo's base; each candidate shifts its share of right answers by a known number
 of points (an A/A copy shifts nothing) or abstains more (the hack `--naive-reward` teaches), so
 the true difference of every pair is known exactly. Each run draws fresh tasks for both sides (share

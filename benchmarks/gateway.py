@@ -2,7 +2,7 @@
 requests sent straight to its upstream, at 1, 16 and 64 concurrent clients, streamed and not.
 
 The upstream answers at once (a vLLM-shaped answer with log-probs and token ids from
-tests/fixtures/vllm_chat_completion.json; streamed as 4 chunks and [DONE]), so what differs is
+tests/support/fixtures/vllm_chat_completion.json; streamed as 4 chunks and [DONE]), so what differs is
 the gateway's own work: routing, asking for log-probs, reshaping the answer to what the client
 asked for, and building and handing off the interaction event. Upstream and gateway are uvicorn
 processes of their own; the load comes from this process (asyncio + httpx, one connection pool
@@ -52,7 +52,7 @@ def _free_port() -> int:
 def _serve_upstream(port: int) -> None:
     import uvicorn
 
-    from tests.vllm_instant import instant_vllm_app
+    from tests.support.vllm_instant import instant_vllm_app
 
     uvicorn.run(instant_vllm_app(), host="127.0.0.1", port=port, log_level="error", access_log=False)
 
@@ -84,7 +84,7 @@ def _null_proxy_app(upstream: str):
     routing, no JSON, no event."""
     import aiohttp
 
-    from tests.vllm_instant import read_body
+    from tests.support.vllm_instant import read_body
 
     sessions: dict = {}
 

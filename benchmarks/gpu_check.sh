@@ -19,7 +19,7 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
 fi
 # vLLM conformance, when vLLM is installed: a tiny Qwen2 with a BPE and a tool-call template, a
 # LoRA adapter of it, vLLM started with the flags docs/operations.md lists, then the checks of
-# benchmarks/vllm_conformance.py (the protocol tests/vllm_stub.py implements). vLLM stopped after.
+# benchmarks/vllm_conformance.py (the protocol tests/support/vllm_stub.py implements). vLLM stopped after.
 if python -c "import vllm" 2>/dev/null; then
   work=$(mktemp -d)
   python -m pipeline.cli model init-tiny --out "$work/base" --arch qwen2 --tokenizer bpe --hidden 256 --layers 2 --heads 4

@@ -41,8 +41,8 @@ from pipeline import kafka_local  # noqa: E402
 from pipeline.core.config import Config, load_config  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
 from pipeline.core.store.tables import interactions  # noqa: E402
-from tests.factories import encode, interaction  # noqa: E402
-from tests.scratch_db import scratch_database  # noqa: E402
+from tests.support.factories import encode, interaction  # noqa: E402
+from tests.support.scratch_db import scratch_database  # noqa: E402
 
 PARTITIONS = 4
 

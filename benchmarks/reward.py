@@ -40,7 +40,7 @@ from pipeline.core.store import tables
 from pipeline.core.store.events import Rows, output_columns, write_rows  # noqa: E402
 from reward.spec import load_spec  # noqa: E402
 from reward.stage import run_rewards  # noqa: E402
-from tests.scratch_db import scratch_database  # noqa: E402
+from tests.support.scratch_db import scratch_database  # noqa: E402
 
 T0 = datetime(2026, 11, 1)
 COMPLETIONS = [

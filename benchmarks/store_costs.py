@@ -27,7 +27,7 @@ from sqlalchemy import inspect, text  # noqa: E402
 from ingest.batch import decode_records  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
 from pipeline.core.store.events import Rows, write_rows  # noqa: E402
-from tests.factories import encode, feedback, interaction  # noqa: E402
+from tests.support.factories import encode, feedback, interaction  # noqa: E402
 
 BATCH = 2000
 

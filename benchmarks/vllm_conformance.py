@@ -1,5 +1,5 @@
 """vLLM conformance: the protocol rtrl's gateway and `rtrl serve --vllm` rely on -- as
-tests/vllm_stub.py implements it from vLLM v0.34.0's source -- checked against a running server.
+tests/support/vllm_stub.py implements it from vLLM v0.34.0's source -- checked against a running server.
 
     python benchmarks/vllm_conformance.py --url http://127.0.0.1:8000 --adapter DIR
         a vLLM started as docs/operations.md says (--logprobs-mode processed_logprobs, --enable-lora,
@@ -10,7 +10,7 @@ tests/vllm_stub.py implements it from vLLM v0.34.0's source -- checked against a
         the same checks against the stand-in (what the suite's tests run against)
 
 Each check prints PASS or FAIL with what differed; the exit status is 1 if any failed. What the
-stand-in does and a real vLLM does not is a defect of the stand-in: fix tests/vllm_stub.py.
+stand-in does and a real vLLM does not is a defect of the stand-in: fix tests/support/vllm_stub.py.
 """
 
 from __future__ import annotations
@@ -193,12 +193,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running vLLM's base URL")
     parser.add_argument("--adapter", type=Path, help="a LoRA adapter directory of its base model")
-    parser.add_argument("--stub", action="store_true", help="check the stand-in, tests/vllm_stub.py")
+    parser.add_argument("--stub", action="store_true", help="check the stand-in, tests/support/vllm_stub.py")
     args = parser.parse_args()
     if args.stub:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.conftest import InProcessServer
-        from tests.vllm_stub import VllmStub
+        from tests.support.servers import InProcessServer
+        from tests.support.vllm_stub import VllmStub
 
         stub = VllmStub(logprobs_mode="processed_logprobs")
         stub.tool_call = {"name": "lookup", "arguments": {"key": "k1"}}

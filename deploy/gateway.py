@@ -31,7 +31,7 @@ For each request the gateway:
 An upstream error before any answer reaches the client as the upstream gave it (a 502 or 504
 with the reason when there was no answer at all), and no event is sent for it.
 
-The upstream's protocol is vLLM v0.34.0's OpenAI-compatible server, as tests/vllm_stub.py
+The upstream's protocol is vLLM v0.34.0's OpenAI-compatible server, as tests/support/vllm_stub.py
 implements it from that release's source (and rtrl serve implements the same fields).
 """
 

@@ -1,6 +1,6 @@
 """What `rtrl gateway` records of an upstream's answer: one record per choice, whole.
 
-An OpenAI-compatible server (vLLM at the tag named in tests/vllm_stub.py) answers a request
+An OpenAI-compatible server (vLLM at the tag named in tests/support/vllm_stub.py) answers a request
 with `n` choices, each told apart by its `index`:
 
     unstreamed   choices[i].message {content, tool_calls[]} (chat) or .text, .logprobs, .finish_reason

@@ -25,7 +25,7 @@ better is withdrawn by the futility boundary with probability <= beta (plus what
 max_requests costs, measured in benchmarks/decisions.py). Looking more often only makes the
 boundaries be met sooner, never wrongly more often. The variance is estimated at each look (a
 normal approximation: min_requests a side before the first look); the error rates with
-estimated variance and discrete rewards are measured by simulation (tests/test_sequential.py).
+estimated variance and discrete rewards are measured by simulation (tests/unit/test_sequential.py).
 
 Variance reduction (CUPED: Deng, Xu, Kohavi, Walker 2013). Each episode carries a covariate x
 fixed before it was assigned to a side -- its prompt's (or user's) mean reward before the

@@ -21,7 +21,7 @@ Two decoders, one verdict:
   reference (together ~20 us instead of ~27 us for a 2 KB event on this machine's core). A
   record they refuse -- every bad record, and the rare good one that needs one of pydantic's
   lax coercions -- goes to the reference, whose verdict and wording stand.
-  tests/test_decode_differential.py holds the two to the same verdicts.
+  tests/unit/test_decode_differential.py holds the two to the same verdicts.
 """
 
 from __future__ import annotations

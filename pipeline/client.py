@@ -24,7 +24,7 @@ Two transports, one behaviour:
 
 Every event is validated by the contract's own models before it leaves: a bad one raises
 ValueError here, naming the field, never becomes a dead letter downstream. Importing this
-module loads neither torch, transformers nor mlflow (tests/test_client.py checks).
+module loads neither torch, transformers nor mlflow (tests/integration/test_client.py checks).
 """
 
 from __future__ import annotations

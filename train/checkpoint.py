@@ -6,7 +6,7 @@
                               holds the optimizer's param groups and the step
 
 Restoring all three makes "train 2 steps, save, load, train 2 more" produce the same adapter
-as "train 4 steps" (tests/test_train_loop.py): the data order is a function of the seed and the
+as "train 4 steps" (tests/unit/test_train_loop.py): the data order is a function of the seed and the
 step, dropout draws come from the restored RNG.
 """
 

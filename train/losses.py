@@ -36,7 +36,7 @@ off-policy token with a negative advantage can pull: r * A becomes C * A) and it
 KTO compares with its reference policy, not with mu, and takes neither.
 
 Each matches TRL (GRPOTrainer's loss_type of the same name, KTOTrainer) to float precision on
-one micro-batch; see tests/test_losses.py.
+one micro-batch; see tests/unit/test_losses.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The structs mirror the models field for field and are *stricter or equal* everyw
 looser: ingest's decoder (ingest/decode.py) tries them first and, for a record they refuse,
 asks the reference, whose verdict and wording are the dead letter's. So a record the reference
 accepts with a lax coercion (`"latency_ms": "41.5"`, `"truncated": 1`, a Unix timestamp as
-`ts`) is still an event, and the differential test (tests/test_decode_differential.py) checks
+`ts`) is still an event, and the differential test (tests/unit/test_decode_differential.py) checks
 the other direction: whatever these accept, the reference accepts, with the same values.
 Where msgspec alone would be looser than orjson + pydantic, the structs say so and close it:
 

@@ -1,0 +1,147 @@
+"""The command line: every command explains itself, `db upgrade` works from a wheel, and
+commands refuse a store that is behind with the command that fixes it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.core.store import db as store_db
+from tests.support.helpers import REPO
+
+COMMANDS = [
+    [],
+    ["kafka"],
+    ["kafka", "up"],
+    ["kafka", "down"],
+    ["kafka", "status"],
+    ["db"],
+    ["db", "upgrade"],
+    ["db", "downgrade"],
+    ["db", "current"],
+    ["ingest"],
+    ["replay"],
+    ["export"],
+    ["status"],
+    ["reward"],
+    ["reward", "run"],
+    ["reward", "explain"],
+    ["reward", "diff"],
+    ["reward", "recompute"],
+    ["reward", "audit"],
+    ["reward", "model"],
+    ["reward", "model", "show"],
+    ["reward", "model", "fit"],
+    ["model"],
+    ["model", "init-tiny"],
+    ["model", "show"],
+    ["train"],
+    ["train", "run"],
+    ["train", "show"],
+    ["gate"],
+    ["models"],
+    ["models", "list"],
+    ["models", "show"],
+    ["promote"],
+    ["rollback"],
+    ["serve"],
+    ["daemon"],
+    ["demo"],
+    ["sim"],
+    ["gateway"],
+]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a) or "rtrl")
+def test_every_command_has_help(args):
+    result = CliRunner().invoke(cli, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    doc_lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(doc_lines) >= 3 and "Usage:" in result.output
+
+
+def test_commands_refuse_a_store_that_is_behind(tmp_path):
+    env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    for args in (["status"], ["export", "-"], ["replay", "--dead-letters"], ["ingest"]):
+        result = CliRunner().invoke(cli, args, env=env)
+        assert result.exit_code != 0
+        assert "run `rtrl db upgrade` first" in result.output, result.output
+
+
+def test_db_upgrade_then_status_without_broker(tmp_path):
+    env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    runner = CliRunner()
+    up = runner.invoke(cli, ["db", "upgrade"], env=env)
+    assert up.exit_code == 0 and store_db.head_revision() in up.output, up.output
+    assert runner.invoke(cli, ["db", "upgrade"], env=env).exit_code == 0  # re-run is a no-op
+    status = runner.invoke(cli, ["status"], env=env)
+    assert status.exit_code == 0, status.output
+    assert (
+        "interactions" in status.output
+        and "cannot reach the Kafka broker at 127.0.0.1:1 (kafka.bootstrap)" in status.output
+    )
+    assert "cycles (no daemon holds the lease):" in status.output
+
+
+def test_bad_config_is_refused_with_field_and_allowed_values(tmp_path):
+    bad = tmp_path / "rtrl.toml"
+    bad.write_text("[ingest]\nbatch_max_records = 0\n")
+    result = CliRunner().invoke(cli, ["--config", str(bad), "status"])
+    assert result.exit_code != 0
+    assert "ingest.batch_max_records" in result.output and "greater than or equal to 1" in result.output
+    bad.write_text("[ingest]\nbatch_size = 5\n")
+    result = CliRunner().invoke(cli, ["--config", str(bad), "status"])
+    assert "ingest.batch_size" in result.output and "Extra inputs are not permitted" in result.output
+
+
+def test_the_documented_config_example_is_valid(tmp_path):
+    from pipeline.core.config import load_config
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    section = text[text.index("## How settings are layered") :]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    for named in ("/etc/rtrl/kafka-ca.pem", "/run/secrets/kafka"):  # files the config checks exist
+        here = tmp_path / named.rsplit("/", 1)[1]
+        here.write_text("x")
+        example = example.replace(named, str(here))
+    (tmp_path / "rtrl.toml").write_text(example)
+    cfg = load_config(tmp_path / "rtrl.toml", environ={})
+    assert cfg.train.loss == "cispo" and cfg.mlflow.tracking_uri == "http://mlflow:5000"
+    assert cfg.kafka.security.protocol == "SASL_SSL" and cfg.kafka_access.password() == "x"
+
+
+def test_the_configuration_reference_in_docs_matches_the_config_models():
+    from pipeline.core.config_reference import DOC, document
+
+    current = DOC.read_text()
+    assert current == document(current), (
+        "docs/configuration.md is stale: python -m pipeline.core.config_reference --write"
+    )
+
+
+def test_the_docs_stand_alone():
+    """The README and docs point at files of this repository only, and each one they link exists."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert "../shared" not in text and "DESIGN.md" not in text, page
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if not target.startswith("http"):
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_a_demo_whose_broker_port_is_taken_says_what_to_do_without_a_traceback(tmp_path):
+    """Another demo's broker still up on the port: the error names the port and the command that
+    frees it, as a usage error (it was a traceback)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA__PORT": str(port)}
+        result = CliRunner().invoke(cli, ["demo", "--cycles", "1", "--verbose"], env=env)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert f"Error: port {port} on 127.0.0.1 is taken" in result.output and "rtrl kafka down" in result.output

@@ -1,0 +1,53 @@
+"""The daemon: the cycle lease (both stores), two `rtrl daemon` processes against one store
+(exactly one runs cycles; kill -9 it and the other takes over within the lease's ttl), the
+metrics and health endpoints, and schedules."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.core.config import ConfigError, load_config
+from pipeline.daemon import Daemon, trigger
+from tests.support.helpers import wait_for
+
+
+def test_schedules_and_a_bad_schedule_is_refused():
+    assert trigger("90s").interval == timedelta(seconds=90)
+    assert trigger("4h").interval == timedelta(hours=4)
+    assert "hour='*/4'" in repr(trigger("0 */4 * * *"))
+    with pytest.raises(ConfigError, match="cycle.every"):
+        load_config(environ={"RTRL_CYCLE__EVERY": "every tuesday"})
+    with pytest.raises(ConfigError, match="rollout.max_wait"):
+        load_config(environ={"RTRL_ROLLOUT__MAX_WAIT": "a while"})
+    with pytest.raises(ConfigError, match="rollout.share"):
+        load_config(environ={"RTRL_ROLLOUT__SHARE": "1.5"})
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_scheduled_cycle_that_finds_the_last_one_running_is_counted_not_overlapped(engine, monkeypatch):
+    # a cycle that outlasts `cycle.every` (the naive demo's long trainings): the next scheduled
+    # run does not start (max_instances=1), and says so in a metric
+    config = load_config(environ={"RTRL_CYCLE__EVERY": "1s"})
+    daemon = Daemon(config, SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+    running, release_cycle = [], threading.Event()
+    monkeypatch.setattr(daemon, "cycle", lambda only_canary=False: running.append(1) or release_cycle.wait(60))
+    daemon.start(ingest=False)
+    try:
+
+        def not_started() -> float:
+            return (
+                daemon.metrics.registry.get_sample_value(
+                    "rtrl_cycle_runs_not_started_total", {"reason": "still_running"}
+                )
+                or 0.0
+            )
+
+        wait_for(lambda: not_started() >= 2, 30, "two scheduled runs to find the cycle still running")
+        assert len(running) == 1  # never two at once
+    finally:
+        release_cycle.set()
+        daemon.shutdown()
