@@ -34,7 +34,7 @@ from ingest.batch import raw_records
 from ingest.workers import Lanes
 from pipeline.core import kafka_client
 from pipeline.core.config import Config
-from pipeline.core.store.events import stored_offsets
+from pipeline.core.store.event_reads import stored_offsets
 
 log = logging.getLogger("rtrl.ingest")
 

@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 
 from ingest.consumer import make_consumer
 from pipeline.core.config import Config
-from pipeline.core.store.events import stored_offsets
+from pipeline.core.store.event_reads import stored_offsets
 
 
 @dataclass(frozen=True)

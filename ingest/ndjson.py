@@ -15,7 +15,7 @@ from typing import IO
 
 from sqlalchemy import Engine
 
-from pipeline.core.store.events import iter_event_bodies
+from pipeline.core.store.event_reads import iter_event_bodies
 
 _GZIP_MAGIC = b"\x1f\x8b"
 

@@ -26,14 +26,8 @@ from ingest.consumer import make_consumer
 from ingest.decode import decode
 from ingest.ndjson import iter_lines, source_name
 from pipeline.core.config import Config
-from pipeline.core.store.events import (
-    Rows,
-    event_row,
-    existing_event_ids,
-    iter_dead_letters,
-    resolve_dead_letters,
-    write_rows,
-)
+from pipeline.core.store.event_reads import existing_event_ids, iter_dead_letters
+from pipeline.core.store.events import Rows, event_row, resolve_dead_letters, write_rows
 from pipeline.core.types import DeadLetter, SourcePosition
 
 _BATCH = 2000

@@ -17,7 +17,8 @@ from ingest.replay import replay_dead_letters, replay_from_file, replay_from_kaf
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
 from pipeline.core.config import Config
 from pipeline.core.store.cycles import recent_cycles
-from pipeline.core.store.events import dead_letters_by_reason, table_counts, utcnow
+from pipeline.core.store.event_reads import dead_letters_by_reason, table_counts
+from pipeline.core.store.events import utcnow
 from pipeline.core.store.leases import holder
 from train.outcome_record import gate_use
 from train.outcome_record import latest as latest_outcome_model

@@ -22,7 +22,7 @@ from pipeline.core.config import Config
 from pipeline.core.kafka_config import security_env
 from pipeline.core.store.cycles import CycleState, recent_cycles
 from pipeline.core.store.deploys import all_decisions
-from pipeline.core.store.events import table_counts
+from pipeline.core.store.event_reads import table_counts
 
 
 class Terminal:

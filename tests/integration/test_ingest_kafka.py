@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartitio
 from sqlalchemy import select
 
 from ingest.consumer import run_ingest
-from pipeline.core.store.events import stored_offsets, table_counts
+from pipeline.core.store.event_reads import stored_offsets, table_counts
 from pipeline.core.store.tables import dead_letters, feedback, interactions
 from tests.support.decode_cases import BAD, EXPECTED
 from tests.support.factories import encode, interaction

@@ -31,7 +31,7 @@ from pipeline.core import kafka_client
 from pipeline.core.config import load_config
 from pipeline.core.kafka_config import KafkaAccess, KafkaSecurityConfig, security_env
 from pipeline.core.store import db as store_db
-from pipeline.core.store.events import table_counts
+from pipeline.core.store.event_reads import table_counts
 from pipeline.kafka_local import ensure_topics
 from tests.support.factories import feedback, interaction
 from tests.support.helpers import free_port, wait_for

@@ -13,7 +13,7 @@ from ingest.ndjson import export_events
 from ingest.replay import replay_from_file, replay_from_kafka
 from pipeline.cli import cli
 from pipeline.core.store import db as store_db
-from pipeline.core.store.events import stored_offsets, table_counts
+from pipeline.core.store.event_reads import stored_offsets, table_counts
 from tests.support.factories import encode, interaction
 from tests.support.factories import feedback as fb
 from tests.support.stores import event_contents

@@ -10,35 +10,37 @@ processes) and written here.
 
 Inserts are `INSERT .. ON CONFLICT DO NOTHING` on the natural keys (`event_id` for events,
 `(source, partition, offset)` for dead letters), so a batch re-delivered after a crash, or a
-replay of history, adds nothing that is already there: by the driver's executemany of one
-compiled statement, and on PostgreSQL, for a batch's events, by one binary COPY into a staging
-table and one `INSERT .. SELECT` from it (copy_insert_ignore). The consumer's next offsets are
-upserted in the same transaction: after a crash, ingest seeks to exactly the position the
-stored rows cover.
+replay of history, adds nothing that is already there (store/inserts.py: the driver's
+executemany of one compiled statement, and on PostgreSQL, for a batch's events, one binary COPY
+into a staging table). The consumer's next offsets are upserted in the same transaction: after a
+crash, ingest seeks to exactly the position the stored rows cover. Reading events back out is
+store/event_reads.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Engine, Row, Select, Table, delete, func, select
+from sqlalchemy import Connection, Engine, delete
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 
 from pipeline.core.decoded import DecodedEvent, DecodedInteraction
+from pipeline.core.store.inserts import (
+    copy_insert_ignore,
+    insert_ignore,
+    may_stage,
+)
 from pipeline.core.store.tables import (
     EVENT_TABLES,
     consumer_offsets,
     dead_letters,
-    feedback,
-    interactions,
-    metadata,
 )
 from pipeline.core.types import (
     DeadLetter,
@@ -148,148 +150,6 @@ def dead_letter_row(dl: DeadLetter) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class _InsertPlan:
-    sql: str
-    columns: tuple[str, ...]
-    processors: tuple[Any, ...]  # per column: the dialect's bind processor, or None
-    positional: bool
-
-
-_PLANS: dict[tuple[str, str], _InsertPlan] = {}
-
-
-def _insert_plan(conn: Connection, table: Table, key: list[str]) -> _InsertPlan:
-    """`INSERT .. ON CONFLICT (key) DO NOTHING`, compiled once per table and dialect."""
-    cache_key = (table.name, conn.dialect.name)
-    if cache_key not in _PLANS:
-        dialect_mod = sqlite if conn.dialect.name == "sqlite" else postgresql
-        cols = [c for c in table.columns if not (c.primary_key and c.autoincrement is True)]
-        compiled = (
-            dialect_mod.insert(table)
-            .on_conflict_do_nothing(index_elements=key)
-            .compile(dialect=conn.dialect, column_keys=[c.key for c in cols])
-        )
-        names = tuple(compiled.positiontup) if compiled.positional else tuple(c.key for c in cols)
-        by_name = {c.key: c for c in cols}
-        _PLANS[cache_key] = _InsertPlan(
-            sql=str(compiled),
-            columns=names,
-            processors=tuple(by_name[n].type.dialect_impl(conn.dialect).bind_processor(conn.dialect) for n in names),
-            positional=compiled.positional,
-        )
-    return _PLANS[cache_key]
-
-
-def insert_ignore(
-    conn: Connection,
-    table: Table,
-    rows: Sequence[dict[str, Any]],
-    key: list[str],
-    same: dict[str, Any] | None = None,
-) -> int:
-    """Insert many rows, skipping those whose `key` exists; returns how many were new.
-    `same` holds column values shared by every row (e.g. the batch's timestamp); a column a
-    row leaves out is NULL (the store refuses it, naming the column, where NULL is not allowed).
-
-    The hot path of ingest: one statement compiled once, executed by the driver's
-    executemany (sqlite3's C loop, psycopg's pipeline), without SQLAlchemy's per-row
-    parameter processing. Both drivers sum rowcount over the rows actually inserted.
-    """
-    if not rows:
-        return 0
-    plan = _insert_plan(conn, table, key)
-    columns = list(zip(plan.columns, plan.processors))
-    same = same or {}
-    shared = {n: (same[n] if p is None else p(same[n])) for n, p in columns if n in same}
-    params: list[Any] = []
-    for row in rows:
-        values = [shared[n] if n in shared else (row.get(n) if p is None else p(row.get(n))) for n, p in columns]
-        params.append(tuple(values) if plan.positional else dict(zip(plan.columns, values)))
-    return conn.exec_driver_sql(plan.sql, params).rowcount
-
-
-@dataclass(frozen=True)
-class _CopyPlan:
-    stage: str  # the session's staging table: created when missing, emptied at every commit
-    copy: str
-    insert: str
-    columns: tuple[str, ...]
-    types: list[int]  # the staging table's column type oids, for binary COPY
-
-
-_COPY_PLANS: dict[str, _CopyPlan] = {}
-
-
-def _stage(cur: Any, table: Table) -> _CopyPlan:
-    """The staging table of `table` in this session, and how to fill and drain it."""
-    cols = tuple(c.key for c in table.columns if not (c.primary_key and c.autoincrement is True))
-    stage, names = f"rtrl_stage_{table.name}", ", ".join(f'"{c}"' for c in cols)
-    # IF NOT EXISTS every time: a rolled-back transaction takes the session's table with it
-    # `_ord`: the batch's order, so that ids are handed out in log order, as executemany does
-    cur.execute(
-        f"CREATE TEMPORARY TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-        f"SELECT {names}, 0::bigint AS _ord FROM {table.name} WITH NO DATA"
-    )
-    if table.name not in _COPY_PLANS:
-        cur.execute(f"SELECT {names}, _ord FROM {stage} LIMIT 0")
-        _COPY_PLANS[table.name] = _CopyPlan(
-            stage=stage,
-            copy=f"COPY {stage} ({names}, _ord) FROM STDIN (FORMAT BINARY)",
-            insert=f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {stage} ORDER BY _ord",
-            columns=cols,
-            types=[d.type_code for d in cur.description],
-        )
-    return _COPY_PLANS[table.name]
-
-
-_MAY_STAGE: dict[str, bool] = {}  # database URL -> whether this role may create temporary tables
-
-
-def _may_stage(conn: Connection) -> bool:
-    """Whether the COPY path's staging table may be created: a role without the TEMPORARY
-    privilege on its database (a hardened server) writes by executemany instead of failing
-    every batch. Asked once per process and database."""
-    key = conn.engine.url.render_as_string()
-    if key not in _MAY_STAGE:
-        _MAY_STAGE[key] = bool(
-            conn.exec_driver_sql("SELECT has_database_privilege(current_database(), 'TEMPORARY')").scalar()
-        )
-    return _MAY_STAGE[key]
-
-
-def copy_insert_ignore(
-    conn: Connection,
-    table: Table,
-    rows: Sequence[dict[str, Any]],
-    key: list[str],
-    same: dict[str, Any] | None = None,
-) -> int:
-    """`insert_ignore` on PostgreSQL for ingest's batches: the rows COPYed (binary) into a
-    temporary staging table, then inserted from it in one statement with the same conflict
-    handling -- the data in one stream instead of a statement per row. A value the store
-    refuses raises SQLAlchemy's DataError / IntegrityError, as the executemany path does."""
-    if not rows:
-        return 0
-    import psycopg  # the PostgreSQL driver: only imported where PostgreSQL is used
-
-    shared = same or {}
-    try:
-        driver = conn.connection.driver_connection
-        assert driver is not None  # an open Connection holds its DBAPI connection
-        with driver.cursor() as cur:
-            plan = _stage(cur, table)
-            cur.execute(f"DELETE FROM {plan.stage}")  # empty unless a batch earlier in this transaction used it
-            with cur.copy(plan.copy) as copy:
-                copy.set_types(plan.types)
-                for order, row in enumerate(rows):
-                    copy.write_row([shared[n] if n in shared else row.get(n) for n in plan.columns] + [order])
-            cur.execute(f"{plan.insert} ON CONFLICT ({', '.join(key)}) DO NOTHING")
-            return cur.rowcount
-    except psycopg.Error as exc:
-        raise DBAPIError.instance(f"COPY into {table.name}", None, exc, psycopg.Error) from exc
-
-
 def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
     if not offsets:
         return
@@ -308,7 +168,7 @@ def _upsert_offsets(conn: Connection, group_id: str, offsets: dict[tuple[str, in
 
 
 def _write_events(conn: Connection, rows: Rows, now: datetime, result: WriteResult) -> None:
-    insert = copy_insert_ignore if conn.dialect.name == "postgresql" and _may_stage(conn) else insert_ignore
+    insert = copy_insert_ignore if conn.dialect.name == "postgresql" and may_stage(conn) else insert_ignore
     for kind, table in EVENT_TABLES.items():
         batch = getattr(rows, kind)
         added = insert(conn, table, batch, ["event_id"], same={"ingested_at": now})
@@ -391,68 +251,6 @@ def _write_rows(
         if group_id is not None and next_offsets:
             _upsert_offsets(conn, group_id, next_offsets)
     return result
-
-
-def stored_offsets(engine: Engine, group_id: str, topics: Iterable[str] | None = None) -> dict[tuple[str, int], int]:
-    """The next offset to read per (topic, partition) for a consumer group."""
-    stmt = select(consumer_offsets.c.topic, consumer_offsets.c.partition, consumer_offsets.c.next_offset).where(
-        consumer_offsets.c.group_id == group_id
-    )
-    if topics is not None:
-        stmt = stmt.where(consumer_offsets.c.topic.in_(list(topics)))
-    with engine.connect() as conn:
-        return {(t, p): o for t, p, o in conn.execute(stmt)}
-
-
-def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> set[str]:
-    table = EVENT_TABLES[kind]
-    found: set[str] = set()
-    with engine.connect() as conn:
-        for start in range(0, len(event_ids), _CHUNK):
-            chunk = list(event_ids[start : start + _CHUNK])
-            found.update(conn.scalars(select(table.c.event_id).where(table.c.event_id.in_(chunk))))
-    return found
-
-
-def table_counts(engine: Engine) -> dict[str, int]:
-    with engine.connect() as conn:
-        return {
-            name: conn.scalar(select(func.count()).select_from(table)) or 0 for name, table in metadata.tables.items()
-        }
-
-
-def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
-    stmt = select(dead_letters.c.reason, func.count()).group_by(dead_letters.c.reason)
-    with engine.connect() as conn:
-        return dict(conn.execute(stmt).all())
-
-
-# --- reading events back out (export) -------------------------------------------------------
-
-
-def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[Sequence[Row]]:
-    """Rows of `stmt` in chunks of `size`, in `id_column` order (keyset pagination: each chunk
-    is one short query, so nothing is held open and memory stays flat)."""
-    last_id = 0
-    while True:
-        with engine.connect() as conn:
-            rows = conn.execute(stmt.where(id_column > last_id).order_by(id_column).limit(size)).all()
-        if not rows:
-            return
-        yield rows
-        last_id = getattr(rows[-1], id_column.key)
-
-
-def iter_event_bodies(engine: Engine, batch: int = 1000) -> Iterator[str]:
-    """Every stored event's JSON text, interactions then feedback, in id order (streamed)."""
-    for table in (interactions, feedback):
-        for rows in iter_id_chunks(engine, select(table.c.id, table.c.body), table.c.id, batch):
-            yield from (row.body for row in rows)
-
-
-def iter_dead_letters(engine: Engine, batch: int = 500) -> Iterator[Any]:
-    for rows in iter_id_chunks(engine, select(dead_letters), dead_letters.c.id, batch):
-        yield from rows
 
 
 def resolve_dead_letters(engine: Engine, rows: Rows, letter_ids: Sequence[int]) -> WriteResult:

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, tuple_, type_coerce
 
-from pipeline.core.store.events import insert_ignore, utcnow
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.inserts import insert_ignore
 from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, same_episode, training_episodes
 
 

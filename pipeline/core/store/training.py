@@ -36,7 +36,8 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine, Row, and_, exists, func, select, update
 
-from pipeline.core.store.events import insert_ignore, utcnow
+from pipeline.core.store.events import utcnow
+from pipeline.core.store.inserts import insert_ignore
 from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
 from pipeline.core.types import is_our_version, task_key
 

@@ -1,0 +1,80 @@
+"""Reading raw events back: the consumer's stored offsets, which event ids are stored, counts
+per table and per dead-letter reason, and the bodies and dead letters in id order for export
+and replay (keyset pagination: each chunk is one short query, so memory stays flat)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from sqlalchemy import Engine, Row, Select, func, select
+
+from pipeline.core.store.tables import (
+    EVENT_TABLES,
+    consumer_offsets,
+    dead_letters,
+    feedback,
+    interactions,
+    metadata,
+)
+
+_CHUNK = 500  # ids per IN (...) query
+
+
+def stored_offsets(engine: Engine, group_id: str, topics: Iterable[str] | None = None) -> dict[tuple[str, int], int]:
+    """The next offset to read per (topic, partition) for a consumer group."""
+    stmt = select(consumer_offsets.c.topic, consumer_offsets.c.partition, consumer_offsets.c.next_offset).where(
+        consumer_offsets.c.group_id == group_id
+    )
+    if topics is not None:
+        stmt = stmt.where(consumer_offsets.c.topic.in_(list(topics)))
+    with engine.connect() as conn:
+        return {(t, p): o for t, p, o in conn.execute(stmt)}
+
+
+def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> set[str]:
+    table = EVENT_TABLES[kind]
+    found: set[str] = set()
+    with engine.connect() as conn:
+        for start in range(0, len(event_ids), _CHUNK):
+            chunk = list(event_ids[start : start + _CHUNK])
+            found.update(conn.scalars(select(table.c.event_id).where(table.c.event_id.in_(chunk))))
+    return found
+
+
+def table_counts(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {
+            name: conn.scalar(select(func.count()).select_from(table)) or 0 for name, table in metadata.tables.items()
+        }
+
+
+def dead_letters_by_reason(engine: Engine) -> dict[str, int]:
+    stmt = select(dead_letters.c.reason, func.count()).group_by(dead_letters.c.reason)
+    with engine.connect() as conn:
+        return dict(conn.execute(stmt).all())
+
+
+def iter_id_chunks(engine: Engine, stmt: Select, id_column: Any, size: int) -> Iterator[Sequence[Row]]:
+    """Rows of `stmt` in chunks of `size`, in `id_column` order (keyset pagination: each chunk
+    is one short query, so nothing is held open and memory stays flat)."""
+    last_id = 0
+    while True:
+        with engine.connect() as conn:
+            rows = conn.execute(stmt.where(id_column > last_id).order_by(id_column).limit(size)).all()
+        if not rows:
+            return
+        yield rows
+        last_id = getattr(rows[-1], id_column.key)
+
+
+def iter_event_bodies(engine: Engine, batch: int = 1000) -> Iterator[str]:
+    """Every stored event's JSON text, interactions then feedback, in id order (streamed)."""
+    for table in (interactions, feedback):
+        for rows in iter_id_chunks(engine, select(table.c.id, table.c.body), table.c.id, batch):
+            yield from (row.body for row in rows)
+
+
+def iter_dead_letters(engine: Engine, batch: int = 500) -> Iterator[Any]:
+    for rows in iter_id_chunks(engine, select(dead_letters), dead_letters.c.id, batch):
+        yield from rows
