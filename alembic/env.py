@@ -3,6 +3,7 @@
 import os
 
 from alembic import context
+
 from pipeline.core.store.db import make_engine
 from pipeline.core.store.tables import metadata
 

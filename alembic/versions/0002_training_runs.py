@@ -8,7 +8,6 @@ Create Date: 2026-11-30 11:15:33.146218
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0002"

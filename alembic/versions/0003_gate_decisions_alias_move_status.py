@@ -8,7 +8,6 @@ Create Date: 2026-11-30 11:36:22.267008
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0003"

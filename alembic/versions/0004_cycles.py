@@ -8,7 +8,6 @@ Create Date: 2026-11-30 12:06:54.679486
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0004"

@@ -9,7 +9,6 @@ Create Date: 2026-12-01 04:00:00
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0005"

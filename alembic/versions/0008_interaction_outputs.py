@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import orjson
 import sqlalchemy as sa
-
 from alembic import op
+
 from pipeline.core.store.events import output_columns
 
 revision: str = "0008"

@@ -11,7 +11,6 @@ Create Date: 2026-12-02 05:30:00
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0009"

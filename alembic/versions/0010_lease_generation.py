@@ -13,7 +13,6 @@ Create Date: 2026-12-02 06:00:00
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0010"

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import orjson
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0011"

@@ -10,7 +10,6 @@ Create Date: 2026-12-05 02:40:00
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
 
 revision: str = "0014"

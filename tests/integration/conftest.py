@@ -78,6 +78,7 @@ def cfg(cfg_env) -> Config:
     return load_config(environ=cfg_env)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(items):
     """Every test that reaches the session's broker is marked `kafka`, and every PostgreSQL case
     `postgres`, whether or not its module says so: `-m "not kafka"` leaves out exactly those."""

@@ -1,6 +1,4 @@
-"""The agent task family (pipeline/demo/agent.py) and what measures it: the chat template and
-the tool-call formats the base is warmed up on, the online tool-format canary of a staged
-rollout (deploy/rollout.py), and the store's per-episode and tool-error queries on both stores."""
+"""The store's per-episode and tool-error queries for the agent task, on both stores."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The command line: every command explains itself, `db upgrade` works from a wheel, and
-commands refuse a store that is behind with the command that fixes it."""
+"""The command line installed from a wheel: `db upgrade` finds its migrations, and a demo whose
+broker port is taken says what to do."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from click.testing import CliRunner
+
+from pipeline.cli import cli
 from tests.support.helpers import REPO
 
 
@@ -41,3 +44,18 @@ def test_db_upgrade_works_from_a_wheel_install(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"migrations {target}" in out.stdout and "is at revision" in out.stdout
     assert Path(tmp_path / "state" / "rtrl.db").exists()
+
+
+def test_a_demo_whose_broker_port_is_taken_says_what_to_do_without_a_traceback(tmp_path):
+    """Another demo's broker still up on the port: the error names the port and the command that
+    frees it, as a usage error (it was a traceback)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA__PORT": str(port)}
+        result = CliRunner().invoke(cli, ["demo", "--cycles", "1", "--verbose"], env=env)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert f"Error: port {port} on 127.0.0.1 is taken" in result.output and "rtrl kafka down" in result.output

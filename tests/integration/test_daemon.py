@@ -1,6 +1,6 @@
 """The daemon: the cycle lease (both stores), two `rtrl daemon` processes against one store
 (exactly one runs cycles; kill -9 it and the other takes over within the lease's ttl), the
-metrics and health endpoints, and schedules."""
+metrics and health endpoints, and a daemon refused at start."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The local broker's commands: status of the running one, and one clear line without Java."""
+"""The local broker's status of the session's running broker."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Kafka security: `[kafka.security]` reaches every client, and `rtrl kafka up --secure` runs a
-broker like a managed one (SASL_SSL: TLS with a client certificate, then a SCRAM login).
-
-Against that broker: ingest and replay (SQLite and PostgreSQL), `rtrl serve`'s interaction
-events and a model-update round trip (a promotion published, followed by serving), and every
-wrong setting failing within seconds with a message that names it. Secrets never reach a
-printed config, `rtrl status` or a log line; the config file may not hold them."""
+"""`rtrl kafka up --secure` runs a broker like a managed one (SASL_SSL: TLS with a client
+certificate, then a SCRAM login). Against that broker: ingest and replay (SQLite and
+PostgreSQL), `rtrl serve`'s interaction events and a model-update round trip (a promotion
+published, followed by serving), and every wrong setting failing within seconds with a message
+that names it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Staged rollout: a candidate that passed the gate serves a share of live traffic as the canary,
 and the online comparison promotes it or withdraws it (the real broker, SQLite, the local MLflow
-store, a tiny model); the comparison itself and the routing as pure functions."""
+store, a tiny model)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`rtrl serve` (a real process) under concurrent requests while three promotions and a staged
-canary happen, and the vLLM hook against a local server that implements vLLM's two adapter endpoints."""
+canary happen, and the vLLM hook against a local server that implements vLLM's two adapter
+endpoints."""
 
 from __future__ import annotations
 

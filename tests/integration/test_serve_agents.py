@@ -1,10 +1,5 @@
-"""rtrl serve for agents, through the official `openai` client: tools offered and tool calls
-parsed (or flagged when the model broke them), follow-up requests carrying earlier calls and
-their results, n > 1 as a group, and streaming that reassembles to the unstreamed answer and
-marks the event truncated when the client goes away.
-
-Where a test needs the model to write a particular tool call, `Scripted` answers with that text
-(its tokens, through the server's whole path); the streaming equality runs the real model."""
+"""rtrl serve for agents on a real socket: a client that goes away mid-stream, or before the
+first token, leaves an event marked truncated."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The spool that keeps what the broker did not acknowledge: in order, across segments and
-restarts, a torn tail dropped, full refused (counted) or blocking, and a kill -9 losing nothing
-appended."""
+"""The spool against real failures: a kill -9 loses nothing appended, events sent while the broker
+is away reach it in order once it is back, and an event too large for the topic is set aside."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The unit layer: no broker, no PostgreSQL, no process of its own, about a minute in all
-(`make test-unit`). Its stores are SQLite files; a check that needs PostgreSQL, a broker, a
-server on a socket or a subprocess belongs in tests/integration/."""
+"""The unit layer: no broker, no PostgreSQL, no process of its own, no Java (`make test-unit`:
+about a minute and a half on 2 cores). Its stores are SQLite files; a check that needs
+PostgreSQL, a broker, a server on a socket or a subprocess belongs in tests/integration/."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The agent task family (pipeline/demo/agent.py) and what measures it: the chat template and
-the tool-call formats the base is warmed up on, the online tool-format canary of a staged
-rollout (deploy/rollout.py), and the store's per-episode and tool-error queries on both stores."""
+the tool-call formats the base is warmed up on, and the online tool-format canary of a staged
+rollout (deploy/rollout.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The command line: every command explains itself, `db upgrade` works from a wheel, and
-commands refuse a store that is behind with the command that fixes it."""
+"""The command line: every command explains itself, commands refuse a store that is behind with
+the command that fixes it, bad configuration is refused naming the field, and the documented
+configuration and docs stay true."""
 
 from __future__ import annotations
 
@@ -130,18 +131,3 @@ def test_the_docs_stand_alone():
         for target in re.findall(r"\]\(([^)#]+)\)", text):
             if not target.startswith("http"):
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
-
-
-def test_a_demo_whose_broker_port_is_taken_says_what_to_do_without_a_traceback(tmp_path):
-    """Another demo's broker still up on the port: the error names the port and the command that
-    frees it, as a usage error (it was a traceback)."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA__PORT": str(port)}
-        result = CliRunner().invoke(cli, ["demo", "--cycles", "1", "--verbose"], env=env)
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
-    assert f"Error: port {port} on 127.0.0.1 is taken" in result.output and "rtrl kafka down" in result.output

@@ -1,6 +1,5 @@
-"""The daemon: the cycle lease (both stores), two `rtrl daemon` processes against one store
-(exactly one runs cycles; kill -9 it and the other takes over within the lease's ttl), the
-metrics and health endpoints, and schedules."""
+"""The daemon's schedules: a bad schedule is refused, and a scheduled cycle that finds the last
+one still running is counted, not overlapped."""
 
 from __future__ import annotations
 

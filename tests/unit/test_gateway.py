@@ -1,7 +1,5 @@
-"""`rtrl gateway` in front of a real OpenAI-compatible server (`rtrl serve`), driven by the
-official `openai` client: the client gets the answer in the shape it asked for, the loop gets
-the interaction event with the served tokens' ids and log-probs (streamed or not, tools passed
-through), outcomes come in through /v1/feedback, and an upstream that fails gives no event."""
+"""`rtrl serve` behind a gateway, in process: the version the model field names answers, and
+rtrl serve leaves the interaction event to the gateway in front of it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Kafka security: `[kafka.security]` reaches every client, and `rtrl kafka up --secure` runs a
-broker like a managed one (SASL_SSL: TLS with a client certificate, then a SCRAM login).
-
-Against that broker: ingest and replay (SQLite and PostgreSQL), `rtrl serve`'s interaction
-events and a model-update round trip (a promotion published, followed by serving), and every
-wrong setting failing within seconds with a message that names it. Secrets never reach a
-printed config, `rtrl status` or a log line; the config file may not hold them."""
+"""Kafka security settings: `[kafka.security]` reaches every client's parameters, the password
+comes from the environment and is never shown, every wrong setting is refused at load naming
+the field, and masked secrets never reach a log line."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Staged rollout: a candidate that passed the gate serves a share of live traffic as the canary,
-and the online comparison promotes it or withdraws it (the real broker, SQLite, the local MLflow
-store, a tiny model); the comparison itself and the routing as pure functions."""
+"""The staged rollout's pure parts: the online comparison that promotes, withdraws or waits (and
+says why), and the routing that sends the canary its share, a request always the same way."""
 
 from __future__ import annotations
 

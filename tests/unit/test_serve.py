@@ -1,5 +1,6 @@
-"""`rtrl serve` (a real process) under concurrent requests while three promotions and a staged
-canary happen, and the vLLM hook against a local server that implements vLLM's two adapter endpoints."""
+"""The vLLM hook's adapter bookkeeping against vLLM's two adapter endpoints (stubbed at the call):
+a cleared champion loads nothing, an alias that keeps failing does not hold up the other, and an
+old adapter is unloaded only after its grace period and not while it is needed again."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The spool that keeps what the broker did not acknowledge: in order, across segments and
-restarts, a torn tail dropped, full refused (counted) or blocking, and a kill -9 losing nothing
-appended."""
+"""The spool that keeps what the broker did not acknowledge: in order across segments, a failed
+send and a restart; a torn tail dropped; full refused (counted) or blocking; a record refused
+for good set aside while the records behind it go on."""
 
 from __future__ import annotations
 

@@ -12,13 +12,12 @@ from functools import cache
 from pathlib import Path
 
 import orjson
+from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-
-from alembic import command
 
 
 class SchemaError(RuntimeError):
