@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.core.spool import Spool
 from tests.support.helpers import REPO, wait_for
-from tests.support.spool import _values
+from tests.support.spool import drained_values
 
 
 def test_a_process_killed_mid_appends_loses_nothing_it_appended(tmp_path):
@@ -49,7 +49,7 @@ while True:
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    got = _values(Spool(tmp_path))
+    got = drained_values(Spool(tmp_path))
     assert got[:durable] == list(range(durable))
 
 

@@ -7,7 +7,7 @@ import json
 from pipeline.core.spool import Spool
 
 
-def _values(spool: Spool, fail_after: int | None = None) -> list[int]:
+def drained_values(spool: Spool, fail_after: int | None = None) -> list[int]:
     got: list[int] = []
 
     def send(topic, key, value):

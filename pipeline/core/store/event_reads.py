@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Row, Select, func, select
 
+from pipeline.core.store.events import count_of
 from pipeline.core.store.tables import (
     EVENT_TABLES,
     consumer_offsets,
@@ -45,7 +46,7 @@ def existing_event_ids(engine: Engine, kind: str, event_ids: Sequence[str]) -> s
 def table_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return {
-            name: conn.scalar(select(func.count()).select_from(table)) or 0 for name, table in metadata.tables.items()
+            name: count_of(conn, select(func.count()).select_from(table)) for name, table in metadata.tables.items()
         }
 
 

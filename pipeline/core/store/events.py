@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Engine, delete
+from sqlalchemy import Connection, Engine, Select, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError
 
@@ -57,6 +57,11 @@ log = logging.getLogger("rtrl.store")
 def utcnow() -> datetime:
     """Naive UTC, the store's timestamp convention."""
     return datetime.now(UTC).replace(tzinfo=None)
+
+
+def count_of(conn: Connection, stmt: Select) -> int:
+    """The value of a `SELECT count(...)`: never NULL, though `scalar()` is typed as if it could be."""
+    return conn.scalar(stmt) or 0
 
 
 @dataclass

@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import Engine, String, and_, case, delete, exists, func, literal, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from pipeline.core.store.events import utcnow
+from pipeline.core.store.events import count_of, utcnow
 from pipeline.core.store.tables import feedback, interactions, reward_progress, reward_waiting, same_episode
 
 _CHUNK = 500  # values per IN (...)
@@ -89,9 +89,7 @@ def save_progress(
         ).rowcount
         if not done:
             conn.execute(reward_progress.insert().values(spec_version=spec_version, **values))
-        return (
-            conn.scalar(select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before)) or 0
-        )
+        return count_of(conn, select(func.count()).select_from(reward_waiting).where(ours, waiting.ts < orphan_before))
 
 
 def first_interaction_id(engine: Engine) -> int:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy import Engine, String, and_, case, exists, func, null, or_, select, true, tuple_, type_coerce
 
-from pipeline.core.store.events import utcnow
+from pipeline.core.store.events import count_of, utcnow
 from pipeline.core.store.inserts import insert_ignore
 from pipeline.core.store.tables import feedback, interactions, judge_scores, rewards, same_episode, training_episodes
 
@@ -384,13 +384,11 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
             .subquery()
         )
         orphans = select(with_feedback.c.key).where(~exists().where(interactions.c.request_id == with_feedback.c.key))
-        total += (
-            conn.scalar(
-                select(func.count())
-                .select_from(feedback)
-                .where(feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window)
-            )
-            or 0
+        total += count_of(
+            conn,
+            select(func.count())
+            .select_from(feedback)
+            .where(feedback.c.request_id.in_(orphans), feedback.c.ts < older_than, window),
         )
         # an episode's outcome whose tenant has no call of that episode (the same two steps, by
         # pair; '' stands for a tenant not named, which any tenant's calls match)
@@ -404,13 +402,11 @@ def orphaned_feedback(engine: Engine, older_than: datetime, since: datetime | No
         orphans = select(pairs.c.episode_id, pairs.c.tenant).where(
             ~exists().where(same_episode(interactions, pairs, any_tenant=pairs.c.tenant == ""))
         )
-        total += (
-            conn.scalar(
-                select(func.count())
-                .select_from(feedback)
-                .where(tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window)
-            )
-            or 0
+        total += count_of(
+            conn,
+            select(func.count())
+            .select_from(feedback)
+            .where(tuple_(feedback.c.episode_id, named).in_(orphans), feedback.c.ts < older_than, window),
         )
     return total
 

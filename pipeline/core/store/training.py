@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine, Row, and_, exists, func, select, update
 
-from pipeline.core.store.events import utcnow
+from pipeline.core.store.events import count_of, utcnow
 from pipeline.core.store.inserts import insert_ignore
 from pipeline.core.store.tables import cycles, interactions, rewards, training_episodes, training_runs
 from pipeline.core.types import is_our_version, task_key
@@ -183,29 +183,25 @@ def select_episodes(
     joined = rewards.join(interactions, interactions.c.request_id == rewards.c.request_id)
     window = and_(rewards.c.spec_version == spec_version, rewards.c.id > since_reward_id)
     with engine.connect() as conn:
-        candidates = conn.scalar(select(func.count()).select_from(rewards).where(window)) or 0
+        candidates = count_of(conn, select(func.count()).select_from(rewards).where(window))
         stale = 0
         if served_after is not None:
-            stale = (
-                conn.scalar(
-                    select(func.count(func.distinct(rewards.c.id)))
-                    .select_from(joined)
-                    .where(and_(window, interactions.c.ts < served_after))
-                )
-                or 0
+            stale = count_of(
+                conn,
+                select(func.count(func.distinct(rewards.c.id)))
+                .select_from(joined)
+                .where(and_(window, interactions.c.ts < served_after)),
             )
         other_tenant = 0
         keep = [window]
         if served_after is not None:
             keep.append(interactions.c.ts >= served_after)
         if tenant is not None:
-            other_tenant = (
-                conn.scalar(
-                    select(func.count(func.distinct(rewards.c.id)))
-                    .select_from(joined)
-                    .where(and_(*keep, interactions.c.tenant != tenant))
-                )
-                or 0
+            other_tenant = count_of(
+                conn,
+                select(func.count(func.distinct(rewards.c.id)))
+                .select_from(joined)
+                .where(and_(*keep, interactions.c.tenant != tenant)),
             )
             keep.append(interactions.c.tenant == tenant)
         stmt = (
