@@ -60,12 +60,12 @@ def _serve_upstream(port: int) -> None:
 def _serve_gateway(port: int, upstream: str, bootstrap: str | None, spool: str | None) -> None:
     import uvicorn
 
-    from deploy.gateway import Gateway
-    from deploy.gateway_api import create_gateway_app
+    from deploy.serving.gateway import Gateway
+    from deploy.serving.gateway_api import create_gateway_app
 
     emit = None
     if bootstrap:
-        from deploy.events import EventSender
+        from deploy.serving.events import EventSender
         from pipeline.core.spool import Spool
 
         emit = EventSender(bootstrap, "rtrl-bench.interactions", key="request_id", spool=Spool(Path(spool)))

@@ -79,7 +79,7 @@ def check_unknown_model(url: str, base: str, adapter: Path) -> None:
 
 
 def check_processed_logprobs(url: str, base: str, adapter: Path) -> None:
-    from deploy.gateway import Gateway
+    from deploy.serving.gateway import Gateway
 
     mode = Gateway(url, "conformance", None, None).check_logprobs()
     assert mode == "processed", f"the probe says {mode!r}: is vLLM started with --logprobs-mode processed_logprobs?"
@@ -155,7 +155,7 @@ def check_tool_call_fragments(url: str, base: str, adapter: Path) -> None:
     assert fragments, "no tool-call fragment streamed"
     first = fragments[0]
     assert first.get("id") and first.get("type") == "function" and first["function"].get("name") == "lookup", first
-    from deploy.gateway_record import ChoiceRecord
+    from deploy.serving.gateway_record import ChoiceRecord
 
     record = ChoiceRecord(0)
     for f in fragments:

@@ -26,7 +26,7 @@ moved (it is the last alias written), so serving never sees half a promotion, an
 is put back, so the rollback target survives a failed promotion.
 
 A model-update event is a wake-up, not an order: it carries the move's sequence number (`seq`,
-the audit row's id), and followers (deploy/follow.py) read what to serve from the registry.
+the audit row's id), and followers (deploy/serving/follow.py) read what to serve from the registry.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ With `rollout.share` > 0 a candidate that passed the gate first serves that shar
 requests under the registry alias `canary`, the champion serving the rest, and the users'
 reactions decide:
 
-    a request goes to the canary  iff  hash_salt(episode_id or request_id) < share   (routes_to_canary;
+    a request goes to the canary  iff  hash_salt(episode_id or request_id) < share   (the router's:
+      deploy/serving/routing.py;
       the salt a server-side secret: only the router decides, never the client)
       (every call of an agent's episode goes the same way: a canary is measured as a whole
       agent, never as the first call of an episode the champion finishes)
@@ -34,7 +35,6 @@ Nothing here touches a model, a store or a registry.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
@@ -46,33 +46,6 @@ from pipeline.core.config import RolloutConfig
 
 Units = tuple[Sequence[float], Sequence[float]]  # per settled episode: its reward, its covariate
 Calls = tuple[int, int]  # calls served, calls that wrote a malformed tool call
-
-
-def routes_to_canary(key: str, share: float, salt: str = "") -> bool:
-    """The canary serves this request: a stable hash of `key` -- the request's episode id when
-    it names one, else its request id -- below `share` (the same key always goes the same way, so
-    an episode's calls all go to one version; over many keys, `share` of them go to the canary).
-    `salt`: the server's secret and the canary's version (routing_salt): without it a client
-    could pick an episode id that hashes to the side it wants, and the comparison would no longer
-    be a randomised one."""
-    secret = hashlib.blake2b(salt.encode()).digest() if salt else b""  # (a key of any length: 64 bytes)
-    digest = hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest()
-    return int.from_bytes(digest, "big") / 2.0**64 < share
-
-
-def routing_salt(secret: str, canary: str | None) -> str:
-    """What salts the canary's hash: the deployment's RTRL_ROUTING_SECRET (the same for every
-    replica of the gateway and of rtrl serve, so that an episode's calls agree) and the canary's
-    version (each canary draws its own sample of episodes)."""
-    return f"{secret}|v{canary}" if secret else ""
-
-
-def routing_signature(secret: str, request_id: str, routed: str, model: str | None) -> str:
-    """A router's proof, to the server behind it, that it chose the version (rtrl gateway in
-    front of rtrl serve): a keyed hash of the request's id and the choice -- no secret on the
-    wire, and a client that cannot compute it cannot choose."""
-    message = f"{request_id}|{routed}|{model or ''}".encode()
-    return hashlib.blake2b(message, key=hashlib.blake2b(secret.encode()).digest(), digest_size=16).hexdigest()
 
 
 def look(champion: Units | None, canary: Units | None, cfg: RolloutConfig) -> Look:

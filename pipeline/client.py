@@ -76,7 +76,7 @@ class Rtrl:
             self.http.headers["Authorization"] = f"Bearer {token}"
         self.senders: dict[str, Any] = {}
         if bootstrap is not None:
-            from deploy.events import FEEDBACK_KEY, EventSender  # kafka-python: only when producing
+            from deploy.serving.events import FEEDBACK_KEY, EventSender  # kafka-python: only when producing
             from pipeline.core.spool import Spool
 
             root = (

@@ -88,7 +88,7 @@ class CycleDeps:
 def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
     """The real parts: MLflow tracking and registry from the config, model-update events on
     Kafka, models loaded with train.inference, the configured regression suite."""
-    from deploy.events import ModelUpdatePublisher
+    from deploy.serving.events import ModelUpdatePublisher
     from deploy.suite import load_suite
     from deploy.tracking import MlflowTracker
     from train.inference import PolicySet

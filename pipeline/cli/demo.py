@@ -143,7 +143,7 @@ def sim(ctx: Context, url: str, rate: float, seed: int, duration_s: float | None
     complaint -- the reward-hacking bait). With --task agent, episodes: the user names a word by
     a key, the agent looks it up with a tool and answers; the product runs the tool calls, ends an
     episode at a broken call with an error result, and the users react to the final answer."""
-    from deploy.events import FEEDBACK_KEY, EventSender
+    from deploy.serving.events import FEEDBACK_KEY, EventSender
     from pipeline.demo.fleet import make_fleet
 
     send = EventSender(ctx.config.kafka_access, ctx.config.kafka.feedback_topic, key=FEEDBACK_KEY)

@@ -26,8 +26,8 @@ from pipeline.core.types import ModelUpdate
 
 @contextmanager
 def _registry(ctx: Context):
-    from deploy.events import ModelUpdatePublisher
     from deploy.registry import Registry, RegistryError
+    from deploy.serving.events import ModelUpdatePublisher
 
     config = ctx.config
     publisher = ModelUpdatePublisher(config.kafka_access, config.kafka.model_updates_topic)
@@ -255,9 +255,9 @@ def serve(
     the canary's adapter is loaded on vLLM next to the champion's; the router in front of vLLM
     sends it its share."""
 
-    from deploy.follow import Follower
-    from deploy.follow import current as registry_state
     from deploy.registry import Registry, RegistryError
+    from deploy.serving.follow import Follower
+    from deploy.serving.follow import current as registry_state
     from pipeline.core.logs import mask, quiet_progress_bars
 
     quiet_progress_bars()
@@ -290,7 +290,7 @@ def serve(
     except Exception as exc:  # noqa: BLE001 - kafka errors
         raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
     if vllm_url:
-        from deploy.vllm import VllmAdapterSync
+        from deploy.serving.vllm import VllmAdapterSync
 
         sync = VllmAdapterSync(vllm_url, name, fetch, adapters)
         for ev in current:
@@ -306,9 +306,9 @@ def serve(
 
     import uvicorn
 
-    from deploy.events import EventSender
-    from deploy.serve import BASE, PolicyServer
-    from deploy.serve_api import create_app
+    from deploy.serving.events import EventSender
+    from deploy.serving.serve import BASE, PolicyServer
+    from deploy.serving.serve_api import create_app
     from pipeline.core.spool import Spool
     from train.inference import PolicySet
     from train.models import ModelError

@@ -64,12 +64,12 @@ def gateway(
     import uvicorn
     from prometheus_client import Gauge
 
-    from deploy.events import FEEDBACK_KEY, EventSender
-    from deploy.follow import Follower, current
-    from deploy.gateway import Gateway
-    from deploy.gateway_api import create_gateway_app
-    from deploy.gateway_sampling import LOGPROBS_FLAG
     from deploy.registry import Registry
+    from deploy.serving.events import FEEDBACK_KEY, EventSender
+    from deploy.serving.follow import Follower, current
+    from deploy.serving.gateway import Gateway
+    from deploy.serving.gateway_api import create_gateway_app
+    from deploy.serving.gateway_sampling import LOGPROBS_FLAG
     from pipeline.core.logs import mask
     from pipeline.core.spool import Spool
 

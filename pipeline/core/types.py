@@ -320,7 +320,7 @@ class ModelUpdate:
     """An alias move, as the registry announces it on the model-updates topic and as followers
     (rtrl serve, the vLLM sync) act on it. `version` None: the alias was cleared (serve the base
     model; for a canary, withdraw it). `share`: a canary's share of requests. A follower trusts
-    only `name` and `alias` from the wire and reads the rest from the registry (deploy/follow.py),
+    only `name` and `alias` from the wire and reads the rest from the registry (deploy/serving/follow.py),
     so a forged or stale event can make it look, never make it serve something else."""
 
     alias: str

@@ -176,7 +176,7 @@ def run_fleet(
     while the report was being written); then until the store holds every request and every
     reaction the users sent, so that the report counts them all. Returns the last champion. With
     the agent task, the fleet runs episodes and `measure` counts episodes."""
-    from deploy.events import FEEDBACK_KEY, EventSender
+    from deploy.serving.events import FEEDBACK_KEY, EventSender
 
     feedback_sender = EventSender(config.kafka_access, config.kafka.feedback_topic, key=FEEDBACK_KEY)
     fleet = make_fleet(task, url, feedback_sender, rate=rate, seed=seed)

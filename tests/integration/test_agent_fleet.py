@@ -14,7 +14,7 @@ import orjson
 import pytest
 from sqlalchemy import func, select
 
-from deploy.events import FEEDBACK_KEY, EventSender
+from deploy.serving.events import FEEDBACK_KEY, EventSender
 from ingest.consumer import run_ingest
 from pipeline.core.store.episodes import episode_summaries
 from pipeline.core.store.tables import feedback, interactions

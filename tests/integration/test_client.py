@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from deploy.gateway import Gateway
-from deploy.gateway_api import create_gateway_app
+from deploy.serving.gateway import Gateway
+from deploy.serving.gateway_api import create_gateway_app
 from pipeline.client import Rtrl
 from pipeline.core.spool import SpoolBusy
 from tests.support.helpers import free_port, wait_for
@@ -119,7 +119,7 @@ def test_straight_to_kafka(kafka_bootstrap, topics, tmp_path):
 def _full_sender(tmp_path, when_full):
     """An event sender whose broker is away and whose spool holds one event: the next is refused
     (or, with `block`, waits)."""
-    from deploy.events import EventSender
+    from deploy.serving.events import EventSender
     from pipeline.core.spool import Spool
 
     spool = Spool(tmp_path / when_full, max_bytes=1500, when_full=when_full)
@@ -204,7 +204,7 @@ def test_the_ingestion_routes_take_events_only_with_the_gateway_s_token(gateway,
         assert answer.status_code == 403 and "RTRL_GATEWAY_TOKEN" in answer.json()["error"]["message"]
     finally:
         off.stop()
-    from deploy.gateway import new_id
+    from deploy.serving.gateway import new_id
 
     ids = [new_id("req") for _ in range(3)]
     assert len({i[4:12] for i in ids}) == 3 and all(len(i) == 36 for i in ids)  # no shared prefix, no counter

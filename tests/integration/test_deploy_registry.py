@@ -20,8 +20,8 @@ import pytest
 from kafka import KafkaConsumer
 
 from deploy import registry as registry_mod
-from deploy.events import ModelUpdatePublisher
 from deploy.registry import CANARY, CHAMPION, PREVIOUS, Registry, RegistryError
+from deploy.serving.events import ModelUpdatePublisher
 from deploy.stage import adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker

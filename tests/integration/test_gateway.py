@@ -11,10 +11,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.gateway import Gateway
-from deploy.gateway_api import create_gateway_app
-from deploy.serve import PolicyServer
-from deploy.serve_api import create_app
+from deploy.serving.gateway import Gateway
+from deploy.serving.gateway_api import create_gateway_app
+from deploy.serving.serve import PolicyServer
+from deploy.serving.serve_api import create_app
 from pipeline.core.types import ModelUpdate
 from tests.support.helpers import wait_for
 from tests.support.scripted import ASK, LOOKUP, Scripted

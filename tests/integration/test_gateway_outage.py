@@ -1,7 +1,7 @@
 """`rtrl gateway` as users run it -- its own process, a real broker of its own, requests arriving
 all the while -- through a 30 s broker outage and a kill -9: every event of every answered
 request reaches Kafka, exactly once after ingest's dedupe by event id (write-ahead spool:
-deploy/events.py; the gateway keeps an answer's event before it gives the answer)."""
+deploy/serving/events.py; the gateway keeps an answer's event before it gives the answer)."""
 
 from __future__ import annotations
 

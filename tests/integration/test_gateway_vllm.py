@@ -12,10 +12,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.gateway import Gateway
-from deploy.gateway_api import create_gateway_app
-from deploy.gateway_sampling import classify_probe
-from deploy.rollout import routes_to_canary
+from deploy.serving.gateway import Gateway
+from deploy.serving.gateway_api import create_gateway_app
+from deploy.serving.gateway_sampling import classify_probe
+from deploy.serving.routing import routes_to_canary
 from pipeline.core.textchecks import malformed_tool_call
 from pipeline.core.types import ModelUpdate
 from tests.support.servers import InProcessServer

@@ -17,9 +17,9 @@ import pytest
 import requests
 from click.testing import CliRunner
 
-from deploy.events import EventSender, ModelUpdatePublisher
-from deploy.follow import Follower
 from deploy.registry import Registry
+from deploy.serving.events import EventSender, ModelUpdatePublisher
+from deploy.serving.follow import Follower
 from deploy.tracking import MlflowTracker
 from ingest.consumer import run_ingest
 from ingest.replay import replay_from_kafka

@@ -26,8 +26,8 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from sqlalchemy import create_engine, select, text
 
-from deploy.events import ModelUpdatePublisher
 from deploy.registry import CHAMPION
+from deploy.serving.events import ModelUpdatePublisher
 from pipeline import cycle as cycle_mod
 from pipeline.core.store.cycles import recent_cycles
 from pipeline.core.store.deploys import moves, served_and_accepted

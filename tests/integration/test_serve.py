@@ -14,12 +14,12 @@ import pytest
 import requests
 from kafka import KafkaConsumer
 
-from deploy.events import ModelUpdatePublisher
-from deploy.follow import Follower, current
 from deploy.registry import Registry
-from deploy.rollout import routes_to_canary, routing_salt
+from deploy.serving.events import ModelUpdatePublisher
+from deploy.serving.follow import Follower, current
+from deploy.serving.routing import routes_to_canary, routing_salt
+from deploy.serving.vllm import VllmAdapterSync
 from deploy.tracking import MlflowTracker
-from deploy.vllm import VllmAdapterSync
 from pipeline.core.store import db as store_db
 from pipeline.core.store.deploys import record_decision
 from pipeline.core.types import LoggedEpisode, ModelUpdate

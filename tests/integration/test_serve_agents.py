@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import requests
 
-from deploy.serve import PolicyServer
-from deploy.serve_api import create_app
+from deploy.serving.serve import PolicyServer
+from deploy.serving.serve_api import create_app
 from tests.support.helpers import wait_for
 from tests.support.scripted import ASK, Scripted
 from tests.support.servers import InProcessServer

@@ -61,7 +61,7 @@ def test_events_sent_while_the_broker_is_away_reach_it_in_order_once_it_is_back(
     its event id)."""
     from kafka import KafkaConsumer
 
-    from deploy.events import EventSender
+    from deploy.serving.events import EventSender
     from pipeline import kafka_local
     from pipeline.core.config import load_config
     from tests.support.helpers import free_port
@@ -112,7 +112,7 @@ def test_an_event_too_large_for_the_topic_is_set_aside_and_the_events_behind_it_
 
     from kafka import KafkaConsumer
 
-    from deploy.events import EventSender
+    from deploy.serving.events import EventSender
     from pipeline.core.kafka_config import KafkaAccess
     from pipeline.kafka_local import ensure_topics
 

@@ -3,9 +3,9 @@ rtrl serve leaves the interaction event to the gateway in front of it."""
 
 from __future__ import annotations
 
-from deploy.rollout import routing_signature
-from deploy.serve import PolicyServer
-from deploy.serve_api import ChatRequest
+from deploy.serving.routing import routing_signature
+from deploy.serving.serve import PolicyServer
+from deploy.serving.serve_api import ChatRequest
 from tests.support.scripted import ASK
 
 

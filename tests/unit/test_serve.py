@@ -4,8 +4,8 @@ old adapter is unloaded only after its grace period and not while it is needed a
 
 from __future__ import annotations
 
-from deploy.follow import Follower
-from deploy.vllm import VllmAdapterSync
+from deploy.serving.follow import Follower
+from deploy.serving.vllm import VllmAdapterSync
 from pipeline.core.types import ModelUpdate
 
 

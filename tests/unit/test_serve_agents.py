@@ -14,8 +14,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.serve import PolicyServer
-from deploy.serve_api import create_app
+from deploy.serving.serve import PolicyServer
+from deploy.serving.serve_api import create_app
 from pipeline.core.textchecks import malformed_tool_call
 from tests.support.helpers import wait_for
 from tests.support.scripted import ASK, LOOKUP, Scripted

@@ -9,8 +9,8 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.serve import PolicyServer
-from deploy.serve_api import create_app
+from deploy.serving.serve import PolicyServer
+from deploy.serving.serve_api import create_app
 from train.inference import PolicySet
 
 

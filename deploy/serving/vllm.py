@@ -6,7 +6,7 @@ after a grace period longer than the gateway's poll, is the previous one unloade
 /v1/unload_lora_adapter): clients asking for the new name find it, and the gateway has moved its
 routes to it before the old name goes. A name vLLM lists already (GET /v1/models)
 is not loaded again: a restarted sync picks up where vLLM is. A load that fails raises, and the
-follower tries the update again with a backoff (deploy/follow.py). vLLM must run with
+follower tries the update again with a backoff (deploy/serving/follow.py). vLLM must run with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora, --max-loras of at least 3 (the champion,
 the canary and the one being loaded) and --max-lora-rank of at least train.lora_r; `rtrl gateway`
 routes to a name only once /v1/models lists it (docs/operations.md, "vLLM").
@@ -14,7 +14,7 @@ routes to a name only once /v1/models lists it (docs/operations.md, "vLLM").
 Staged rollout: a canary's adapter is loaded the same way next to the champion's and unloaded
 when the canary is withdrawn (kept when it is promoted). vLLM does not split traffic: the
 router in front of it sends the canary's share (`share` in the event; the same request-id hash
-as rtrl serve: deploy.rollout.routes_to_canary) to `<model>-v<canary>`.
+as rtrl serve: deploy.serving.routing.routes_to_canary) to `<model>-v<canary>`.
 """
 
 from __future__ import annotations

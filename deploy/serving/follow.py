@@ -9,8 +9,8 @@ arrives is read again every `retry_s` until it answers, and an update the caller
 (vLLM refused the load, the download broke) is tried again, backing off to once a minute.
 Versions must be plain registry ids (digits): a version becomes a path component of the adapter's download folder.
 
-Used by the reference server (deploy/serve.py: load the new adapter, swap) and by the vLLM hook
-(deploy/vllm.py: load it on a vLLM server under a versioned name, unload the old one). The
+Used by the reference server (deploy/serving/serve.py: load the new adapter, swap) and by the vLLM hook
+(deploy/serving/vllm.py: load it on a vLLM server under a versioned name, unload the old one). The
 follower seeks to the end of the topic *before* the caller reads the current champion from the
 registry, so a move that happens in between is still seen (acting on it twice is harmless).
 """

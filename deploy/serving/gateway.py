@@ -19,9 +19,9 @@ For each request the gateway:
        the registry moved, and a name it has not loaded answers 404
     3. asks the upstream for what training needs -- the sampled tokens' log-probs and ids
        (`logprobs`, vLLM's `return_token_ids`) -- with every sampling setting sent
-       explicitly (deploy/gateway_sampling.py: what sampled the tokens is what the event
+       explicitly (deploy/serving/gateway_sampling.py: what sampled the tokens is what the event
        records), and gives the client the answer in the shape it asked for
-    4. records each choice whole (deploy/gateway_record.py: its own request id, tool-call
+    4. records each choice whole (deploy/serving/gateway_record.py: its own request id, tool-call
        fragments joined) and appends its interaction event to the write-ahead spool
        (pipeline/core/spool.py) before the client gets the answer's end -- a streamed answer's
        before its [DONE], marked truncated if the client left first or the upstream failed -- so
@@ -53,8 +53,8 @@ import aiohttp
 import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from deploy.gateway_sampling import PROBE_PROMPTS, PROBE_TEMPERATURES, LogprobsMode, classify_probe
-from deploy.rollout import routes_to_canary, routing_salt
+from deploy.serving.gateway_sampling import PROBE_PROMPTS, PROBE_TEMPERATURES, LogprobsMode, classify_probe
+from deploy.serving.routing import routes_to_canary, routing_salt
 from pipeline.core.types import InteractionEvent, ModelUpdate
 
 log = logging.getLogger("rtrl.gateway")
@@ -92,7 +92,7 @@ class Gateway:
         """`blocking`: the events' spool blocks when full (spool.when_full = "block");
         `ingest_token`: what /v1/feedback and /v1/interactions require as `Authorization: Bearer`
         (None: those routes are off); `routing_secret`: salts the canary's hash (the same for every
-        replica) and signs the routing choice for an rtrl serve behind (deploy/rollout.py);
+        replica) and signs the routing choice for an rtrl serve behind (deploy/serving/routing.py);
         `max_body_bytes`, `body_timeout_s`: the largest request body, and how long it may take to
         arrive."""
         self.upstream, self.model_name, self.timeout_s = upstream.rstrip("/"), model_name, timeout_s
@@ -135,7 +135,7 @@ class Gateway:
         )
         self.emit_interaction = emit_interaction
         # whether the upstream's log-probs are those of the distribution it sampled from
-        # (deploy/gateway_sampling.py): set by check_logprobs(), at start-up
+        # (deploy/serving/gateway_sampling.py): set by check_logprobs(), at start-up
         self.logprobs_mode: LogprobsMode = "unknown"
         self.logprobs_gauge = Gauge(
             "rtrl_gateway_upstream_logprobs_processed",
@@ -197,7 +197,7 @@ class Gateway:
         return session
 
     def on_update(self, ev: ModelUpdate) -> None:
-        """A model-update event, read back from the registry (deploy/follow.py): what to route to
+        """A model-update event, read back from the registry (deploy/serving/follow.py): what to route to
         once the upstream serves it."""
         with self._lock:
             if ev.alias == "canary":

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deploy.serve import BASE, Answer, PolicyServer, header_id, new_request_id
+from deploy.serving.serve import BASE, Answer, PolicyServer, header_id, new_request_id
 from pipeline.core.chat import held_back
 from pipeline.core.types import Identifier
 

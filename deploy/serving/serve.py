@@ -1,6 +1,6 @@
 """`rtrl serve`: a reference policy server for small models and the demo -- the policy side:
 the model, the version it serves, the canary, and the interaction events. Its HTTP surface (an
-OpenAI-compatible subset: tools, streaming, n) is deploy/serve_api.py.
+OpenAI-compatible subset: tools, streaming, n) is deploy/serving/serve_api.py.
 
 Every answer carries the per-token log-probs of what was sampled (after temperature and top-p)
 and the version that produced it; every request becomes an `interaction` event on Kafka with the
@@ -17,7 +17,7 @@ Generation holds the same lock, so a request in flight finishes on the version i
 with and the next one starts on the new version: nothing is dropped or failed by a swap.
 
 Staged rollout: while the registry has a `canary`, the share of requests whose id hashes
-below its share (deploy/rollout.py) are answered by the canary, the rest by the champion; each
+below its share (deploy/serving/routing.py) are answered by the canary, the rest by the champion; each
 interaction event names the version that answered, so the loop compares the two online. A
 request whose `model` names the champion or the canary as vLLM names adapters
 (`<model>-v<version>`) is answered by that version, and one marked `X-Rtrl-Routed: champion`
@@ -41,7 +41,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from deploy.rollout import routes_to_canary, routing_salt, routing_signature
+from deploy.serving.routing import routes_to_canary, routing_salt, routing_signature
 from pipeline.core.chat import ToolCalls, parse_tool_calls
 from pipeline.core.types import SCHEMA_VERSION, InteractionEvent, Sampling
 
@@ -79,7 +79,7 @@ class PolicyServer:
         routing_secret: str = "",
     ) -> None:
         """`routing_secret`: RTRL_ROUTING_SECRET, shared with the gateway in front and the other
-        replicas (deploy/rollout.py); without one, a secret of this process's own."""
+        replicas (deploy/serving/routing.py); without one, a secret of this process's own."""
         self.runner, self.model_name, self.emit = runner, model_name, emit
         self.default_tenant, self.keep_versions = default_tenant, keep_versions
         self.routing_secret = routing_secret or os.urandom(16).hex()

@@ -1,7 +1,7 @@
-"""`rtrl gateway`'s HTTP surface (deploy/gateway.py holds its routing state and the events' way
+"""`rtrl gateway`'s HTTP surface (deploy/serving/gateway.py holds its routing state and the events' way
 out): the OpenAI-compatible routes forwarded to the upstream, as the client asked for them, with
 what training needs asked of the upstream and put in the interaction event; the feedback and
-interaction routes; /health and /metrics. See deploy/gateway.py for the whole design."""
+interaction routes; /health and /metrics. See deploy/serving/gateway.py for the whole design."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from deploy.gateway import Gateway, new_id
-from deploy.gateway_body import json_object
-from deploy.gateway_record import AnswerRecord, ChoiceRecord, choice_index
-from deploy.gateway_sampling import logprobs_kept, upstream_sampling
-from deploy.rollout import routing_signature
-from deploy.serve import header_id, header_step
-from deploy.serve_api import ClosingStreamingResponse
+from deploy.serving.gateway import Gateway, new_id
+from deploy.serving.gateway_body import json_object
+from deploy.serving.gateway_record import AnswerRecord, ChoiceRecord, choice_index
+from deploy.serving.gateway_sampling import logprobs_kept, upstream_sampling
+from deploy.serving.routing import routing_signature
+from deploy.serving.serve import header_id, header_step
+from deploy.serving.serve_api import ClosingStreamingResponse
 from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
 
 log = logging.getLogger("rtrl.gateway")
