@@ -1,478 +1,204 @@
-"""`rtrl gateway`'s HTTP surface (deploy/serving/gateway.py holds its routing state and the events' way
-out): the OpenAI-compatible routes forwarded to the upstream, as the client asked for them, with
-what training needs asked of the upstream and put in the interaction event; the feedback and
-interaction routes; /health and /metrics. See deploy/serving/gateway.py for the whole design."""
+"""`rtrl gateway`'s HTTP surface (deploy/serving/gateway.py holds its routing state and the events'
+way out; see it for the whole design):
+
+    POST /v1/chat/completions, /v1/completions   forwarded to the upstream (gateway_forward.py)
+    GET  /v1/models                              the upstream's, as it lists them
+    POST /v1/feedback, /v1/interactions          the application's events, with the gateway's token
+    GET  /health, /metrics
+"""
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import logging
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-import orjson
 import requests
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from deploy.serving.gateway import Gateway, new_id
 from deploy.serving.gateway_body import json_object
-from deploy.serving.gateway_record import AnswerRecord, ChoiceRecord, choice_index
-from deploy.serving.gateway_sampling import logprobs_kept, upstream_sampling
-from deploy.serving.routing import routing_signature
-from deploy.serving.serve import header_id, header_step
-from deploy.serving.serve_api import ClosingStreamingResponse
-from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, Sampling, first_violation
+from deploy.serving.gateway_forward import forward
+from deploy.serving.serve import header_id
+from pipeline.core.types import SCHEMA_VERSION, FeedbackEvent, InteractionEvent, first_violation
 
-log = logging.getLogger("rtrl.gateway")
-
-
-def _as_asked(entries: list[dict[str, Any]], ids: bool) -> list[dict[str, Any]]:
-    """Log-prob entries with tokens as the client asked: an upstream that gives "token_id:<id>"
-    tokens anyway (a server flag) has them read back as text from the entry's bytes."""
-    if ids:
-        return entries
-    return [
-        {**e, "token": bytes(e["bytes"]).decode(errors="replace")}
-        if str(e.get("token")).startswith("token_id:") and e.get("bytes") is not None
-        else e
-        for e in entries
-    ]
-
-
-def _error_frame(message: str, kind: str, code: int) -> bytes:
-    """A server-sent error, as vLLM writes one mid-stream (the openai client raises it)."""
-    return b"data: " + orjson.dumps({"error": {"message": message, "type": kind, "code": code}}) + b"\n\n"
+router = APIRouter()
 
 
 def create_gateway_app(gw: Gateway) -> FastAPI:
+    """The routes below, in front of `gw`'s upstream (the app's state: one gateway per app)."""
     app = FastAPI(title="rtrl gateway")
+    app.state.gateway = gw
+    app.include_router(router)
+    return app
 
-    def event(
-        request_id: str,
-        version: str,
-        body: dict[str, Any],
-        sent: dict[str, Any],
-        headers: Any,
-        record: ChoiceRecord,
-        group_id: str | None,
-        error: dict[str, Any] | None = None,
-        truncated: bool = False,
-    ) -> InteractionEvent:
-        entries, ids = record.entries, record.token_ids
-        metadata: dict[str, Any] = {"server": "rtrl-gateway", "upstream": gw.upstream}
-        dropped = logprobs_kept(gw.logprobs_mode, body, sent)
-        if dropped is not None and entries:
-            metadata["behavior_logprobs_dropped"] = dropped
-        if error is not None:
-            metadata["upstream_error"] = str(error.get("message"))[:500]
-        return InteractionEvent(
-            schema_version=SCHEMA_VERSION,
-            event_id=new_id("gw"),
-            type="interaction",
-            ts=datetime.now(UTC),
-            request_id=request_id,
-            session_id=header_id(headers, "x-session-id") or request_id,
-            user_id=str(body.get("user") or "anonymous"),
-            tenant=header_id(headers, "x-tenant") or gw.default_tenant,
-            policy_version=version,
-            prompt=body["messages"] if "messages" in body else body.get("prompt", ""),
-            completion=record.completion,
-            completion_token_ids=ids,
-            behavior_logprobs=[e["logprob"] for e in entries] if entries and dropped is None else None,
-            sampling=Sampling(
-                temperature=sent["temperature"],
-                top_p=sent["top_p"],
-                top_k=sent["top_k"],
-                max_tokens=body.get("max_tokens"),
-                seed=body.get("seed"),
-            ),
-            metadata=metadata,
-            client_request_id=header_id(headers, "x-request-id"),
-            tools=body.get("tools"),
-            tool_calls=record.tool_calls,
-            group_id=group_id,
-            episode_id=header_id(headers, "x-rtrl-episode-id"),
-            step=header_step(headers),
-            truncated=truncated or error is not None or None,
-        )
 
-    async def keep_all(
-        answer: AnswerRecord,
-        version: str,
-        body: dict[str, Any],
-        sent: dict[str, Any],
-        headers: Any,
-        truncated: bool = False,
-    ) -> None:
-        """One event per choice, each under its own request id, kept before the answer's end is given."""
-        episode, tenant = header_id(headers, "x-rtrl-episode-id"), header_id(headers, "x-tenant") or gw.default_tenant
-        for request_id, record in answer.records():
-            gw.answered(request_id, episode, tenant)
-            await gw.keep(
-                functools.partial(
-                    event, request_id, version, body, sent, headers, record, answer.group_id, answer.error, truncated
-                )
-            )
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
 
-    async def forward(
-        path: str, request_body: dict[str, Any], headers: Any, chat: bool, retry: bool = True
-    ) -> Response:
-        request_id = new_id("req")
-        version, model, routed = gw.route_side(header_id(headers, "x-rtrl-episode-id") or request_id)
-        asked_logprobs = bool(request_body.get("logprobs"))
-        asked_ids = bool(request_body.get("return_tokens_as_token_ids"))
-        asked_token_ids = bool(request_body.get("return_token_ids"))
-        sent = upstream_sampling(request_body)  # what sampled the tokens, sent and recorded
-        # log-probs always (a completion's top-N as the client asked), the sampled ids always (vLLM's
-        # `token_ids`: the log-probs' tokens stay text, top-N alternatives included, unless asked)
-        asked_top = request_body.get("logprobs") if isinstance(request_body.get("logprobs"), int) else None
-        up = {**request_body, **sent, "logprobs": True if chat else max(asked_top or 0, 0), "return_token_ids": True}
-        # the router decides which version answers, never the client: the base by its own name
-        if model is None and gw.base_model is not None:
-            model = gw.base_model
-        elif model is None and str(request_body.get("model") or "").startswith(f"{gw.model_name}-v"):
-            gw.requests.labels("chat" if chat else "completions", "refused").inc()
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"model {request_body['model']!r} names a version: the "
-                        "gateway decides which version answers",
-                        "param": "model",
-                        "type": "invalid_request_error",
-                    }
-                },
-                400,
-            )
-        if model is not None:
-            up["model"] = model
-        stream = bool(request_body.get("stream"))
-        endpoint = "chat" if chat else "completions"
-        try:
-            # X-Rtrl-Routed: the choice made, for an upstream that routes canaries itself (rtrl
-            # serve: it follows the choice only with the signature of the shared routing secret);
-            # vLLM goes by the adapter `model` names
-            answer = await (await gw.session()).post(
-                f"{gw.upstream}{path}",
-                data=orjson.dumps(up),
-                headers={
-                    "X-Request-Id": request_id,
-                    "Content-Type": "application/json",
-                    "X-Rtrl-Routed": routed,
-                    "X-Rtrl-Routed-Signature": routing_signature(
-                        gw.routing_secret, request_id, routed, up.get("model")
-                    ),
-                },
-            )
-        except TimeoutError:
-            gw.requests.labels(endpoint, "upstream_timeout").inc()
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"the upstream {gw.upstream} did not answer in {gw.timeout_s:g} s",
-                        "type": "upstream_timeout",
-                    }
-                },
-                504,
-            )
-        except aiohttp.ClientError as exc:
-            gw.requests.labels(endpoint, "upstream_unreachable").inc()
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"the upstream {gw.upstream} is unreachable: {exc}",
-                        "type": "upstream_unreachable",
-                    }
-                },
-                502,
-            )
-        if answer.status == 404 and model is not None and retry:
-            # the adapter routed to is gone (unloaded before the last poll saw it): routes read
-            # anew, the request sent once more on them
-            answer.close()
-            await asyncio.to_thread(gw.reconcile)
-            return await forward(path, request_body, headers, chat, retry=False)
-        if answer.status >= 400:  # the client gets the upstream's own error; no answer, no event
-            gw.requests.labels(endpoint, "upstream_error").inc()
-            async with answer:
-                return Response(await answer.read(), answer.status, media_type=answer.headers.get("content-type"))
-        served = answer.headers.get("x-rtrl-policy-version") or version  # an rtrl serve upstream says
-        out_headers = {"X-Request-Id": request_id, "X-Rtrl-Policy-Version": served}
-        record = AnswerRecord(request_id, lambda: new_id("req"))
-        if stream:
-            return ClosingStreamingResponse(
-                relay(answer, record, served, request_body, sent, headers, chat, asked_logprobs, asked_ids),
-                media_type="text/event-stream",
-                headers=out_headers,
-            )
-        try:
-            async with answer:
-                data = orjson.loads(await answer.read())
-            if not isinstance(data, dict):
-                raise ValueError(f"a JSON {type(data).__name__}, not an object")
-        except TimeoutError:
-            gw.requests.labels(endpoint, "upstream_timeout").inc()
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"the upstream {gw.upstream} did not finish its answer in {gw.timeout_s:g} s",
-                        "type": "upstream_timeout",
-                    }
-                },
-                504,
-            )
-        except (aiohttp.ClientError, ValueError) as exc:  # cut, or not an answer (orjson's error is a ValueError)
-            gw.requests.labels(endpoint, "upstream_error").inc()
-            log.error(
-                "the upstream's answer is unreadable",
-                extra={"request_id": request_id, "error": f"{type(exc).__name__}: {exc}"},
-            )
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"the upstream {gw.upstream} gave an unreadable answer ({type(exc).__name__})",
-                        "type": "upstream_error",
-                    }
-                },
-                502,
-            )
-        gw.requests.labels(endpoint, "ok").inc()
-        order = record.add_whole(data, chat)
-        await keep_all(record, served, request_body, sent, headers)
-        for index, choice in zip(order, [c for c in data.get("choices") or () if isinstance(c, dict)]):
-            if len(record.choices) > 1:
-                choice["request_id"] = record.id_of(index)  # as rtrl serve names them
-            if not asked_token_ids:
-                choice.pop("token_ids", None)
-            if not asked_logprobs:
-                choice.pop("logprobs", None)
-            elif chat:
-                choice["logprobs"] = {
-                    **(choice.get("logprobs") or {}),
-                    "content": _as_asked(record.choices[index].entries, asked_ids),
-                }
-        data["id"] = request_id
-        return Response(orjson.dumps(data), media_type="application/json", headers=out_headers)
 
-    async def relay(
-        answer: aiohttp.ClientResponse,
-        record: AnswerRecord,
-        version: str,
-        body: dict[str, Any],
-        sent: dict[str, Any],
-        headers: Any,
-        chat: bool,
-        asked_logprobs: bool,
-        asked_ids: bool,
-    ) -> AsyncIterator[bytes]:
-        """The upstream's chunks to the client, as asked; the events once the stream ends (a client
-        that leaves cancels this generator: the upstream's connection is closed, which stops its
-        generation, and the events are marked truncated). An upstream that fails mid-stream --
-        an error frame, a cut connection, a chunk that is not JSON -- gives the client an error
-        frame, and the events say so."""
-        kept, endpoint = False, "chat" if chat else "completions"
-        asked_token_ids = bool(body.get("return_token_ids"))
-        try:
-            try:
-                ended = False
-                async for line in answer.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[len(b"data: ") :].strip()
-                    if payload == b"[DONE]":
-                        ended = True
-                        break
-                    chunk = orjson.loads(payload)
-                    record.add_chunk(chunk, chat)
-                    if record.error is not None:  # vLLM: an error frame, then [DONE]
-                        yield b"data: " + orjson.dumps({"error": record.error}) + b"\n\n"
-                        continue
-                    chunk["id"] = record.request_id
-                    for choice in chunk.get("choices", []):
-                        if choice_index(choice) > 0 or len(record.choices) > 1:
-                            choice["request_id"] = record.id_of(choice_index(choice))
-                        lp = choice.get("logprobs") or {}
-                        if not asked_token_ids:
-                            choice.pop("token_ids", None)
-                        if not asked_logprobs:
-                            choice.pop("logprobs", None)
-                        elif chat and lp.get("content"):
-                            choice["logprobs"] = {"content": _as_asked(lp["content"], asked_ids)}
-                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                if not ended and record.error is None:
-                    record.error = {"message": f"the upstream {gw.upstream} ended the stream without [DONE]"}
-                    yield _error_frame(record.error["message"], "upstream_error", 502)
-            except Exception as exc:  # noqa: BLE001 - cut, timed out, a line too long, a chunk not an answer
-                record.error = {"message": f"the upstream {gw.upstream} failed mid-stream: {type(exc).__name__}"}
-                log.error(
-                    "the upstream failed mid-stream",
-                    extra={"request_id": record.request_id, "error": f"{type(exc).__name__}: {exc}"},
-                )
-                yield _error_frame(record.error["message"], "upstream_error", 502)
-            kept = True  # the events (marked when the upstream failed) before the client hears the end
-            await keep_all(record, version, body, sent, headers)
-            yield b"data: [DONE]\n\n"
-        finally:
-            answer.close()
-            gw.requests.labels(
-                endpoint, "upstream_error" if record.error is not None else "ok" if kept else "disconnected"
-            ).inc()
-            if not kept and any(r.completion or r.entries or r.calls for r in record.choices.values()):
-                await keep_all(record, version, body, sent, headers, truncated=True)  # the client left first
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
-        if isinstance(body, Response):
-            return body
-        if not isinstance(body.get("messages"), list):
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "messages: a list of chat messages is required",
-                        "param": "messages",
-                        "type": "invalid_request_error",
-                    }
-                },
-                400,
-            )
-        return await forward("/v1/chat/completions", body, request.headers, True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
-        if isinstance(body, Response):
-            return body
-        return await forward("/v1/completions", body, request.headers, False)
-
-    @app.get("/v1/models")
-    def models() -> Response:
-        try:
-            answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
-        except requests.RequestException as exc:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"the upstream {gw.upstream} is unreachable: {exc}",
-                        "type": "upstream_unreachable",
-                    }
-                },
-                502,
-            )
-        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
-
-    def not_kept() -> JSONResponse:
-        """Never a 2xx for an event that was not kept: the spool is full while Kafka is away."""
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    gw = _gateway(request)
+    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    if isinstance(body, Response):
+        return body
+    if not isinstance(body.get("messages"), list):
         return JSONResponse(
             {
                 "error": {
-                    "message": "the gateway cannot keep the event now (its spool is full while "
-                    "Kafka is away): send it again later",
-                    "type": "unavailable",
+                    "message": "messages: a list of chat messages is required",
+                    "param": "messages",
+                    "type": "invalid_request_error",
                 }
             },
-            503,
-            headers={"Retry-After": "30"},
+            400,
         )
+    return await forward(gw, "/v1/chat/completions", body, request.headers, True)
 
-    def refused(exc: ValidationError) -> Response:
-        field, reason = first_violation(exc)
-        return JSONResponse({"error": {"message": f"{field}: {reason}", "param": field}}, 422)
 
-    def not_allowed(request: Request) -> JSONResponse | None:
-        """The ingestion routes take events only with the gateway's token: anyone else could post
-        feedback on another user's request, or an interaction under a request id of theirs."""
-        if gw.ingest_token is None:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "event ingestion is off on this gateway: start it with "
-                        "RTRL_GATEWAY_TOKEN set, and send that token as "
-                        "'Authorization: Bearer <token>'",
-                        "type": "forbidden",
-                    }
-                },
-                403,
-            )
-        if not gw.may_ingest(request.headers.get("authorization")):
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "a valid 'Authorization: Bearer <token>' is required "
-                        "(the gateway's RTRL_GATEWAY_TOKEN)",
-                        "type": "unauthorized",
-                    }
-                },
-                401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return None
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    gw = _gateway(request)
+    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    if isinstance(body, Response):
+        return body
+    return await forward(gw, "/v1/completions", body, request.headers, False)
 
-    @app.post("/v1/feedback")
-    async def feedback(request: Request) -> Response:
-        if (refusal := not_allowed(request)) is not None:
-            return refusal
-        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
-        if isinstance(body, Response):
-            return body
-        try:
-            ev = FeedbackEvent.model_validate(
-                {
-                    "schema_version": SCHEMA_VERSION,
-                    "event_id": body.get("event_id") or new_id("gwf"),
-                    "type": "feedback",
-                    "ts": body.get("ts") or datetime.now(UTC),
-                    **{k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")},
-                    # whose episode: the body's tenant, else X-Tenant (the header the calls carried); neither:
-                    # not named, as over Kafka -- the episode id in every tenant
-                    "tenant": body.get("tenant") or header_id(request.headers, "x-tenant"),
-                }
-            )
-        except ValidationError as exc:
-            return refused(exc)
-        if gw.subject(ev.request_id, ev.episode_id, ev.tenant or gw.default_tenant) not in gw.recent:
-            gw.unknown.inc()
-        if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
-            return not_kept()
+
+@router.get("/v1/models")
+def models(request: Request) -> Response:
+    gw = _gateway(request)
+    try:
+        answer = gw.http.get(f"{gw.upstream}/v1/models", timeout=gw.timeout_s)
+    except requests.RequestException as exc:
         return JSONResponse(
-            {"event_id": ev.event_id, **ev.model_dump(include={"request_id", "episode_id"}, exclude_none=True)}, 202
+            {
+                "error": {
+                    "message": f"the upstream {gw.upstream} is unreachable: {exc}",
+                    "type": "upstream_unreachable",
+                }
+            },
+            502,
         )
+    return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
-    @app.post("/v1/interactions")
-    async def interaction(request: Request) -> Response:
-        """An interaction event of an application that serves its model itself (pipeline/client.py):
-        validated against the contract and produced as sent."""
-        if (refusal := not_allowed(request)) is not None:
-            return refusal
-        body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
-        if isinstance(body, Response):
-            return body
-        try:
-            ev = InteractionEvent.model_validate(body)
-        except ValidationError as exc:
-            return refused(exc)
-        if not await gw.emit("interaction", gw.emit_interaction, body):
-            return not_kept()
-        gw.answered(ev.request_id, ev.episode_id, ev.tenant)
-        return JSONResponse({"event_id": ev.event_id, "request_id": ev.request_id}, 202)
 
-    @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "upstream": gw.upstream,
-            "version": gw.champion or "base",  # as rtrl serve's
-            "champion": gw.champion or "base",
-            "canary": {"version": gw.canary, "share": gw.canary_share} if gw.canary else None,
-        }
+def _not_kept() -> JSONResponse:
+    """Never a 2xx for an event that was not kept: the spool is full while Kafka is away."""
+    return JSONResponse(
+        {
+            "error": {
+                "message": "the gateway cannot keep the event now (its spool is full while "
+                "Kafka is away): send it again later",
+                "type": "unavailable",
+            }
+        },
+        503,
+        headers={"Retry-After": "30"},
+    )
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(gw.metrics), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+def _refused(exc: ValidationError) -> Response:
+    field, reason = first_violation(exc)
+    return JSONResponse({"error": {"message": f"{field}: {reason}", "param": field}}, 422)
+
+
+def _not_allowed(gw: Gateway, request: Request) -> JSONResponse | None:
+    """The ingestion routes take events only with the gateway's token: anyone else could post
+    feedback on another user's request, or an interaction under a request id of theirs."""
+    if gw.ingest_token is None:
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "event ingestion is off on this gateway: start it with "
+                    "RTRL_GATEWAY_TOKEN set, and send that token as "
+                    "'Authorization: Bearer <token>'",
+                    "type": "forbidden",
+                }
+            },
+            403,
+        )
+    if not gw.may_ingest(request.headers.get("authorization")):
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "a valid 'Authorization: Bearer <token>' is required (the gateway's RTRL_GATEWAY_TOKEN)",
+                    "type": "unauthorized",
+                }
+            },
+            401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return None
+
+
+@router.post("/v1/feedback")
+async def feedback(request: Request) -> Response:
+    gw = _gateway(request)
+    if (refusal := _not_allowed(gw, request)) is not None:
+        return refusal
+    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    if isinstance(body, Response):
+        return body
+    try:
+        ev = FeedbackEvent.model_validate(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "event_id": body.get("event_id") or new_id("gwf"),
+                "type": "feedback",
+                "ts": body.get("ts") or datetime.now(UTC),
+                **{k: v for k, v in body.items() if k in ("request_id", "episode_id", "kind", "value", "payload")},
+                # whose episode: the body's tenant, else X-Tenant (the header the calls carried); neither:
+                # not named, as over Kafka -- the episode id in every tenant
+                "tenant": body.get("tenant") or header_id(request.headers, "x-tenant"),
+            }
+        )
+    except ValidationError as exc:
+        return _refused(exc)
+    if gw.subject(ev.request_id, ev.episode_id, ev.tenant or gw.default_tenant) not in gw.recent:
+        gw.unknown.inc()
+    if not await gw.emit("feedback", gw.emit_feedback, ev.to_wire()):
+        return _not_kept()
+    return JSONResponse(
+        {"event_id": ev.event_id, **ev.model_dump(include={"request_id", "episode_id"}, exclude_none=True)}, 202
+    )
+
+
+@router.post("/v1/interactions")
+async def interaction(request: Request) -> Response:
+    """An interaction event of an application that serves its model itself (pipeline/client.py):
+    validated against the contract and produced as sent."""
+    gw = _gateway(request)
+    if (refusal := _not_allowed(gw, request)) is not None:
+        return refusal
+    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    if isinstance(body, Response):
+        return body
+    try:
+        ev = InteractionEvent.model_validate(body)
+    except ValidationError as exc:
+        return _refused(exc)
+    if not await gw.emit("interaction", gw.emit_interaction, body):
+        return _not_kept()
+    gw.answered(ev.request_id, ev.episode_id, ev.tenant)
+    return JSONResponse({"event_id": ev.event_id, "request_id": ev.request_id}, 202)
+
+
+@router.get("/health")
+def health(request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    return {
+        "status": "ok",
+        "upstream": gw.upstream,
+        "version": gw.champion or "base",  # as rtrl serve's
+        "champion": gw.champion or "base",
+        "canary": {"version": gw.canary, "share": gw.canary_share} if gw.canary else None,
+    }
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(_gateway(request).metrics), media_type=CONTENT_TYPE_LATEST)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from deploy.serving.routing import routing_signature
 from deploy.serving.serve import PolicyServer
-from deploy.serving.serve_api import ChatRequest
+from deploy.serving.serve_requests import ChatRequest
 from tests.support.scripted import ASK
 
 
