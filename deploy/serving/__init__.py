@@ -1,11 +1,16 @@
 """Serving: what answers users and records what it answered.
 
-    serve.py + serve_api.py      rtrl serve: the policy (champion, canary's share) behind an
-                                 OpenAI-compatible API, on the local model
-    gateway.py + gateway_api.py  rtrl gateway: the same API in front of another server (vLLM,
+    start.py                     what the commands call: serve_policy, keep_vllm, run_gateway, each
+                                 given one job (ServeJob, GatewayJob), in the order it starts things
+    serve.py                     rtrl serve: the policy (champion, canary's share) on the local model
+      serve_api.py               its OpenAI-compatible routes
+      serve_requests.py, serve_answers.py   the bodies they accept, the answers they write (whole or streamed)
+    gateway.py                   rtrl gateway: the same API in front of another server (vLLM,
                                  SGLang, rtrl serve), routing to the registry's versions
-      gateway_body / _record / _sampling   its request bodies, its record of an answer, what it
-                                 keeps of the upstream's sampling and log-probs
+      gateway_api.py             its routes
+      gateway_forward.py         one request forwarded, its answer relayed, its events kept
+      gateway_body / _record / _sampling   a request's body, the record of an answer, what it
+                                 asks of the upstream's sampling and log-probs
     routing.py                   which version answers a request (the router decides, never the client)
     follow.py                    the registry's moves, followed from the model-updates topic
     vllm.py                      keeps a vLLM server's LoRA adapters on the registry's versions

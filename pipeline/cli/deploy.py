@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import click
 
@@ -19,7 +17,6 @@ from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, outcom
 from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.store.deploys import latest_decision, moves
 from pipeline.core.store.training import get_run, latest_finished_run
-from pipeline.core.types import ModelUpdate
 
 # deploy.* imports mlflow (seconds): imported inside the commands, never at `rtrl --help`
 
@@ -254,125 +251,31 @@ def serve(
     staged rollout (`[rollout] share`) the canary answers its share of requests. With --vllm,
     the canary's adapter is loaded on vLLM next to the champion's; the router in front of vLLM
     sends it its share."""
+    from deploy.serving.start import FollowFailed, ServeJob, StartError, keep_vllm, serve_policy
 
-    from deploy.registry import Registry, RegistryError
-    from deploy.serving.follow import Follower
-    from deploy.serving.follow import current as registry_state
-    from pipeline.core.logs import mask, quiet_progress_bars
-
-    quiet_progress_bars()
-    config = ctx.config
-    name = config.mlflow.registered_model
-    adapters = config.state_dir / "serve" / "adapters"
-    registry = Registry(config.tracking_uri, name, None)
-
-    def fetch(uri: str, dst: Path) -> Path:
-        return registry.download(uri, dst)
-
-    def resolve(alias: str) -> ModelUpdate:
-        return registry_state(registry, alias)
-
+    job = ServeJob(
+        ctx.config, _load_policy, host=host, port=port, base_model=base_model, tenant=tenant, events=not no_events
+    )
     try:
-        follower = Follower(
-            config.kafka_access,
-            config.kafka.model_updates_topic,
-            name,
-            lambda ev: None,
-            resolve,
-            aliases=("champion", "canary"),
-        )
-        # what serving starts from, read like every later update (a staged rollout in progress
-        # has its share tagged on the canary's version)
-        current = [u for u in (resolve("champion"), resolve("canary")) if u.version is not None]
-        champion = registry.alias("champion")
-    except (RegistryError, ValueError) as exc:
+        if vllm_url:
+            keep_vllm(job, vllm_url)
+        else:
+            serve_policy(job)
+    except StartError as exc:
         raise click.ClickException(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - kafka errors
-        raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
-    if vllm_url:
-        from deploy.serving.vllm import VllmAdapterSync
+    except FollowFailed as exc:
+        raise kafka_failure(ctx.config, exc.cause, exc.doing) from None
 
-        sync = VllmAdapterSync(vllm_url, name, fetch, adapters)
-        for ev in current:
-            sync.on_update(ev)
-        follower.on_update = sync.on_update
-        follower.start()
-        click.echo(f"keeping {vllm_url} on the champion of {name} (Ctrl-C stops)")
-        try:
-            follower.thread.join()
-        except KeyboardInterrupt:
-            follower.close()
-        return
 
-    import uvicorn
-
-    from deploy.serving.events import EventSender
-    from deploy.serving.serve import BASE, PolicyServer
-    from deploy.serving.serve_api import create_app
-    from pipeline.core.spool import Spool
+def _load_policy(base: str):  # train.inference.PolicySet, for deploy.serving, which imports no model code
+    from deploy.serving.start import StartError
     from train.inference import PolicySet
     from train.models import ModelError
 
-    base = base_model or config.train.base_model or (champion.tags.get("base_model") if champion else None)
-    if base is None:
-        raise click.ClickException("no base model: pass --base-model or set train.base_model")
     try:
-        runner = PolicySet.load(base)
+        return PolicySet.load(base)
     except ModelError as exc:
-        raise click.ClickException(str(exc)) from None
-    # an answer's interaction event waits in this server's spool (one per port: replicas on one
-    # machine do not share one) until Kafka has it
-    spool = (
-        None
-        if no_events
-        else Spool(config.state_dir / "spool" / f"serve-{port}", config.spool.max_bytes, config.spool.when_full)
-    )
-    # write-ahead: an answer's event is in the spool (a file append) before the answer's end is
-    # given, and the spool's thread sends it: a server killed at any moment has kept it
-    emit = (
-        None
-        if no_events
-        else EventSender(
-            config.kafka_access,
-            config.kafka.interactions_topic,
-            key="request_id",
-            timeout_s=10.0,
-            spool=spool,
-            write_ahead=True,
-        )
-    )
-    secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared with the gateway in front: never logged
-    if secret:
-        mask(secret)
-    elif not no_events:
-        click.echo(
-            "warning: RTRL_ROUTING_SECRET is unset: behind an rtrl gateway, set the gateway's, or this "
-            "server routes the canary's share itself and records every call a second time",
-            err=True,
-        )
-    server = PolicyServer(runner, name, emit=emit, default_tenant=tenant, routing_secret=secret)
-    if spool is not None:
-        server.spooled.set_function(spool.size)
-        server.set_aside.set_function(lambda: spool.set_aside)
-
-    def on_update(ev: ModelUpdate) -> None:
-        adapter = fetch(ev.adapter_uri, adapters / f"v{ev.version}") if ev.version else None
-        if ev.alias == "canary":
-            server.stage(ev.version, adapter, ev.share)
-        else:  # a cleared champion alias: the base model serves, as before any promotion
-            server.use(ev.version or BASE, adapter)
-
-    for ev in current:
-        on_update(ev)
-    follower.on_update = on_update
-    follower.start()
-    click.echo(f"serving {name}:{server.version} on http://{host}:{port} (base {base})", err=True)
-    try:
-        uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
-    finally:
-        follower.close()
-        if emit is not None:
-            emit.close()  # what waits in the spool is on disk, sent by the next start
+        raise StartError(str(exc)) from None
 
 
 COMMANDS = [gate, models, promote, rollback, serve]

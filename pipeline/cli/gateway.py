@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import threading
-
 import click
 
 from pipeline.cli.common import CONTEXT_SETTINGS, Context, kafka_failure, pass_ctx
@@ -61,106 +58,26 @@ def gateway(
     answers of an application that serves itself) with the token in RTRL_GATEWAY_TOKEN as
     'Authorization: Bearer <token>' -- off when it is unset. Events wait in a local spool while
     Kafka is away."""
-    import uvicorn
-    from prometheus_client import Gauge
+    from deploy.serving.start import FollowFailed, GatewayJob, StartError, run_gateway
 
-    from deploy.registry import Registry
-    from deploy.serving.events import FEEDBACK_KEY, EventSender
-    from deploy.serving.follow import Follower, current
-    from deploy.serving.gateway import Gateway
-    from deploy.serving.gateway_api import create_gateway_app
-    from deploy.serving.gateway_sampling import LOGPROBS_FLAG
-    from pipeline.core.logs import mask
-    from pipeline.core.spool import Spool
-
-    config = ctx.config
-    spool_dir = config.state_dir / "spool" / f"gateway-{port}"
-
-    def sender(topic: str, part: str, key: str | tuple[str, ...]) -> EventSender:
-        # write-ahead: an event is in the spool (fsynced within its commit interval) before it is
-        # sent, so a gateway killed under load loses at most that interval's events
-        return EventSender(
-            config.kafka_access,
-            topic,
-            key=key,
-            timeout_s=10.0,
-            write_ahead=True,
-            spool=Spool(spool_dir / part, config.spool.max_bytes, config.spool.when_full),
-        )
-
-    interactions = sender(config.kafka.interactions_topic, "interactions", "request_id")
-    feedback = sender(config.kafka.feedback_topic, "feedback", FEEDBACK_KEY)
-    token = os.environ.get("RTRL_GATEWAY_TOKEN") or None  # the ingestion routes' credential: never logged
-    if token:
-        mask(token)
-    secret = os.environ.get("RTRL_ROUTING_SECRET", "")  # shared by every replica and rtrl serve behind
-    if secret:
-        mask(secret)
-    else:
-        click.echo(
-            "warning: RTRL_ROUTING_SECRET is unset: this gateway salts the canary's hash with a secret of "
-            "its own -- give every replica (and an rtrl serve behind it) the same one",
-            err=True,
-        )
-    gw = Gateway(
+    job = GatewayJob(
+        ctx.config,
         upstream,
-        config.mlflow.registered_model,
-        interactions,
-        feedback,
-        tenant,
-        timeout_s,
-        blocking=config.spool.when_full == "block",
-        ingest_token=token,
-        routing_secret=secret,
+        host=host,
+        port=port,
+        tenant=tenant,
+        timeout_s=timeout_s,
+        poll_s=poll_s,
+        allow_raw_logprobs=allow_raw_logprobs,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
     )
-    Gauge(
-        "rtrl_gateway_events_set_aside",
-        "Events the broker refused for good (too large for the topic), kept in the spool's set-aside.jsonl",
-        registry=gw.metrics,
-    ).set_function(lambda: interactions.spool.set_aside + feedback.spool.set_aside)
-    registry = Registry(config.tracking_uri, config.mlflow.registered_model, None)
     try:
-        follower = Follower(
-            config.kafka_access,
-            config.kafka.model_updates_topic,
-            config.mlflow.registered_model,
-            gw.on_update,
-            lambda alias: current(registry, alias),
-            aliases=("champion", "canary"),
-        )
-        for alias in ("champion", "canary"):
-            gw.on_update(current(registry, alias))
-    except Exception as exc:  # noqa: BLE001 - kafka errors
-        raise kafka_failure(config, exc, f"follow {config.kafka.model_updates_topic}") from None
-    mode = gw.check_logprobs()
-    if mode == "raw" and not allow_raw_logprobs:
-        follower.close()
-        interactions.close()
-        feedback.close()
-        raise click.ClickException(
-            f"{upstream} returns raw log-probs (before temperature, top-k and top-p), not those of the "
-            f"distribution it samples from: training would weigh its answers wrongly. Start vLLM with "
-            f"{LOGPROBS_FLAG}, or pass --allow-raw-logprobs to keep such answers without their log-probs."
-        )
-    if mode == "unknown":
-        click.echo(
-            f"warning: could not tell whether {upstream} returns processed log-probs (probed again every "
-            f"30 s); until then answers away from temperature 1 are kept without them",
-            err=True,
-        )
-    follower.start()
-    stop = threading.Event()
-    gw.poll(poll_s, stop)
-    click.echo(f"rtrl gateway on http://{host}:{port} -> {upstream} (champion {gw.champion or 'base'})", err=True)
-    try:
-        uvicorn.run(create_gateway_app(gw), host=host, port=port, log_level="warning")
-    finally:
-        stop.set()
-        follower.close()
-        interactions.close()
-        feedback.close()
+        run_gateway(job)
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from None
+    except FollowFailed as exc:
+        raise kafka_failure(ctx.config, exc.cause, exc.doing) from None
 
 
 COMMANDS = [gateway]

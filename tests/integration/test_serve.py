@@ -307,3 +307,18 @@ def test_follower_serves_what_the_registry_says_not_what_an_event_says(registere
     finally:
         follower.close()
     assert [(u.alias, u.version, u.adapter_uri) for u in applied] == [("champion", "2", registry.get("2").source)] * 2
+
+
+def test_serve_stops_with_what_to_do_when_it_has_no_base_model_or_one_it_cannot_load(cfg_env, tmp_path):
+    """rtrl serve with no --base-model, no train.base_model and no champion stops before it loads
+    anything, naming the two ways to give one; a directory that is not a model is named too."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    none = CliRunner().invoke(cli, ["serve", "--port", "1"], env=cfg_env)
+    assert none.exit_code == 1, none.output
+    assert "no base model: pass --base-model or set train.base_model" in none.output
+    missing = CliRunner().invoke(cli, ["serve", "--port", "1", "--base-model", str(tmp_path / "nope")], env=cfg_env)
+    assert missing.exit_code == 1, missing.output
+    assert str(tmp_path / "nope") in missing.output and "Traceback" not in missing.output
