@@ -38,7 +38,7 @@ from deploy import fresh
 from deploy.estimators import NEEDS_OUTCOME_MODEL, Estimated, choose
 from deploy.gate import Comparison, Estimate, EvalReport
 from deploy.offpolicy import compare
-from deploy.suite import Suite
+from deploy.suite import EMPTY, Suite
 from pipeline.core.chat import parse_tool_calls
 from pipeline.core.config import GateConfig
 from pipeline.core.textchecks import is_abstention, malformed_tool_call, repeated_fraction
@@ -226,30 +226,32 @@ def _generate_report(
     return EvalReport(label, Estimate(0.0, 0.0, 0.0), 0.0, metrics=metrics, regression=suite.run(outputs)), outputs
 
 
-def evaluate(
-    runner: Runner,
-    candidate: str,
-    champion: str | None,
-    episodes: list[LoggedEpisode],
-    suite: Suite,
-    cfg: GateConfig,
-    abstention_patterns: tuple[str, ...] = (),
-    generate_prompts: int = 32,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    load_error: str | None = None,
-    champion_label: str | None = None,
-    watch: Stopwatch | None = None,
-    max_seq_len: int | None = None,
-    outcome: fresh.OutcomeScorer | None = None,
-) -> Evaluation:
-    """`candidate` and `champion` name adapters loaded in `runner` (champion None: the base model);
-    `load_error`: the candidate's adapter did not load (the smoke check fails with it);
-    `champion_label`: the champion's name in the report (default: its adapter name, or "base");
-    `watch`: gets the seconds spent generating and computing log-probs; `max_seq_len`: held-out
-    episodes whose prompt alone is longer are left out (training skips them too); `outcome`: the
-    outcome model (None: there is none yet) for the direct and doubly robust estimates."""
-    watch = watch or Stopwatch()
+@dataclass(frozen=True)
+class EvalJob:
+    """One evaluation (evaluate): the candidate and the champion, two adapters loaded in `runner`,
+    on the same held-out episodes, suite and prompts."""
+
+    runner: Runner
+    candidate: str  # the candidate's adapter name in `runner`
+    champion: str | None  # the champion's (None: the base model)
+    episodes: list[LoggedEpisode]  # the held-out slice (the gate's eval_episodes)
+    cfg: GateConfig
+    suite: Suite = EMPTY
+    abstention_patterns: tuple[str, ...] = ()  # the reward spec's abstention guard, a canary here
+    generate_prompts: int = 32
+    max_new_tokens: int = 64
+    seed: int = 0
+    load_error: str | None = None  # the candidate's adapter did not load: the smoke check fails with it
+    champion_label: str | None = None  # the champion's name in the report (default: its adapter's, or "base")
+    watch: Stopwatch = field(default_factory=Stopwatch)  # gets the seconds generating, computing log-probs
+    max_seq_len: int | None = None  # held-out episodes whose prompt alone is longer are left out (as training)
+    outcome: fresh.OutcomeScorer | None = None  # None: none fitted yet; the direct and DR estimates say so
+
+
+def evaluate(job: EvalJob) -> Evaluation:
+    """Every measurement of the module's docstring, for `job`'s two policies."""
+    runner, cfg, candidate, champion, seed = job.runner, job.cfg, job.candidate, job.champion, job.seed
+    watch, max_seq_len, outcome = job.watch, job.max_seq_len, job.outcome
     excluded = {
         "no_behavior_logprobs": 0,
         "misaligned": 0,
@@ -261,7 +263,7 @@ def evaluate(
     # data's fault, not the policies': left out and counted, so that it fails neither policy's
     # smoke check (nor exhausts memory) for as long as it sits in the window
     usable_prompts = []
-    for e in episodes:
+    for e in job.episodes:
         n = runner.prompt_tokens(e.prompt, e.tools)
         if n is None:
             excluded["unrenderable_prompts"] += 1
@@ -272,29 +274,29 @@ def evaluate(
         else:
             usable_prompts.append(e)
     episodes = usable_prompts
-    sample, tools = generation_sample(episodes, generate_prompts), tool_prompts(episodes, cfg.tool_prompts)
+    sample, tools = generation_sample(episodes, job.generate_prompts), tool_prompts(episodes, cfg.tool_prompts)
     with watch("generate"):
         cand_report, cand_out = _generate_report(
             runner,
             candidate,
             "candidate",
             sample,
-            suite,
-            abstention_patterns,
-            max_new_tokens,
+            job.suite,
+            job.abstention_patterns,
+            job.max_new_tokens,
             tools,
             cfg.tool_samples,
             seed,
-            load_error,
+            job.load_error,
         )
         champ_report, champ_out = _generate_report(
             runner,
             champion,
-            champion_label or champion or "base",
+            job.champion_label or champion or "base",
             sample,
-            suite,
-            abstention_patterns,
-            max_new_tokens,
+            job.suite,
+            job.abstention_patterns,
+            job.max_new_tokens,
             tools,
             cfg.tool_samples,
             seed,

@@ -26,7 +26,7 @@ import orjson
 from sqlalchemy import Engine
 
 from deploy import rollout
-from deploy.evaluate import Evaluation, Runner, evaluate
+from deploy.evaluate import EvalJob, Evaluation, Runner, evaluate
 from deploy.fresh import OutcomeScorer
 from deploy.gate import Decision, decide
 from deploy.registry import CANARY, CHAMPION, Registry, RegistryError, Version
@@ -94,25 +94,32 @@ def eval_episodes(
     return out, unusable
 
 
-def gate_run(
-    engine: Engine,
-    registry: Registry,
-    runner: Runner,
-    run_id: str,
-    spec_version: str,
-    train: TrainConfig,
-    gate: GateConfig,
-    suite: Suite = EMPTY,
-    abstention_patterns: tuple[str, ...] = (),
-    promote: bool = False,
-    cycle_id: str | None = None,
-    production_canaries: dict[str, dict[str, float]] | None = None,
-    outcome: OutcomeScorer | None = None,
-) -> GateResult:
-    """Register, evaluate and gate the adapter of training run `run_id`. `production_canaries`
-    (per policy version, from the reward stage's audit) are kept with the decision; `outcome`:
-    the outcome model for the fresh-answer estimates (None: none; the gate says so). Callers run
-    registry.repair() first (the cycle as it starts, the CLI as it opens the registry)."""
+@dataclass(frozen=True)
+class GateJob:
+    """One gate (gate_run) of one training run's adapter, as the cycle's dependencies or `rtrl gate`
+    build it."""
+
+    engine: Engine
+    registry: Registry  # callers run registry.repair() first (the cycle as it starts, the CLI as it opens it)
+    runner: Runner  # the policies, the candidate's adapter loaded into it next to the champion's
+    run_id: str  # a finished training run
+    spec_version: str  # the reward spec whose rewards the held-out episodes carry
+    train: TrainConfig  # its hold-out slice, staleness and max_seq_len
+    gate: GateConfig
+    suite: Suite = EMPTY
+    abstention_patterns: tuple[str, ...] = ()
+    promote: bool = False  # move the champion to the candidate if it passes (no staged rollout)
+    cycle_id: str | None = None  # tagged on the version
+    # per policy version, from the reward stage's audit: kept with the decision
+    production_canaries: dict[str, dict[str, float]] | None = None
+    outcome: OutcomeScorer | None = None  # the outcome model of the fresh-answer estimates (None: none yet)
+
+
+def gate_run(job: GateJob) -> GateResult:
+    """Register, evaluate and gate the adapter of training run `job.run_id`; the decision stored
+    with every number and tagged on the model version."""
+    engine, registry, runner, run_id = job.engine, job.registry, job.runner, job.run_id
+    train, gate = job.train, job.gate
     watch = Stopwatch()  # where the seconds went: kept with the decision
     run = get_run(engine, run_id)
     if run is None or run.status != "finished":
@@ -137,7 +144,7 @@ def gate_run(
                 "watermark_to": run.watermark_to,
                 "episodes": run.episodes,
                 "parent_run_id": run.parent_run_id or "",
-                **({"rtrl.cycle": cycle_id} if cycle_id else {}),
+                **({"rtrl.cycle": job.cycle_id} if job.cycle_id else {}),
             },
         )
         champion = registry.alias(CHAMPION)
@@ -156,22 +163,24 @@ def gate_run(
         except Exception as exc:  # noqa: BLE001 - an adapter that does not load fails the smoke check
             load_error = f"{type(exc).__name__}: {exc}"
     with watch("select"):
-        episodes, unusable = eval_episodes(engine, spec_version, train, gate)
+        episodes, unusable = eval_episodes(engine, job.spec_version, train, gate)
     evaluation = evaluate(
-        runner,
-        candidate_name,
-        champion_name,
-        episodes,
-        suite,
-        gate,
-        abstention_patterns,
-        gate.generate_prompts,
-        gate.max_new_tokens,
-        load_error=load_error,
-        champion_label=f"v{champion.version}" if champion else "base",
-        watch=watch,
-        max_seq_len=train.max_seq_len,
-        outcome=outcome,
+        EvalJob(
+            runner,
+            candidate_name,
+            champion_name,
+            episodes,
+            gate,
+            suite=job.suite,
+            abstention_patterns=job.abstention_patterns,
+            generate_prompts=gate.generate_prompts,
+            max_new_tokens=gate.max_new_tokens,
+            load_error=load_error,
+            champion_label=f"v{champion.version}" if champion else "base",
+            watch=watch,
+            max_seq_len=train.max_seq_len,
+            outcome=job.outcome,
+        )
     )
     evaluation.excluded.update(unusable)
     if champion is None and gate.first_deployment == "base":
@@ -183,19 +192,23 @@ def gate_run(
         decision = decide(evaluation.candidate, evaluation.champion, evaluation.comparison, gate)
     report: dict[str, Any] = {
         "evaluation": evaluation.to_dict(),
-        "suite": suite.version,
-        "production_canaries": production_canaries or {},
+        "suite": job.suite.version,
+        "production_canaries": job.production_canaries or {},
         "seconds": watch.parts,
         "outcome_model": None
-        if outcome is None
-        else {"usable": outcome.usable, "why": outcome.why, "path": getattr(outcome, "manifest", {}).get("path")},
+        if job.outcome is None
+        else {
+            "usable": job.outcome.usable,
+            "why": job.outcome.why,
+            "path": getattr(job.outcome, "manifest", {}).get("path"),
+        },
     }
     with watch("registry"):  # (the decision's own write is not in its report's seconds)
         registry.record_decision(version.version, champion.version if champion else None, run_id, decision, report)
     if not decision.passed and load_error is None:
         runner.remove(candidate_name)  # it will not serve: do not keep it loaded
     promoted = False
-    if promote and decision.passed:
+    if job.promote and decision.passed:
         promoted = registry.promote(version.version, actor="automatic", reason="gate passed")
     return GateResult(version, champion, decision, evaluation, promoted, watch.parts)
 
@@ -209,22 +222,27 @@ class OnlineCheck(NamedTuple):
     why: str
 
 
-def online_decision(
-    engine: Engine,
-    registry: Registry,
-    cfg: RolloutConfig,
-    spec_version: str,
-    ripeness_s: float,
-    cycle_id: str,
-    version: str,
-    cycle_started: datetime,
-    reward_window: Callable[[datetime], Any],
-) -> OnlineCheck:
-    """Canary `version`'s online test against the champion at this moment (deploy/rollout.py):
-    decided once it met a boundary (or an operator decided for it), else its progress.
-    `reward_window(since)` rewards what was served since then (the reward stage, run by the
-    caller's orchestration). The decision is recorded once; a cycle resumed after a crash reads
-    it back."""
+@dataclass(frozen=True)
+class CanaryJob:
+    """One look at a canary's online test (online_decision), as the cycle builds it."""
+
+    engine: Engine
+    registry: Registry
+    cfg: RolloutConfig
+    spec_version: str  # whose rewards the sides are compared on
+    ripeness_s: float  # the spec's ripeness window: an episode younger than this is not settled
+    cycle_id: str
+    version: str  # the canary's
+    cycle_started: datetime  # the canary's start when the registry has no move to it
+    # rewards what was served since then (the reward stage, run by the caller's orchestration)
+    reward_window: Callable[[datetime], Any]
+
+
+def online_decision(job: CanaryJob) -> OnlineCheck:
+    """Canary `job.version`'s online test against the champion at this moment (deploy/rollout.py):
+    decided once it met a boundary (or an operator decided for it), else its progress. The
+    decision is recorded once; a cycle resumed after a crash reads it back."""
+    engine, registry, cfg, cycle_id, version = job.engine, job.registry, job.cfg, job.cycle_id, job.version
     decision = latest_decision(engine, registry.name, version)
     if decision is not None and decision.stage == "online" and decision.cycle == cycle_id:
         return OnlineCheck(True, decision.passed, decision.summary)
@@ -247,17 +265,17 @@ def online_decision(
         )
     move = last_move_to(engine, registry.name, CANARY, version)
     # the canary went live with its move (an alias set by hand has none: the cycle's start)
-    staged_at = move.at if move is not None else cycle_started
+    staged_at = move.at if move is not None else job.cycle_started
     # rewards for what both sides served since: only that window is read (the cycle's own reward
     # stage brings the rest of the history up to date), so a check costs the same on any store
-    reward_window(staged_at)
+    job.reward_window(staged_at)
     # only requests whose outcome is final (the spec's ripeness window has passed): an early
     # terminal signal would otherwise over-represent the outcomes that arrive fast
-    settled = utcnow() - timedelta(seconds=ripeness_s)
+    settled = utcnow() - timedelta(seconds=job.ripeness_s)
     serving = champion.version if champion else "base"
     units = online_units(
         engine,
-        spec_version,
+        job.spec_version,
         [serving, version],
         staged_at,
         until=settled,

@@ -50,7 +50,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from deploy.registry import ANY, CHAMPION, Registry, Superseded
-from deploy.stage import gate_run, online_decision, withdraw_orphan_canary
+from deploy.stage import CanaryJob, GateJob, gate_run, online_decision, withdraw_orphan_canary
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import Config
 from pipeline.core.store.cycles import CycleRecord, CycleState, create_cycle, get_cycle, set_cycle, unfinished_cycle
@@ -60,7 +60,8 @@ from pipeline.core.store.training import finish_run, get_run
 from reward.spec import RewardSpec
 from reward.stage import run_rewards
 from train.outcome_stage import refresh as refresh_outcome
-from train.run import NothingToTrain, Parent, run_training, select, unseen_episodes
+from train.run import NothingToTrain, Parent, TrainJob, run_training
+from train.selection import select, unseen_episodes
 from train.tracking import Tracker
 
 S = CycleState
@@ -217,17 +218,19 @@ def _evaluating(c: _Cycle) -> CycleState | None:
         result = c.timed(
             "evaluate",
             lambda: gate_run(
-                deps.engine,
-                deps.registry,
-                deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
-                c.run_id,
-                deps.spec.version,
-                config.train,
-                config.gate,
-                deps.suite,
-                deps.spec.guards.abstention.patterns,
-                cycle_id=c.cycle_id,
-                outcome=outcome,
+                GateJob(
+                    deps.engine,
+                    deps.registry,
+                    deps.make_runner(Path(get_run(deps.engine, c.run_id).base_model)),
+                    c.run_id,
+                    deps.spec.version,
+                    config.train,
+                    config.gate,
+                    suite=deps.suite,
+                    abstention_patterns=deps.spec.guards.abstention.patterns,
+                    cycle_id=c.cycle_id,
+                    outcome=outcome,
+                )
             ),
         )
         passed, version, reasons = result.decision.passed, result.version.version, result.decision.reasons
@@ -260,15 +263,17 @@ def _canary(c: _Cycle) -> CycleState | None:
         verdict = c.timed(
             "online",
             lambda: online_decision(
-                deps.engine,
-                deps.registry,
-                deps.config.rollout,
-                deps.spec.version,
-                deps.spec.ripeness.window_s,
-                c.cycle_id,
-                version,
-                row.started_at,
-                reward_window=lambda since: run_rewards(deps.engine, deps.spec, served_since=since),
+                CanaryJob(
+                    deps.engine,
+                    deps.registry,
+                    deps.config.rollout,
+                    deps.spec.version,
+                    deps.spec.ripeness.window_s,
+                    c.cycle_id,
+                    version,
+                    row.started_at,
+                    reward_window=lambda since: run_rewards(deps.engine, deps.spec, served_since=since),
+                )
             ),
         )
         if verdict.decided and not verdict.passed:
@@ -400,16 +405,18 @@ def _train(c: _Cycle, parent: Parent | None) -> str | None:
     tracker.set_tags({"rtrl.cycle": c.cycle_id})
     try:
         run_training(
-            deps.engine,
-            cfg,
-            deps.spec.version,
-            runs_dir,
-            tracker,
-            parent,
-            params={"cycle": c.cycle_id},
-            run_id=run_id,
-            selection=selection,
-            on_step=_fence_check(deps),
+            TrainJob(
+                deps.engine,
+                cfg,
+                deps.spec.version,
+                runs_dir,
+                tracker,
+                parent,
+                params={"cycle": c.cycle_id},
+                run_id=run_id,
+                selection=selection,
+                on_step=_fence_check(deps),
+            )
         )
     except NothingToTrain as exc:
         tracker.end("KILLED")

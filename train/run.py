@@ -1,13 +1,16 @@
 """The training stage: select rewarded episodes, train a LoRA update, record everything.
 
     select     rewards of the spec created after the parent's watermark, served within the
-               staleness budget, optionally one tenant (pipeline/core/store/training.py)
+               staleness budget, optionally one tenant (train/selection.py)
     load       the base model; the parent's adapter (the champion's) trainable, else a fresh one
-    tokenize   assistant-only loss masks, behaviour log-probs aligned or dropped (train/data.py)
+    tokenize   assistant-only loss masks, behaviour log-probs aligned or dropped (train/selection.py)
     train      train/loop.py
-    record     <run>/adapter (safetensors + rtrl_run.json: run id, data watermark, base model),
+    record     one RunManifest (run id, data watermark, base model and revision, parent), written
+               as the training_runs row, the tracker's params and <run>/adapter/rtrl_run.json;
                <run>/episodes.jsonl (the exact episodes and rewards), the lineage rows, the
-               training_runs row, and the tracker's run (params, per-step metrics, artifacts)
+               tracker's per-step metrics and artifacts
+
+One call, one job: run_training(TrainJob(...)), built by the cycle or `rtrl train run`.
 
 An adapter directory carries its own data watermark in rtrl_run.json: continuing from it reads
 only rewards the parent never saw.
@@ -15,14 +18,13 @@ only rewards the parent never saw.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +33,14 @@ import torch
 from sqlalchemy import Engine
 
 from pipeline.core.config import TrainConfig
-from pipeline.core.store.events import utcnow
-from pipeline.core.store.training import (
-    Selection,
-    finish_run,
-    latest_finished_run,
-    record_lineage,
-    select_episodes,
-    start_run,
-)
+from pipeline.core.store.training import Selection, finish_run, record_lineage, start_run
 from pipeline.core.timing import Stopwatch
-from pipeline.core.types import sampling_params, task_key
-from train.data import DataStats, Skip, TokenizedEpisode, tokenize_episode
+from train.data import DataStats, TokenizedEpisode
 from train.distributed import run_distributed
 from train.loop import LoopResult, train_policy
 from train.lora import attach_adapter, load_adapter, release, resident_base, save_adapter, set_gradient_checkpointing
 from train.models import ModelError, load_policy, set_cpu_threads
+from train.selection import select, tokenize_selection
 from train.tracking import Tracker
 
 RUN_MANIFEST = "rtrl_run.json"
@@ -91,43 +85,6 @@ class TrainReport:
     run_dir: Path | None = None
 
 
-def select(
-    engine: Engine,
-    cfg: TrainConfig,
-    spec_version: str,
-    parent: Parent | None,
-    now: datetime | None = None,
-    since: int | None = None,
-) -> Selection:
-    watermark = since if since is not None else (parent.watermark if parent else 0)
-    served_after = (now or utcnow()) - timedelta(seconds=cfg.staleness_s) if cfg.staleness_s else None
-    return select_episodes(
-        engine,
-        spec_version,
-        since_reward_id=watermark,
-        served_after=served_after,
-        tenant=cfg.tenant,
-        limit=cfg.max_episodes,
-        holdout_percent=cfg.holdout_percent,
-    )
-
-
-def unseen_episodes(engine: Engine, spec_version: str, selection: Selection) -> tuple[int, str]:
-    """How many selected episodes no candidate trained from the same champion has seen, and
-    since which run ("" when none was). A candidate trained from this champion that was not
-    promoted (or was rolled back) leaves its episodes selectable, which is right, but training
-    again on them alone would register a near-copy of a rejected candidate; the caller trains
-    only once enough are new. A run of a cycle that failed (before its gate decided, or before
-    its promotion) does not count: that cycle is retried with the same episodes."""
-    last = latest_finished_run(engine, spec_version, watermark_from=selection.watermark_from, skip_failed_cycles=True)
-    if last is None:
-        return selection.counts["selected"], ""
-    return (
-        sum(1 for r in selection.rows if r.reward_id > last.watermark_to),
-        f" since run {last.run_id[:12]} (the last candidate trained from this champion)",
-    )
-
-
 def _nothing(report: TrainReport, why: str) -> NothingToTrain:
     c = report.selection
     return NothingToTrain(
@@ -140,70 +97,55 @@ def _nothing(report: TrainReport, why: str) -> NothingToTrain:
     )
 
 
-def tokenize_selection(
-    tokenizer: Any, selection: Selection, cfg: TrainConfig, report: TrainReport
-) -> tuple[list[TokenizedEpisode], list[Any], list[str]]:
-    """Tokenized episodes, the selection rows they came from, and each one's group (episodes of
-    the same task -- first user message -- for group-relative advantages); skips counted in `report`."""
-    episodes, rows, groups = [], [], []
-    for row in selection.rows:
-        try:
-            ev = orjson.loads(row.body)
-        except orjson.JSONDecodeError:
-            report.unreadable += 1
-            continue
-        if ev.get("truncated"):
-            report.data.count(report.data.skipped, Skip.TRUNCATED.value)
-            continue
-        try:
-            sampling = sampling_params(ev.get("sampling"))
-        except ValueError:
-            report.data.count(report.data.skipped, Skip.BAD_SAMPLING.value)
-            continue
-        out = tokenize_episode(
-            tokenizer,
-            row.request_id,
-            ev.get("prompt", ""),
-            ev.get("completion", ""),
-            ev.get("completion_token_ids"),
-            ev.get("behavior_logprobs"),
-            report.data,
-            tools=ev.get("tools"),
-        )
-        if isinstance(out, Skip):
-            continue
-        if len(out.input_ids) > cfg.max_seq_len:
-            report.too_long += 1
-            continue
-        out.sample_with(sampling)
-        episode = ev.get("episode_id")
-        out.episode = episode if isinstance(episode, str) else None
-        episodes.append(out)
-        rows.append(row)
-        task = selection.tasks.get(row.request_id)  # its episode's task, for an agent's call
-        groups.append(hashlib.sha1(task if task is not None else task_key(ev.get("prompt", ""))).hexdigest())
-    return episodes, rows, groups
+@dataclass(frozen=True)
+class TrainJob:
+    """One training run (run_training), as the cycle or `rtrl train run` builds it."""
+
+    engine: Engine
+    cfg: TrainConfig
+    spec_version: str  # whose rewards it learns from
+    runs_dir: Path  # <runs_dir>/<run_id>/ holds the adapter, the episodes, checkpoints
+    tracker: Tracker  # its params, per-step metrics and artifacts (MLflow, or in memory)
+    parent: Parent | None = None  # the adapter it continues (the champion's); None: a fresh one
+    since: int | None = None  # read rewards after this id instead of the parent's watermark
+    now: datetime | None = None  # the staleness budget's "now" (tests pin it)
+    params: dict[str, Any] = field(default_factory=dict)  # more tracker params (the cycle's id)
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None  # (step, total, metrics)
+    run_id: str | None = None  # recorded by the caller before the run starts (a cycle that may crash)
+    selection: Selection | None = None  # one the caller made with select() already (and counted)
+    dry_run: bool = False  # only the selection: nothing loaded, nothing written
 
 
-def run_training(
-    engine: Engine,
-    cfg: TrainConfig,
-    spec_version: str,
-    runs_dir: Path,
-    tracker: Tracker,
-    parent: Parent | None = None,
-    since: int | None = None,
-    dry_run: bool = False,
-    now: datetime | None = None,
-    params: dict[str, Any] | None = None,
-    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
-    run_id: str | None = None,
-    selection: Selection | None = None,
-) -> TrainReport:
-    """One training run; with `dry_run`, only the selection (nothing loaded, nothing written).
-    `run_id` lets a caller record the id before the run starts (a cycle that may crash);
-    `selection`, one it already made with select() (a cycle that counted it first)."""
-    selection = selection or select(engine, cfg, spec_version, parent, now, since)
+@dataclass(frozen=True)
+class RunManifest:
+    """What a run is, made once: the training_runs row, the tracker's params and the adapter's
+    rtrl_run.json are each written from it, so that they cannot disagree."""
+
+    run_id: str
+    spec_version: str
+    loss: str
+    base_model: str
+    base_revision: str
+    parent_run_id: str | None
+    parent_adapter: str | None
+    watermark_from: int  # the rewards it read: ids in (watermark_from, watermark_to]
+    watermark_to: int
+    episodes: int
+    device: str
+
+    def row(self) -> dict[str, Any]:
+        """The training_runs row's columns."""
+        return {k: v for k, v in asdict(self).items() if k not in ("parent_adapter", "device")}
+
+    def adapter_file(self) -> dict[str, Any]:
+        """rtrl_run.json, beside the adapter's weights; `watermark` is what Parent.from_adapter reads."""
+        return {**asdict(self), "watermark": self.watermark_to}
+
+
+def run_training(job: TrainJob) -> TrainReport:
+    """One training run (the module's steps); with `job.dry_run`, only the selection."""
+    engine, cfg, spec_version, tracker, parent = job.engine, job.cfg, job.spec_version, job.tracker, job.parent
+    selection = job.selection or select(engine, cfg, spec_version, parent, job.now, job.since)
     report = TrainReport(
         run_id=None,
         selection=selection.counts,
@@ -211,7 +153,7 @@ def run_training(
         watermark_to=selection.watermark_to,
         by_policy_version=dict(Counter(r.policy_version for r in selection.rows)),
     )
-    if dry_run:
+    if job.dry_run:
         return report
     if not selection.rows:
         raise _nothing(report, "no rewarded episode selected")
@@ -241,38 +183,31 @@ def run_training(
         model = load_adapter(policy.model, parent.adapter) if parent else attach_adapter(policy.model, cfg)
     set_gradient_checkpointing(model, cfg.gradient_checkpointing)
 
-    run_id = report.run_id = run_id or uuid.uuid4().hex
-    run_dir = report.run_dir = runs_dir / run_id
+    run_id = report.run_id = job.run_id or uuid.uuid4().hex
+    run_dir = report.run_dir = job.runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_run(
-        engine,
+    manifest = RunManifest(
         run_id=run_id,
-        tracking_run_id=tracker.run_id,
         spec_version=spec_version,
         loss=cfg.loss,
         base_model=str(policy.path),
         base_revision=policy.revision,
         parent_run_id=parent.run_id if parent else None,
+        parent_adapter=str(parent.adapter) if parent else None,
         watermark_from=selection.watermark_from,
         watermark_to=selection.watermark_to,
         episodes=len(episodes),
+        device=str(policy.device),
     )
+    start_run(engine, tracking_run_id=tracker.run_id, **manifest.row())
     try:
         with watch("tracking"):
             tracker.set_tags({"rtrl.run_id": run_id, "rtrl.spec_version": spec_version})
             tracker.log_params(
                 {
                     **{f"train.{k}": v for k, v in cfg.model_dump(mode="json").items()},
-                    **(params or {}),
-                    "spec_version": spec_version,
-                    "base_model": str(policy.path),
-                    "base_revision": policy.revision,
-                    "parent_adapter": str(parent.adapter) if parent else None,
-                    "parent_run_id": parent.run_id if parent else None,
-                    "watermark_from": selection.watermark_from,
-                    "watermark_to": selection.watermark_to,
-                    "episodes": len(episodes),
-                    "device": policy.device,
+                    **job.params,
+                    **{k: v for k, v in asdict(manifest).items() if k != "run_id"},
                     **{f"selection.{k}": v for k, v in selection.counts.items()},
                 }
             )
@@ -290,7 +225,7 @@ def run_training(
                     cfg,
                     tracker,
                     checkpoint_dir=run_dir / "checkpoints",
-                    on_step=on_step,
+                    on_step=job.on_step,
                 )
             else:
                 report.loop = train_policy(
@@ -302,24 +237,14 @@ def run_training(
                     tracker,
                     policy.tokenizer.pad_token_id,
                     checkpoint_dir=run_dir / "checkpoints",
-                    on_step=on_step,
+                    on_step=job.on_step,
                 )
         with watch("save"):
             if cfg.nproc > 1:
                 report.adapter = Path(shutil.copytree(trained, run_dir / "adapter", dirs_exist_ok=True))
             else:
                 report.adapter = save_adapter(model, run_dir / "adapter")
-            manifest = {
-                "run_id": run_id,
-                "watermark": selection.watermark_to,
-                "spec_version": spec_version,
-                "loss": cfg.loss,
-                "base_model": str(policy.path),
-                "base_revision": policy.revision,
-                "parent_run_id": parent.run_id if parent else None,
-                "episodes": len(episodes),
-            }
-            (report.adapter / RUN_MANIFEST).write_text(json.dumps(manifest, indent=2))
+            (report.adapter / RUN_MANIFEST).write_text(json.dumps(manifest.adapter_file(), indent=2))
             _write_episode_manifest(run_dir / "episodes" / "episodes.jsonl", rows, episodes, report.loop.advantages)
         with watch("tracking"):
             tracker.log_artifacts(report.adapter, "adapter")

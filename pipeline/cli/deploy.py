@@ -54,7 +54,7 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     load-and-generate check; stores the decision with every number and tags it on the model
     version. RUN_ID defaults to the latest finished run.
     """
-    from deploy.stage import gate_run
+    from deploy.stage import GateJob, gate_run
     from deploy.suite import EMPTY, SuiteError, load_suite
     from train.inference import PolicySet
     from train.models import ModelError
@@ -77,7 +77,7 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     production = {version: c.rates() for version, c in audit(ctx.engine(), spec).items()}
     outcome = outcome_model(ctx, spec.version)
     with _registry(ctx) as registry:
-        result = gate_run(
+        job = GateJob(
             ctx.engine(),
             registry,
             runner,
@@ -85,12 +85,13 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
             spec.version,
             config.train,
             config.gate,
-            suite_obj,
-            spec.guards.abstention.patterns,
+            suite=suite_obj,
+            abstention_patterns=spec.guards.abstention.patterns,
             promote=promote,
             production_canaries=production,
             outcome=outcome,
         )
+        result = gate_run(job)
     d, ev = result.decision, result.evaluation
     against = f"champion v{result.champion.version}" if result.champion else "the base model (first deployment)"
     click.echo(

@@ -113,7 +113,7 @@ def run(
     **overrides,
 ) -> None:
     """Run one training: select episodes, train, save the adapter, record the MLflow run."""
-    from train.run import NothingToTrain, Parent, run_training
+    from train.run import NothingToTrain, Parent, TrainJob, run_training
 
     updates = {k: v for k, v in overrides.items() if v is not None}
     if base_model:
@@ -126,7 +126,7 @@ def run(
     spec = reward_spec(ctx, spec_path)
     engine = ctx.engine()
     if dry_run:
-        report = run_training(engine, cfg, spec.version, Path(), MemoryTracker(), parent, since, dry_run=True)
+        report = run_training(TrainJob(engine, cfg, spec.version, Path(), MemoryTracker(), parent, since, dry_run=True))
         click.echo("\n".join(_selection_lines(report)))
         return
     from deploy.tracking import MlflowTracker
@@ -136,7 +136,7 @@ def run(
     tracker = MlflowTracker(config.tracking_uri, config.mlflow.experiment, config.artifact_root)
     try:
         with _progress() as on_step:
-            report = run_training(
+            job = TrainJob(
                 engine,
                 cfg,
                 spec.version,
@@ -147,6 +147,7 @@ def run(
                 params={"tracking_uri": redacted_uri(config.tracking_uri)},
                 on_step=on_step,
             )
+            report = run_training(job)
     except (NothingToTrain, ModelError) as exc:
         tracker.end("FAILED")
         raise click.ClickException(str(exc)) from None

@@ -22,7 +22,7 @@ from kafka import KafkaConsumer
 from deploy import registry as registry_mod
 from deploy.registry import CANARY, CHAMPION, PREVIOUS, Registry, RegistryError
 from deploy.serving.events import ModelUpdatePublisher
-from deploy.stage import adapter_name, gate_run
+from deploy.stage import GateJob, adapter_name, gate_run
 from deploy.suite import load_suite
 from deploy.tracking import MlflowTracker
 from pipeline.core.config import Bound, GateConfig, TrainConfig
@@ -37,7 +37,7 @@ from tests.support.helpers import free_port
 from tests.support.stores import store
 from train.inference import PolicySet
 from train.models import load_policy
-from train.run import Parent, run_training
+from train.run import Parent, TrainJob, run_training
 
 SPEC = load_spec()
 NOW = BASE_TS.replace(tzinfo=None) + timedelta(days=2)
@@ -135,22 +135,24 @@ def test_gate_promote_reject_force_rollback_and_repair(
     def train(parent=None, **over):
         tracker = MlflowTracker(tracking, "rtrl-test", tmp_path / "artifacts")
         cfg = TrainConfig(base_model=reverse_base, **{**TRAIN, **over})
-        return run_training(engine, cfg, SPEC.version, tmp_path / "runs", tracker, parent, now=NOW)
+        return run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "runs", tracker, parent, now=NOW))
 
     runner = PolicySet.load(reverse_base, device="cpu")  # one for every gate, as the daemon keeps it
 
     def gate(run, promote=True):
         return gate_run(
-            engine,
-            registry,
-            runner,
-            run.run_id,
-            SPEC.version,
-            TrainConfig(base_model=reverse_base, **TRAIN),
-            GATE,
-            suite,
-            ABSTAIN,
-            promote=promote,
+            GateJob(
+                engine,
+                registry,
+                runner,
+                run.run_id,
+                SPEC.version,
+                TrainConfig(base_model=reverse_base, **TRAIN),
+                GATE,
+                suite=suite,
+                abstention_patterns=ABSTAIN,
+                promote=promote,
+            )
         )
 
     # v1: learned to reverse from logged, rewarded samples of the base policy
@@ -350,14 +352,16 @@ def test_a_candidate_whose_adapter_does_not_load_fails_the_smoke_check(engine, r
     finish_run(engine, "r-bad", "finished", adapter_path=str(bad))
     registry = Registry(tracking, f"policy-{uuid.uuid4().hex[:6]}", engine)
     result = gate_run(
-        engine,
-        registry,
-        PolicySet.load(reverse_base, device="cpu"),
-        "r-bad",
-        SPEC.version,
-        TrainConfig(),
-        GATE,
-        promote=True,
+        GateJob(
+            engine,
+            registry,
+            PolicySet.load(reverse_base, device="cpu"),
+            "r-bad",
+            SPEC.version,
+            TrainConfig(),
+            GATE,
+            promote=True,
+        )
     )
     assert not result.decision.passed and not result.promoted
     assert any("cannot load the adapter" in r for r in result.decision.reasons), result.decision.reasons
@@ -396,9 +400,9 @@ def test_a_crash_between_registering_and_deciding_does_not_register_the_run_twic
 
     registry.record_decision = crash
     with pytest.raises(KeyboardInterrupt):
-        gate_run(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE)
+        gate_run(GateJob(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE))
     registry.record_decision = real
-    result = gate_run(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE)  # the resumed cycle
+    result = gate_run(GateJob(engine, registry, runner, "r-1", SPEC.version, TrainConfig(), GATE))  # the resumed cycle
     assert result.version.version == "1" and [v.version for v in registry.list()] == ["1"]
 
 
@@ -408,8 +412,7 @@ def test_odd_held_out_episodes_are_left_out_and_counted_not_failing_the_gate(rev
     the window."""
     import shutil
 
-    from deploy.evaluate import evaluate
-    from deploy.suite import EMPTY
+    from deploy.evaluate import EvalJob, evaluate
     from pipeline.core.types import LoggedEpisode
     from tests.support.adapters import make_adapter
 
@@ -427,7 +430,7 @@ def test_odd_held_out_episodes_are_left_out_and_counted_not_failing_the_gate(rev
         LoggedEpisode("role", [{"role": "developer", "content": "abc>"}], "cba", None, [-1.0] * 3, 1.0, 1.0),
         LoggedEpisode("vocab", "abc>", "cba", [5, 10**6, 7], [-1.0] * 3, 1.0, 1.0),
     ]
-    evaluation = evaluate(runner, "cand", None, good + odd, EMPTY, GATE, generate_prompts=40, max_new_tokens=3)
+    evaluation = evaluate(EvalJob(runner, "cand", None, good + odd, GATE, generate_prompts=40, max_new_tokens=3))
     assert evaluation.candidate.smoke_ok and evaluation.champion.smoke_ok
     assert evaluation.excluded["unrenderable_prompts"] == 1 and evaluation.excluded["misaligned"] == 1
     assert evaluation.episodes == 20

@@ -23,9 +23,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from deploy.evaluate import evaluate
+from deploy.evaluate import EvalJob, evaluate
 from deploy.stage import eval_episodes
-from deploy.suite import EMPTY
 from ingest.batch import decode_records
 from pipeline.core.config import GateConfig, TrainConfig
 from pipeline.core.store.events import write_rows
@@ -35,8 +34,9 @@ from reward.stage import run_rewards
 from tests.support.factories import BASE_TS, feedback, interaction
 from train.data import DataStats
 from train.inference import PolicySet
-from train.run import TrainReport, tokenize_selection
-from train.run import select as select_episodes
+from train.run import TrainReport
+from train.selection import select as select_episodes
+from train.selection import tokenize_selection
 
 SPEC = load_spec()
 LATER = BASE_TS.replace(tzinfo=None) + timedelta(days=30)
@@ -204,7 +204,7 @@ def test_hostile_events_pass_every_stage_counted(engine, reverse_base, policies,
     gate = GateConfig(eval_episodes=50, generate_prompts=8, max_new_tokens=2, min_ess=1)
     held, unusable = eval_episodes(engine, SPEC.version, cfg.model_copy(update={"holdout_percent": 100.0}), gate)
     evaluation = evaluate(
-        policies, "cand", None, held, EMPTY, gate, generate_prompts=8, max_new_tokens=2, max_seq_len=cfg.max_seq_len
+        EvalJob(policies, "cand", None, held, gate, generate_prompts=8, max_new_tokens=2, max_seq_len=cfg.max_seq_len)
     )
     evaluation.excluded.update(unusable)
     assert evaluation.candidate.smoke_ok and evaluation.champion.smoke_ok, evaluation.candidate.smoke_error

@@ -26,7 +26,7 @@ from tests.support.stores import store
 from train import lora
 from train import run as run_module
 from train.models import load_policy
-from train.run import NothingToTrain, Parent, run_training
+from train.run import NothingToTrain, Parent, TrainJob, run_training
 from train.tracking import MemoryTracker
 
 SPEC = load_spec()
@@ -55,7 +55,7 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
     cfg = cfg_for(reverse_base)
 
     tracker = MemoryTracker()
-    report = run_training(engine, cfg, SPEC.version, tmp_path / "runs", tracker, now=LATER)
+    report = run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "runs", tracker, now=LATER))
     assert report.selection["selected"] == 30 and report.data.episodes == 30
     with engine.connect() as conn:
         newest_reward = conn.scalar(select(func.max(rewards.c.id)))
@@ -67,6 +67,9 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
     assert {r.request_id for r in lineage(engine, report.run_id)} == {f"a-r-{i}" for i in range(30)}
     manifest = json.loads((report.adapter / "rtrl_run.json").read_text())
     assert manifest["watermark"] == newest_reward and manifest["run_id"] == report.run_id
+    # one manifest: the training_runs row, the tracker's params and rtrl_run.json cannot disagree
+    for key in ("spec_version", "loss", "base_model", "base_revision", "parent_run_id", "watermark_from", "episodes"):
+        assert manifest[key] == tracker.params[key] == getattr(row, key), key
     assert (report.adapter / "adapter_model.safetensors").is_file()
     lines = (report.run_dir / "episodes" / "episodes.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["interaction_event_id"] for x in lines) == sorted(f"a-i-{i}" for i in range(30))
@@ -77,10 +80,10 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
     # continuing from that adapter: nothing new yet is a clear refusal, not an empty run
     parent = Parent.from_adapter(report.adapter)
     with pytest.raises(NothingToTrain, match="no rewarded episode selected"):
-        run_training(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER)
+        run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER))
     store(engine, *task.as_events(second, "b", BASE_TS + timedelta(hours=1)))
     run_rewards(engine, SPEC, now=LATER)
-    child = run_training(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER)
+    child = run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER))
     assert child.selection["candidates"] == len(second) == child.data.episodes
     assert get_run(engine, child.run_id).parent_run_id == report.run_id
 
@@ -94,7 +97,7 @@ def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loade
     run_rewards(engine, SPEC, now=LATER)
     cfg = cfg_for(reverse_base)
     lora._RESIDENT.clear()
-    first = run_training(engine, cfg, SPEC.version, tmp_path / "a", MemoryTracker(), now=LATER)
+    first = run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "a", MemoryTracker(), now=LATER))
     resident = lora.resident_base(reverse_base)
     on_disk = load_policy(reverse_base, device="cpu").model.state_dict()
     assert not hasattr(resident.model, "peft_config") and set(resident.model.state_dict()) == set(on_disk)
@@ -102,7 +105,9 @@ def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loade
 
     loads = []
     monkeypatch.setattr(lora, "load_policy", lambda *a, **k: loads.append(a) or load_policy(*a, **k))
-    again = run_training(engine, cfg, SPEC.version, tmp_path / "b", MemoryTracker(), now=LATER)  # the same episodes
+    again = run_training(
+        TrainJob(engine, cfg, SPEC.version, tmp_path / "b", MemoryTracker(), now=LATER)
+    )  # the same episodes
     assert loads == [] and lora.resident_base(reverse_base) is resident
     assert_same_adapter(first.adapter, again.adapter)
 
@@ -110,7 +115,14 @@ def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loade
     own = []
     monkeypatch.setattr(run_module, "load_policy", lambda *a, **k: own.append(a) or load_policy(*a, **k))
     run_training(
-        engine, cfg_for(reverse_base, keep_base_loaded=False), SPEC.version, tmp_path / "c", MemoryTracker(), now=LATER
+        TrainJob(
+            engine,
+            cfg_for(reverse_base, keep_base_loaded=False),
+            SPEC.version,
+            tmp_path / "c",
+            MemoryTracker(),
+            now=LATER,
+        )
     )
     assert len(own) == 1 and loads == [] and lora.resident_base(reverse_base) is resident
 
@@ -132,7 +144,7 @@ def test_staleness_tenant_and_limit_are_excluded_and_counted(engine, reverse_bas
     run_rewards(engine, SPEC, now=LATER + timedelta(days=3))
     cfg = cfg_for(reverse_base, staleness_s=2 * 86400, tenant="acme", max_episodes=6)
     report = run_training(
-        engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True, now=LATER + timedelta(days=3)
+        TrainJob(engine, cfg, SPEC.version, tmp_path, MemoryTracker(), dry_run=True, now=LATER + timedelta(days=3))
     )
     assert report.selection == {
         "candidates": 40,
@@ -156,7 +168,9 @@ def test_the_held_out_slice_never_trains_and_is_what_the_gate_evaluates(engine, 
     held = {rid for rid, e in served.items() if is_held_out(rid, json.dumps(e), 30.0)}
     assert 0 < len(held) < len(samples)
     report = run_training(
-        engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path, MemoryTracker(), now=LATER
+        TrainJob(
+            engine, cfg_for(reverse_base, holdout_percent=30.0), SPEC.version, tmp_path, MemoryTracker(), now=LATER
+        )
     )
     assert report.selection["held_out"] == len(held)
     trained = {r.request_id for r in lineage(engine, report.run_id)}
@@ -187,7 +201,7 @@ def test_bad_episodes_are_counted_skips_not_crashes(engine, reverse_base, sample
     fb = [feedback(i, prefix="x", kind="accepted") for i in (100, 101, 102)]
     store(engine, *good + [empty, no_assistant, misaligned] + fb)
     run_rewards(engine, SPEC, now=LATER)
-    report = run_training(engine, cfg_for(reverse_base), SPEC.version, tmp_path, MemoryTracker(), now=LATER)
+    report = run_training(TrainJob(engine, cfg_for(reverse_base), SPEC.version, tmp_path, MemoryTracker(), now=LATER))
     assert report.data.skipped == {"empty_completion": 1, "no_assistant_tokens": 1}
     assert report.data.behavior.get("misaligned") == 1 and report.data.episodes == 9
     assert {r.request_id for r in lineage(engine, report.run_id)} >= {"x-r-102"}
@@ -250,7 +264,7 @@ def test_odd_episodes_are_skipped_and_counted_never_failing_the_run(engine, reve
         "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
     )
-    report = run_training(engine, cfg_for(base), SPEC.version, tmp_path, MemoryTracker(), now=LATER)
+    report = run_training(TrainJob(engine, cfg_for(base), SPEC.version, tmp_path, MemoryTracker(), now=LATER))
     assert report.data.skipped == {"bad_sampling": 1, "token_ids_out_of_vocabulary": 1, "unrenderable": 1}
     assert report.data.episodes == 8 and get_run(engine, report.run_id).summary["skipped"] == report.data.skipped
 
@@ -331,12 +345,14 @@ def test_a_run_uses_the_configured_cpu_threads(engine, reverse_base, samples, tm
     before = torch.get_num_threads()
     try:
         run_training(
-            engine,
-            cfg_for(reverse_base, cpu_threads=before + 1),
-            SPEC.version,
-            tmp_path / "a",
-            MemoryTracker(),
-            now=LATER,
+            TrainJob(
+                engine,
+                cfg_for(reverse_base, cpu_threads=before + 1),
+                SPEC.version,
+                tmp_path / "a",
+                MemoryTracker(),
+                now=LATER,
+            )
         )
         assert torch.get_num_threads() == before + 1
     finally:

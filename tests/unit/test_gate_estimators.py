@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from deploy.evaluate import evaluate
+from deploy.evaluate import EvalJob, evaluate
 from deploy.gate import decide
-from deploy.suite import EMPTY
 from pipeline.core.config import GateConfig
 from pipeline.core.types import LoggedEpisode
 from train.inference import Generation
@@ -86,7 +85,7 @@ def gate(**kw) -> GateConfig:
 
 
 def run(cfg: GateConfig, outcome):
-    ev = evaluate(Runner(), "cand", None, held_out(), EMPTY, cfg, generate_prompts=10, seed=3, outcome=outcome)
+    ev = evaluate(EvalJob(Runner(), "cand", None, held_out(), cfg, generate_prompts=10, seed=3, outcome=outcome))
     return ev, decide(ev.candidate, ev.champion, ev.comparison, cfg, first=True)
 
 

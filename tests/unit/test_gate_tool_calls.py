@@ -8,9 +8,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from deploy.evaluate import broken_call, evaluate
+from deploy.evaluate import EvalJob, broken_call, evaluate
 from deploy.gate import decide
-from deploy.suite import EMPTY
 from pipeline.core.config import GateConfig
 from pipeline.core.types import LoggedEpisode
 from train.inference import Generation
@@ -87,7 +86,7 @@ def held_out(n: int = 200) -> list[LoggedEpisode]:
 def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy_calls_are_well_formed():
     cfg = GateConfig(min_ess=1, max_kl=10.0, tool_samples=8)
     runner = Runner(champ_rate=0.04, cand_rate=0.14)
-    evaluation = evaluate(runner, "cand", None, held_out(), EMPTY, cfg, generate_prompts=40, seed=5)
+    evaluation = evaluate(EvalJob(runner, "cand", None, held_out(), cfg, generate_prompts=40, seed=5))
     cand, champ = evaluation.candidate.metrics, evaluation.champion.metrics
     assert cand["greedy_tool_format_error_rate"] == champ["greedy_tool_format_error_rate"] == 0.0
     assert champ["tool_format_error_rate"] < 0.08 < 0.1 < cand["tool_format_error_rate"]
@@ -103,12 +102,12 @@ def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy
     # broken only after a tool's result (where the naive demo's policy breaks its calls: on the
     # words it cannot reverse): a quarter of the calls, which the first calls' mass would hide
     hidden = evaluate(
-        Runner(0.04, 0.14, after_result_only=True), "cand", None, held_out(), EMPTY, cfg, generate_prompts=40, seed=5
+        EvalJob(Runner(0.04, 0.14, after_result_only=True), "cand", None, held_out(), cfg, generate_prompts=40, seed=5)
     )
     failing = [c for c in decide(hidden.candidate, hidden.champion, hidden.comparison, cfg).checks if not c.passed]
     assert {c.name for c in failing} == {"bound:tool_format_error_rate_after_result"}
 
-    same = evaluate(Runner(0.04, 0.04), "cand", None, held_out(), EMPTY, cfg, generate_prompts=40, seed=5)
+    same = evaluate(EvalJob(Runner(0.04, 0.04), "cand", None, held_out(), cfg, generate_prompts=40, seed=5))
     assert same.candidate.metrics["tool_format_error_rate"] == same.champion.metrics["tool_format_error_rate"]
     assert decide(same.candidate, same.champion, same.comparison, cfg).passed
 
@@ -116,7 +115,7 @@ def test_a_candidate_that_samples_more_broken_calls_is_refused_though_its_greedy
 def test_prompts_without_tools_sample_nothing_and_break_nothing():
     runner = Runner(0.5, 0.5)
     plain = [LoggedEpisode(f"r{i}", "abc>", "cba", None, [-1.0], 1.0, 1.0) for i in range(20)]
-    evaluation = evaluate(runner, "cand", None, plain, EMPTY, GateConfig(min_ess=1), generate_prompts=10)
+    evaluation = evaluate(EvalJob(runner, "cand", None, plain, GateConfig(min_ess=1), generate_prompts=10))
     assert evaluation.candidate.metrics["tool_format_error_rate"] == 0.0
     assert all(a[2] == 0.0 or a[1] == 0 for a in runner.asked)
 

@@ -105,7 +105,8 @@ def test_a_truncated_stream_and_the_tools_offered_reach_the_selection_s_tokeniza
     from pipeline.core.chat import render_prompt
     from pipeline.core.config import TrainConfig
     from pipeline.core.store.training import Selection
-    from train.run import TrainReport, tokenize_selection
+    from train.run import TrainReport
+    from train.selection import tokenize_selection
 
     tok = load_policy(bpe_base).tokenizer
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
