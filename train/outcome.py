@@ -1,8 +1,12 @@
 """The outcome model: an answer's expected reward, from what was asked and what was answered.
 
     model      the policy's own base model (the same tokenizer and chat template) with a LoRA
-               adapter, and a linear value head on the last hidden state of the last token of
-               prompt + completion -- the tokens training sees (train/data.py)
+               adapter, and a linear value head on the last hidden state of prompt + completion
+               -- the tokens training sees (train/data.py) -- pooled by `outcome.pooling`:
+                 last   the last token's [H]
+                 mean   the last token's and the mean over the completion's tokens, [2H]: a
+                        judgement made token by token (is this token right, here?) needs no
+                        layer to carry it to the last position, which a small base cannot
     target     the reward scaled to [0, 1] by the fit slice's range; the loss is binary
                cross-entropy with the scaled reward as a soft label (fractional logit regression,
                Papke & Wooldridge 1996): minimised by E[r | prompt, answer], whatever the
@@ -85,9 +89,10 @@ class OutcomeModel:
         calibration: Isotonic | None,
         reward_range: tuple[float, float],
         max_seq_len: int,
+        pooling: str = "last",
     ) -> None:
         self.policy, self.head, self.calibration = policy, head, calibration
-        self.reward_range, self.max_seq_len = reward_range, max_seq_len
+        self.reward_range, self.max_seq_len, self.pooling = reward_range, max_seq_len, pooling
 
     @classmethod
     def load(cls, path: str | Path, device: str | None = None) -> OutcomeModel:
@@ -95,7 +100,8 @@ class OutcomeModel:
         manifest = json.loads((path / MANIFEST).read_text())
         policy = load_policy(manifest["base_model"], device=device)
         policy.model = load_adapter(policy.model, path / "adapter", trainable=False)
-        head = _head(policy.model)
+        pooling = manifest.get("pooling", "last")  # (a fit from before pooling was a setting)
+        head = _head(policy.model, pooling)
         head.load_state_dict(torch.load(path / "head.pt", map_location=policy.device, weights_only=True))
         cal = manifest["calibration"]
         return cls(
@@ -104,6 +110,7 @@ class OutcomeModel:
             Isotonic(tuple(cal["x"]), tuple(cal["y"])),
             tuple(manifest["reward_range"]),
             manifest["max_seq_len"],
+            pooling,
         )
 
     def _tokenize(self, episodes: Sequence[LoggedEpisode]) -> list[TokenizedEpisode | None]:
@@ -113,25 +120,34 @@ class OutcomeModel:
                 self.policy.tokenizer, e.request_id, e.prompt, e.completion, e.completion_token_ids, tools=e.tools
             )
             if isinstance(t, TokenizedEpisode):
-                # the value head reads the last token: a long prompt loses its start, not its answer
-                t.input_ids = t.input_ids[-self.max_seq_len :]
+                # the value head reads the end: a long prompt loses its start, not its answer
+                t.input_ids, t.loss_mask = t.input_ids[-self.max_seq_len :], t.loss_mask[-self.max_seq_len :]
             out.append(t if isinstance(t, TokenizedEpisode) and t.input_ids else None)
         return out
 
     def _logits(self, rows: list[TokenizedEpisode]) -> torch.Tensor:
-        """[B] the head's logit on each row's last token (right-padded batch [B, T])."""
+        """[B] the head's logit on each row's pooled hidden state (right-padded batch [B, T])."""
         pad = self.policy.tokenizer.pad_token_id or 0
         width = max(len(r.input_ids) for r in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
+        answer = torch.zeros((len(rows), width))  # [B, T] 1 on the completion's tokens
         for b, r in enumerate(rows):
             ids[b, : len(r.input_ids)], attention[b, : len(r.input_ids)] = torch.tensor(r.input_ids), 1
+            answer[b, : len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float)
         device = self.policy.device
-        hidden = self.policy.model(
-            input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True
-        ).hidden_states[-1]  # [B, T, H]
+        hidden = (
+            self.policy.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
+            .hidden_states[-1]
+            .float()
+        )  # [B, T, H]
         last = attention.sum(dim=1).to(device) - 1  # [B]
-        return self.head(hidden[torch.arange(len(rows), device=device), last].float()).squeeze(-1)
+        features = hidden[torch.arange(len(rows), device=device), last]  # [B, H]
+        if self.pooling == "mean":
+            answer = answer.to(device).unsqueeze(-1)  # [B, T, 1]
+            mean = (hidden * answer).sum(dim=1) / answer.sum(dim=1).clamp(min=1.0)  # [B, H]
+            features = torch.cat([features, mean], dim=-1)  # [B, 2H]
+        return self.head(features).squeeze(-1)
 
     @torch.no_grad()
     def raw(self, episodes: Sequence[LoggedEpisode], batch_size: int = 64) -> list[float | None]:
@@ -160,9 +176,9 @@ class OutcomeModel:
         return out
 
 
-def _head(model: Any) -> torch.nn.Linear:
+def _head(model: Any, pooling: str) -> torch.nn.Linear:
     hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
-    head = torch.nn.Linear(hidden, 1)
+    head = torch.nn.Linear(hidden * (2 if pooling == "mean" else 1), 1)
     torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)  # starts at E[r] ~ the middle
     return head.to(next(model.parameters()).device)
 
@@ -197,9 +213,8 @@ def fit(
     policy = load_policy(base_model, device=train.torch_device)
     lora = train.model_copy(update={"lora_r": cfg.lora_r, "lora_alpha": 2 * cfg.lora_r, "lora_dropout": 0.0})
     policy.model = attach_adapter(policy.model, lora)
-    model = OutcomeModel(
-        policy, _head(policy.model), None, (low, high) if high > low else (low, low + 1.0), train.max_seq_len
-    )
+    span = (low, high) if high > low else (low, low + 1.0)
+    model = OutcomeModel(policy, _head(policy.model, cfg.pooling), None, span, train.max_seq_len, cfg.pooling)
     _train(model, split["fit"], cfg, train.seed, progress)
     calibrate = split["calibrate"]
     raw_cal = model.raw(calibrate)
@@ -233,6 +248,7 @@ def fit(
                 **fitted.to_dict(),
                 "fitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "max_seq_len": train.max_seq_len,
+                "pooling": cfg.pooling,
                 "calibration": {"x": list(model.calibration.x), "y": list(model.calibration.y)},
             },
             indent=2,

@@ -238,6 +238,12 @@ class OutcomeConfig(_Section):
     learning_rate: float = Field(default=3e-3, gt=0, description="AdamW, cosine to 0")
     batch_size: int = Field(default=32, ge=1, description="episodes per step")
     lora_r: int = Field(default=8, ge=1, description="rank of its LoRA adapter on the base model")
+    pooling: Literal["last", "mean"] = Field(
+        default="mean",
+        description="what its value head reads: the last token's hidden state, or that and the mean "
+        "over the completion's tokens (train/outcome.py; on a demo's store the mean ranks and "
+        "separates versions better: docs/benchmarks.md)",
+    )
 
 
 DURATION = re.compile(r"\d+(\.\d+)?[smhd]")  # '30s', '15m', '4h', '1d' (cycle.every, rollout.*)

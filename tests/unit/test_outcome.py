@@ -73,6 +73,26 @@ def test_a_saved_model_scores_fresh_answers(fitted):
     assert np.mean(right) > 0.75 and np.mean(copy) < 0.2
 
 
+def test_a_model_of_either_pooling_loads_back_as_it_was_saved(fitted, reverse_base, tmp_path):
+    """The head's input (the last token's state, or that and the completion's mean) is in the
+    manifest: a model loads back with the pooling it was fitted with, and scores as it did."""
+    rng = random.Random(1)
+    episodes = answers(reverse_task.PROMPTS, rng)
+    quick = fit(
+        reverse_base,
+        episodes,
+        [task_key(e.prompt) for e in episodes],
+        tmp_path / "last",
+        CFG.model_copy(update={"epochs": 1, "min_episodes": 40, "pooling": "last"}),
+        TRAIN,
+    )
+    for path, pooling in ((quick.path, "last"), (fitted.path, "mean")):
+        again = OutcomeModel.load(path)  # a head of the other pooling's width would not load
+        hidden = again.policy.model.config.hidden_size
+        assert again.pooling == pooling and again.head.in_features == (2 if pooling == "mean" else 1) * hidden
+        assert all(v is not None for v in again.score(episodes[:12]))
+
+
 def test_rewards_without_signal_make_an_unusable_model(reverse_base, tmp_path):
     rng = random.Random(1)
     episodes = answers(reverse_task.PROMPTS, rng, noise=True)
