@@ -15,7 +15,8 @@ sequential test (deploy/rollout.py), until it decides; meanwhile the cycle's rea
 progress. No new candidate is trained meanwhile.
 
 Each state is written before its work starts, fenced by the daemon's lease (pipeline/core/store/
-leases.py): a daemon whose lease another took over stops at its next write or training step.
+leases.py): a daemon whose lease another took over stops at its next write or training step,
+and one shutting down (CycleDeps.stopping) before its next stage or training step.
 After a crash, `run_cycle` resumes the unfinished cycle from the state it reached, and every
 stage's work is idempotent when re-entered:
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -84,6 +86,15 @@ class CycleDeps:
     # the daemon's lease fencing token: every state write (and, through the registry, every
     # decision and alias move) happens only while the lease is still this one; None: unfenced
     fence: Fence | None = None
+    # set when the daemon shuts down: the cycle stops before its next stage or training step and
+    # resumes from its state at the next start (a gate run while the process exits would fall
+    # back from an outcome model it can no longer load, and stage what it passed)
+    stopping: threading.Event | None = None
+
+
+class Stopping(BaseException):
+    """The daemon is shutting down. A BaseException, as KeyboardInterrupt: no stage's handler of
+    its own failures may turn it into a failed stage or a failed canary check."""
 
 
 def default_deps(config: Config, engine: Engine, spec: RewardSpec) -> CycleDeps:
@@ -153,6 +164,8 @@ class _Cycle:
         set_cycle(self.deps.engine, self.cycle_id, fence=self.deps.fence, state=state, timings=self.timings, **values)
 
     def timed(self, stage: str, fn: Callable[[], Any]) -> Any:
+        if self.deps.stopping is not None and self.deps.stopping.is_set():
+            raise Stopping(f"before {stage}")
         self.stage_started = time.perf_counter()
         try:
             return fn()
@@ -364,6 +377,12 @@ def run_cycle(deps: CycleDeps) -> CycleRecord | None:
     except LeaseLost as exc:  # another daemon holds the lease now: it resumes this cycle; write nothing
         log.warning("cycle stopped: the lease was lost", extra={"cycle": c.cycle_id, "error": str(exc)})
         return None
+    except Stopping as exc:  # the state written last is where the next start resumes; write nothing
+        log.warning(
+            "cycle stopped: the daemon is shutting down; it resumes at the next start",
+            extra={"cycle": c.cycle_id, "where": str(exc)},
+        )
+        return None
     except Exception as exc:  # noqa: BLE001 - the daemon outlives a failed cycle
         log.exception("cycle failed", extra={"cycle": c.cycle_id})
         try:
@@ -415,7 +434,7 @@ def _train(c: _Cycle, parent: Parent | None) -> str | None:
                 params={"cycle": c.cycle_id},
                 run_id=run_id,
                 selection=selection,
-                on_step=_fence_check(deps),
+                on_step=_step_check(deps),
             )
         )
     except NothingToTrain as exc:
@@ -425,16 +444,18 @@ def _train(c: _Cycle, parent: Parent | None) -> str | None:
     return run_id
 
 
-def _fence_check(deps: CycleDeps, every_s: float = 1.0) -> Callable[..., None] | None:
-    """A training step callback that stops a run whose daemon lost the lease (at most one store
-    read a second, and always at the last step, before the run is recorded finished): a run can
-    last hours, and the new holder is training the cycle again."""
-    if deps.fence is None:
+def _step_check(deps: CycleDeps, every_s: float = 1.0) -> Callable[..., None] | None:
+    """A training step callback that stops a run whose daemon is shutting down (at once) or lost
+    the lease (at most one store read a second, and always at the last step, before the run is
+    recorded finished): a run can last hours, and the new holder is training the cycle again."""
+    if deps.fence is None and deps.stopping is None:
         return None
     last = [time.monotonic()]
 
     def check(step: int, total: int, *_: Any) -> None:
-        if step >= total or time.monotonic() - last[0] >= every_s:
+        if deps.stopping is not None and deps.stopping.is_set():
+            raise Stopping(f"at training step {step} of {total}")
+        if deps.fence is not None and (step >= total or time.monotonic() - last[0] >= every_s):
             last[0] = time.monotonic()
             with deps.engine.connect() as conn:
                 deps.fence.check(conn)

@@ -13,8 +13,9 @@
                 waiting on its canary (so the online decision does not wait for the next cycle)
     metrics     Prometheus text on /metrics and a JSON /health, on 127.0.0.1 by default
 
-SIGTERM/SIGINT: stop scheduling, drain and commit ingest, release the lease unless a cycle is
-running (an interrupted cycle resumes from its state on the next start, wherever it runs).
+SIGTERM/SIGINT: stop scheduling, drain and commit ingest, stop a running cycle before its next
+stage or training step, release the lease (an interrupted cycle resumes from its state on the
+next start, wherever it runs).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class Daemon:
                 return
             t0 = time.perf_counter()
             self.deps.fence = Fence(LEASE, self.owner, self.generation)
+            self.deps.stopping = self.stop
             try:
                 row = run_cycle(self.deps)
             except Exception as exc:  # noqa: BLE001 - run_cycle records a failing stage; this is the store itself
@@ -182,6 +184,8 @@ class Daemon:
             seconds = time.perf_counter() - t0
         finally:
             self.cycle_running.release()
+        if row is None and self.stop.is_set():  # stopped by shutdown: the next start resumes it
+            return
         if row is None:  # the lease was lost: the new holder resumes the cycle
             self.metrics.cycles.labels("lease_lost").inc()
             self.last_cycle = {"state": "lease_lost"}
@@ -318,7 +322,9 @@ class Daemon:
 
     def shutdown(self, drain_s: float = 60.0) -> None:
         """Stop scheduling; wait (up to `drain_s`) for ingest to store and commit what it has in
-        flight; release the lease unless a cycle is running."""
+        flight, and for a running cycle to stop at its next stage or training step (its state
+        written last is where the next start resumes); then release the lease, unless the cycle
+        is still running (a stage that outlasted the wait)."""
         self.stop.set()
         self.scheduler.shutdown(wait=False)
         if self._ingest_thread is not None:
@@ -328,8 +334,10 @@ class Daemon:
                     "ingest did not drain in time; the next start re-reads from the stored offsets",
                     extra={"drain_s": drain_s},
                 )
-        if self.cycle_running.acquire(blocking=False):  # no cycle in progress: let another daemon go on
+        if self.cycle_running.acquire(timeout=drain_s):  # no cycle in progress: let another daemon go on
             release(self.deps.engine, LEASE, self.owner)
+        else:
+            log.warning("a cycle is still running; the lease expires instead", extra={"drain_s": drain_s})
         log.info("daemon stopped", extra={"owner": self.owner})
 
     def health(self) -> dict[str, Any]:

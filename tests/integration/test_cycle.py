@@ -1,6 +1,7 @@
 """The cycle: two full cycles end to end (events through the real broker, SQLite, the local MLflow
-store, a tiny model), a cycle with too little new data skipped, and cycles resumed after a crash
-in training and in evaluation completing exactly once."""
+store, a tiny model), a cycle with too little new data skipped, cycles resumed after a crash
+in training and in evaluation completing exactly once, and one stopped by its daemon's shutdown
+resumed by the next start."""
 
 from __future__ import annotations
 
@@ -89,6 +90,42 @@ def test_a_cycle_interrupted_in_training_or_evaluation_completes_exactly_once(
     assert sorted(status for _, status in runs) == ["failed", "finished"]  # the killed one, the one that counts
     assert dict(runs)[done.run_id] == "finished"
     assert [v.version for v in deps.registry.list()] == [done.candidate_version] == ["1"]
+
+
+def test_a_daemon_shutting_down_stops_its_cycle_at_the_next_step_and_the_next_start_finishes_it(
+    deps, cfg, engine, topics, kafka_bootstrap, reverse_base, monkeypatch
+):
+    """A cycle left running while its process exits went on into the interpreter's shutdown:
+    its outcome model could no longer load, the gate fell back to importance sampling, and what
+    that passed was staged as a canary nobody measured. Now it stops at its next training step
+    (or stage), writes nothing more, and the next start resumes it."""
+    import threading
+
+    from pipeline.core.store.cycles import unfinished_cycle
+
+    feed(cfg, engine, topics, kafka_bootstrap, reverse_base, "s", seed=9)
+    deps.stopping = threading.Event()
+    real = train.run.train_policy
+
+    def shut_down_at_step_two(*a, on_step, **k):
+        def step(n, total, *rest):
+            if n == 2:
+                deps.stopping.set()  # SIGTERM arrives during the training loop
+            on_step(n, total, *rest)
+
+        return real(*a, on_step=step, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(train.run, "train_policy", shut_down_at_step_two)
+        assert run_cycle(deps) is None
+    stopped = unfinished_cycle(engine)
+    assert stopped.state == "training" and get_run(engine, stopped.run_id).status == "failed"
+    assert deps.registry.list() == []  # nothing gated, nothing staged
+    assert run_cycle(deps) is None and unfinished_cycle(engine).state == "training"  # still stopping: no work
+    deps.stopping.clear()  # the next start
+    done = run_cycle(deps)
+    assert done.cycle_id == stopped.cycle_id and done.state == "done" and done.promoted == 1, done.reason
+    assert [v.version for v in deps.registry.list()] == ["1"]
 
 
 def test_a_rejected_candidate_is_trained_again_only_with_new_episodes(
