@@ -3,7 +3,8 @@
     select   the most recent `outcome.max_episodes` rewarded episodes of the training slice
              (never the gate's held-out one), as training selects them (store/training.py)
     refresh  fitted again when `outcome.refresh_episodes` of them are newer than the last fit's
-             window (or there is none, or the base model changed); else the last one, loaded
+             window (or there is none, or the base model, the spec or the pooling changed);
+             else the last one, loaded
              once per process
     record   <state>/outcome/<id>/ (adapter, head, outcome.json: window, figures, usable or
              not and why), <state>/outcome/latest.json naming it, and a tracker run (MLflow:
@@ -121,12 +122,7 @@ def refresh(
     except ValueError as exc:  # an unreadable record: fitted again, and replaced
         log.warning("fitting the outcome model again", extra={"reason": str(exc)})
         last = None
-    if (
-        not force
-        and last is not None
-        and last["base_model"] == base
-        and last["window"].get("spec_version") == spec_version
-    ):
+    if not force and last is not None and fitted_as_asked(last, base, spec_version, cfg):
         newer = sum(1 for r in selection.rows if r.reward_id > last["window"]["to_reward_id"])
         if newer < cfg.refresh_episodes:
             return _load(last, train.torch_device)
@@ -162,6 +158,17 @@ def refresh(
     if make_tracker is not None:
         _track(make_tracker, fitted)
     return _load(json.loads((out / MANIFEST).read_text()), train.torch_device)
+
+
+def fitted_as_asked(last: dict[str, Any], base: str, spec_version: int, cfg: OutcomeConfig) -> bool:
+    """Whether the last fit (its outcome.json) was made as the config now asks: on this base,
+    for this reward spec, with this pooling (a head of the other pooling reads other features,
+    so a change of setting is a new fit, not a reload)."""
+    return (
+        last["base_model"] == base
+        and last["window"].get("spec_version") == spec_version
+        and last.get("pooling", "last") == cfg.pooling
+    )
 
 
 def _track(make_tracker: Callable[[], Tracker], fitted: Fitted) -> None:

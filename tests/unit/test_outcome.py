@@ -15,7 +15,8 @@ from pipeline.core.config import OutcomeConfig, TrainConfig
 from pipeline.core.types import LoggedEpisode, task_key
 from tests.support import reverse_task
 from train.outcome import OutcomeModel, fit, split_of
-from train.outcome_record import point_at
+from train.outcome_record import MANIFEST, point_at
+from train.outcome_stage import fitted_as_asked
 
 TRAIN = TrainConfig(max_seq_len=32, seed=0)
 # ~160 checked episodes: a calibration error measured on 10 bins of 16 is noisy by ~0.03
@@ -91,6 +92,19 @@ def test_a_model_of_either_pooling_loads_back_as_it_was_saved(fitted, reverse_ba
         hidden = again.policy.model.config.hidden_size
         assert again.pooling == pooling and again.head.in_features == (2 if pooling == "mean" else 1) * hidden
         assert all(v is not None for v in again.score(episodes[:12]))
+
+
+def test_a_change_of_pooling_is_a_new_fit_not_a_reload(fitted, reverse_base):
+    """The cycle reloads the last fit only if it was made as the config now asks: a head of the
+    other pooling would read features it was never fitted on."""
+    manifest = json.loads((fitted.path / MANIFEST).read_text())
+    base, spec = manifest["base_model"], manifest["window"].get("spec_version")
+    assert fitted_as_asked(manifest, base, spec, CFG)  # fitted with the default, "mean"
+    assert not fitted_as_asked(manifest, base, spec, CFG.model_copy(update={"pooling": "last"}))
+    older = {k: v for k, v in manifest.items() if k != "pooling"}  # a fit from before the setting
+    assert fitted_as_asked(older, base, spec, CFG.model_copy(update={"pooling": "last"}))
+    assert not fitted_as_asked(older, base, spec, CFG)
+    assert not fitted_as_asked(manifest, base + "-other", spec, CFG)
 
 
 def test_rewards_without_signal_make_an_unusable_model(reverse_base, tmp_path):
