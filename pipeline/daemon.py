@@ -136,6 +136,8 @@ class Daemon:
 
     # --- jobs ----------------------------------------------------------------------------
     def heartbeat(self) -> None:
+        if self.stop.is_set() and not self.holds_lease:  # shutting down: renew, never take it again
+            return
         try:
             generation = acquire(self.deps.engine, LEASE, self.owner, self.ttl)
         except Exception as exc:  # noqa: BLE001 - the store may be away; we just do not hold the lease
@@ -155,7 +157,10 @@ class Daemon:
 
     def cycle(self, only_canary: bool = False) -> None:
         """The scheduled job: one cycle if we hold the lease. Never raises: a cycle that could not
-        even record its failure (the store away) resumes from its last recorded state next time."""
+        even record its failure (the store away) resumes from its last recorded state next time.
+        A run the scheduler had already dispatched when shutdown began does nothing."""
+        if self.stop.is_set():
+            return
         self.heartbeat()
         if not self.holds_lease:
             if not only_canary:
@@ -165,7 +170,7 @@ class Daemon:
         if not self.cycle_running.acquire(blocking=not only_canary):
             return
         try:
-            if only_canary and not self._canary_waiting():
+            if self.stop.is_set() or (only_canary and not self._canary_waiting()):
                 return
             t0 = time.perf_counter()
             self.deps.fence = Fence(LEASE, self.owner, self.generation)
@@ -335,7 +340,11 @@ class Daemon:
                     extra={"drain_s": drain_s},
                 )
         if self.cycle_running.acquire(timeout=drain_s):  # no cycle in progress: let another daemon go on
+            self.holds_lease = False  # first: a heartbeat from now on does not take it again
             release(self.deps.engine, LEASE, self.owner)
+            # a run dispatched before the scheduler stopped may be waiting on the lock: it finds
+            # `stop` set and returns, rather than hold its thread (and the exit) forever
+            self.cycle_running.release()
         else:
             log.warning("a cycle is still running; the lease expires instead", extra={"drain_s": drain_s})
         log.info("daemon stopped", extra={"owner": self.owner})

@@ -50,3 +50,25 @@ def test_a_scheduled_cycle_that_finds_the_last_one_running_is_counted_not_overla
     finally:
         release_cycle.set()
         daemon.shutdown()
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_run_dispatched_as_shutdown_begins_neither_takes_the_lease_again_nor_hangs(engine):
+    """A scheduled run the scheduler had already handed to its thread when shutdown began took
+    the lease again (its heartbeat) and then waited forever on the lock shutdown keeps: the
+    lease stayed held past the process, and the thread held up the exit."""
+    from pipeline.core.store.leases import acquire
+    from pipeline.daemon import LEASE
+
+    config = load_config(environ={"RTRL_CYCLE__EVERY": "1h"})
+    daemon = Daemon(config, SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+    daemon.start(ingest=False)
+    assert daemon.holds_lease
+    daemon.shutdown(drain_s=5)
+    late = threading.Thread(target=daemon.cycle)
+    late.start()
+    late.join(timeout=10)
+    assert not late.is_alive(), "a run after shutdown waits on the cycle lock"
+    daemon.heartbeat()  # the lease job's last tick
+    assert not daemon.holds_lease
+    assert acquire(engine, LEASE, "next-daemon", 30) is not None  # free for the next daemon at once
