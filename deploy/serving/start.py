@@ -121,6 +121,7 @@ def keep_vllm(job: ServeJob, vllm_url: str, say: Callable[[str], None] = _say) -
     """Keep the vLLM server at `vllm_url` on the champion's adapter (and a canary's)."""
     from deploy.serving.vllm import VllmAdapterSync
 
+    quiet_progress_bars()  # MLflow's download bars, each time an adapter is fetched for vLLM
     config, name = job.config, job.config.mlflow.registered_model
     registry = RegistryReader(config.tracking_uri, name, None)
     sync = VllmAdapterSync(vllm_url, name, registry.download, config.state_dir / "serve" / "adapters")

@@ -4,8 +4,14 @@ old adapter is unloaded only after its grace period and not while it is needed a
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
+import deploy.serving.start as start
 from deploy.serving.follow import Follower
 from deploy.serving.vllm import VllmAdapterSync
+from pipeline.core.config import load_config
 from pipeline.core.types import ModelUpdate
 
 
@@ -59,3 +65,19 @@ def test_an_old_adapter_is_unloaded_only_after_the_grace_period_and_not_if_neede
         timer.cancel()
         sync._unload_now(*timer.args)
     assert calls[2:] == [("unload_lora_adapter", "m-v4")] and sync.kept == ["m-v3"] and sync.current == "m-v3"
+
+
+def test_keeping_vllm_on_the_registry_draws_no_download_bars(monkeypatch, tmp_path):
+    """`rtrl serve --vllm` fetches each adapter from MLflow: its progress bars are not a
+    service's output (serve_policy and the daemon turn them off; keep_vllm did not)."""
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+
+    def no_broker(*a, **k):
+        raise start.FollowFailed("follow model-updates", ConnectionError("no broker"))
+
+    monkeypatch.setattr(start, "_follower", no_broker)
+    job = start.ServeJob(load_config(environ={"RTRL_STATE_DIR": str(tmp_path)}), load_policy=lambda base: None)
+    with pytest.raises(start.FollowFailed):
+        start.keep_vllm(job, "http://127.0.0.1:1")
+    assert os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR") == "false"
