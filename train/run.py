@@ -138,8 +138,11 @@ class RunManifest:
         return {k: v for k, v in asdict(self).items() if k not in ("parent_adapter", "device")}
 
     def adapter_file(self) -> dict[str, Any]:
-        """rtrl_run.json, beside the adapter's weights; `watermark` is what Parent.from_adapter reads."""
-        return {**asdict(self), "watermark": self.watermark_to}
+        """rtrl_run.json, beside the adapter's weights; `watermark` is what Parent.from_adapter reads.
+        Without where the parent was read from (a cycle's temporary copy, gone once the run ends:
+        parent_run_id names it) and the device: neither is the adapter's, wherever it is copied."""
+        kept = {k: v for k, v in asdict(self).items() if k not in ("parent_adapter", "device")}
+        return {**kept, "watermark": self.watermark_to}
 
 
 def run_training(job: TrainJob) -> TrainReport:

@@ -86,6 +86,9 @@ def test_run_selects_trains_and_records_lineage_then_continues_from_its_watermar
     child = run_training(TrainJob(engine, cfg, SPEC.version, tmp_path / "runs", MemoryTracker(), parent, now=LATER))
     assert child.selection["candidates"] == len(second) == child.data.episodes
     assert get_run(engine, child.run_id).parent_run_id == report.run_id
+    # the child's rtrl_run.json names its parent by run, not by a path that was the cycle's to delete
+    child_manifest = json.loads((child.adapter / "rtrl_run.json").read_text())
+    assert child_manifest["parent_run_id"] == report.run_id and "parent_adapter" not in child_manifest
 
 
 def test_the_base_stays_loaded_between_runs_and_each_run_starts_from_it_as_loaded(
