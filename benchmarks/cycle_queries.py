@@ -9,7 +9,7 @@ so that some task is held out: with none, the query reads every episode looking 
                                   over the whole history (each repeat adds its own)
     orphan count, whole history   orphaned_feedback over the whole history (what a run that cannot
                                   be incremental counts: a judge's, a PostgreSQL role without the lock)
-    selection, 1,000 new          train.run.select: rewarded episodes past the last run's watermark
+    selection, 1,000 new          train.selection.select: rewarded episodes past the last run's watermark
     held-out slice                select_eval_episodes: the gate's newest held-out episodes
     online check, last hour       online_units of two versions, the prompt covariate from 5,000 calls
                                   before (a staged rollout's sequential test)

@@ -33,8 +33,8 @@ stage's work is idempotent when re-entered:
 
 In the code the states are CycleState (pipeline/core/store/cycles.py) and HANDLERS maps each
 non-terminal one to its handler, which returns the next. The handlers only sequence the stages:
-the work and its rules live in reward/stage.py, train/run.py (including when there is enough
-new data to train again) and deploy/stage.py (the gate, the canary's online decision).
+the work and its rules live in reward/stage.py, train/run.py and train/selection.py (including
+when there is enough new data to train again) and deploy/stage.py (the gate, the canary's online decision).
 """
 
 from __future__ import annotations

@@ -18,5 +18,6 @@
 
 It reads the registry (deploy/registry_read.py) and imports nothing else of deploy/: neither the
 gate nor the registry's writes, and nothing else in deploy/ imports it (import-linter checks
-both); the model it serves is loaded by whoever starts it (rtrl serve hands it a runner).
+both); the model it serves is loaded by whoever starts it (rtrl serve hands it a loader,
+ServeJob.load_policy, and serving calls it with the base model's directory).
 """

@@ -9,12 +9,14 @@ Each starts in this order, so that no request is answered by a version the regis
   1. the follower of the model-updates topic built: it seeks to the topic's end now, so a move
      made while 2-4 run is still seen (a broker that cannot be reached: FollowFailed);
   2. the registry's champion and canary read, as every later update is read (follow.current);
+     serve_policy then loads the base model, through ServeJob.load_policy (the caller's loader:
+     serving imports no model code), the one named or else the champion's;
   3. the events' sender and its spool (write-ahead: an answer's event is on disk before its end is
-     given, sent by the spool's thread; one spool per port, replicas on a machine share none);
-  4. the server set to what 1 read, then the follower started: a move after 1 is applied by it;
+     given, sent by the spool's thread; one spool per port, replicas on a machine share none) --
+     run_gateway builds its two before 1, with the Gateway they feed: neither reads the registry;
+  4. the server set to what 2 read, then the follower started: a move after 1 is applied by it;
   5. uvicorn until Ctrl-C; then the follower and the senders closed (what waits in a spool is on
      disk, sent by the next start).
-The model served is loaded by whoever calls (ServeJob.load_policy): serving imports no model code.
 """
 
 from __future__ import annotations
