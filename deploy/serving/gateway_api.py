@@ -135,12 +135,18 @@ def _not_allowed(gw: Gateway, request: Request) -> JSONResponse | None:
     return None
 
 
+async def _event_body(gw: Gateway, request: Request) -> dict[str, Any] | Response:
+    """An ingestion route's body: refused without the token, then read within the gateway's
+    size and time limits; a Response is the refusal to return."""
+    if (refusal := _not_allowed(gw, request)) is not None:
+        return refusal
+    return await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+
+
 @router.post("/v1/feedback")
 async def feedback(request: Request) -> Response:
     gw = _gateway(request)
-    if (refusal := _not_allowed(gw, request)) is not None:
-        return refusal
-    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    body = await _event_body(gw, request)
     if isinstance(body, Response):
         return body
     try:
@@ -172,9 +178,7 @@ async def interaction(request: Request) -> Response:
     """An interaction event of an application that serves its model itself (pipeline/client.py):
     validated against the contract and produced as sent."""
     gw = _gateway(request)
-    if (refusal := _not_allowed(gw, request)) is not None:
-        return refusal
-    body = await json_object(request, gw.max_body_bytes, gw.body_timeout_s)
+    body = await _event_body(gw, request)
     if isinstance(body, Response):
         return body
     try:

@@ -106,6 +106,13 @@ def _event(
     )
 
 
+def _upstream_failed(gw: Gateway, endpoint: str, status: int, kind: str, what: str) -> JSONResponse:
+    """The client's error when the upstream did not give a usable answer (`kind` is also the
+    outcome counted): no answer, so no event."""
+    gw.requests.labels(endpoint, kind).inc()
+    return JSONResponse({"error": {"message": f"the upstream {gw.upstream} {what}", "type": kind}}, status)
+
+
 async def keep_all(
     gw: Gateway,
     answer: AnswerRecord,
@@ -174,27 +181,9 @@ async def forward(
             },
         )
     except TimeoutError:
-        gw.requests.labels(endpoint, "upstream_timeout").inc()
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"the upstream {gw.upstream} did not answer in {gw.timeout_s:g} s",
-                    "type": "upstream_timeout",
-                }
-            },
-            504,
-        )
+        return _upstream_failed(gw, endpoint, 504, "upstream_timeout", f"did not answer in {gw.timeout_s:g} s")
     except aiohttp.ClientError as exc:
-        gw.requests.labels(endpoint, "upstream_unreachable").inc()
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"the upstream {gw.upstream} is unreachable: {exc}",
-                    "type": "upstream_unreachable",
-                }
-            },
-            502,
-        )
+        return _upstream_failed(gw, endpoint, 502, "upstream_unreachable", f"is unreachable: {exc}")
     if answer.status == 404 and model is not None and retry:
         # the adapter routed to is gone (unloaded before the last poll saw it): routes read
         # anew, the request sent once more on them
@@ -220,30 +209,16 @@ async def forward(
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
     except TimeoutError:
-        gw.requests.labels(endpoint, "upstream_timeout").inc()
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"the upstream {gw.upstream} did not finish its answer in {gw.timeout_s:g} s",
-                    "type": "upstream_timeout",
-                }
-            },
-            504,
+        return _upstream_failed(
+            gw, endpoint, 504, "upstream_timeout", f"did not finish its answer in {gw.timeout_s:g} s"
         )
     except (aiohttp.ClientError, ValueError) as exc:  # cut, or not an answer (orjson's error is a ValueError)
-        gw.requests.labels(endpoint, "upstream_error").inc()
         log.error(
             "the upstream's answer is unreadable",
             extra={"request_id": request_id, "error": f"{type(exc).__name__}: {exc}"},
         )
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"the upstream {gw.upstream} gave an unreadable answer ({type(exc).__name__})",
-                    "type": "upstream_error",
-                }
-            },
-            502,
+        return _upstream_failed(
+            gw, endpoint, 502, "upstream_error", f"gave an unreadable answer ({type(exc).__name__})"
         )
     gw.requests.labels(endpoint, "ok").inc()
     order = record.add_whole(data, chat)
