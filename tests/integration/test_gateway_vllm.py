@@ -152,7 +152,9 @@ def test_raw_log_probs_are_kept_only_where_they_are_the_sampled_distribution_s()
 )
 def test_settings_training_cannot_recompute_keep_the_answer_without_its_log_probs(vllm, extra, reason):
     _, _, events, _, http = vllm
-    http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra})
+    # seeded, so the stub draws the same answer every run: an empty one (the end token drawn
+    # first) has no token ids and no log-probs to drop
+    http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "seed": 0, **extra})
     assert events[0].get("behavior_logprobs") is None and events[0]["completion_token_ids"]
     assert events[0]["metadata"]["behavior_logprobs_dropped"].startswith(reason)
 
