@@ -42,8 +42,8 @@ from benchmarks.reward import T0, fill, new_store  # noqa: E402
 from pipeline.core.config import Config  # noqa: E402
 from pipeline.core.store import db as store_db  # noqa: E402
 from pipeline.core.store.accept_tally import AcceptTally  # noqa: E402
-from pipeline.core.store.deploys import online_units, served_and_accepted  # noqa: E402
 from pipeline.core.store.events import Rows, output_columns, write_rows  # noqa: E402
+from pipeline.core.store.online import online_units, served_and_accepted  # noqa: E402
 from pipeline.core.store.rewards import orphaned_feedback  # noqa: E402
 from pipeline.core.store.tables import rewards  # noqa: E402
 from pipeline.core.store.training import select_episodes, select_eval_episodes  # noqa: E402

@@ -34,8 +34,9 @@ from deploy.sequential import CONTINUE, Design
 from deploy.suite import EMPTY, Suite
 from pipeline.core.config import GateConfig, RolloutConfig, TrainConfig, duration_s
 from pipeline.core.faults import pause_point
-from pipeline.core.store.deploys import last_move_to, latest_decision, online_units, tool_call_errors
+from pipeline.core.store.deploys import last_move_to, latest_decision
 from pipeline.core.store.events import utcnow
+from pipeline.core.store.online import online_units, tool_call_errors
 from pipeline.core.store.training import get_run, select_eval_episodes
 from pipeline.core.timing import Stopwatch
 from pipeline.core.types import LoggedEpisode, sampling_params

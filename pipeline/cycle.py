@@ -354,6 +354,8 @@ def run_cycle(deps: CycleDeps) -> CycleRecord | None:
     `failed` with the reason; a lost lease stops it where it is, for the new holder to resume."""
     deps.registry.fence = deps.fence
     row = unfinished_cycle(deps.engine)
+    if row is None and deps.stopping is not None and deps.stopping.is_set():
+        return None  # shutting down: no new cycle, to be stopped before its first stage
     if row is None:
         cycle_id = f"c-{uuid.uuid4().hex[:12]}"
         try:

@@ -19,8 +19,8 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 
-from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.events import utcnow
+from pipeline.core.store.online import served_and_accepted
 from pipeline.core.store.rewards import iter_episode_chunks
 from pipeline.core.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer

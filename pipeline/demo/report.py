@@ -19,8 +19,9 @@ from typing import Any
 from sqlalchemy import Engine
 
 from pipeline.core.store.cycles import cycle_split, recent_cycles
-from pipeline.core.store.deploys import accepts_over_time, all_decisions, moves, served_and_accepted, served_by
+from pipeline.core.store.deploys import all_decisions, moves
 from pipeline.core.store.episodes import EpisodeSummary, episode_summaries
+from pipeline.core.store.online import accepts_over_time, served_and_accepted, served_by
 from pipeline.core.store.rewards import mean_rewards
 from pipeline.core.store.training import get_run
 

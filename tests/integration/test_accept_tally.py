@@ -13,8 +13,8 @@ from sqlalchemy import delete
 from ingest.batch import decode_records
 from pipeline.core.store import tables
 from pipeline.core.store.accept_tally import AcceptTally
-from pipeline.core.store.deploys import served_and_accepted
 from pipeline.core.store.events import write_rows
+from pipeline.core.store.online import served_and_accepted
 from tests.support.factories import encode, interaction
 from tests.support.factories import feedback as fb
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from pipeline.core.store.deploys import tool_call_errors
 from pipeline.core.store.episodes import episode_summaries
+from pipeline.core.store.online import tool_call_errors
 from pipeline.demo.agent import (
     call_text,
 )

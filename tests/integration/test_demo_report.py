@@ -7,8 +7,9 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from pipeline.core.store.deploys import record_decision, served_and_accepted
+from pipeline.core.store.deploys import record_decision
 from pipeline.core.store.events import Rows, write_rows
+from pipeline.core.store.online import served_and_accepted
 from pipeline.demo.report import DemoReport, collect, headline, per_version, wilson, write_report
 
 T0 = datetime(2026, 11, 1)

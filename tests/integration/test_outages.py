@@ -30,8 +30,9 @@ from deploy.registry import CHAMPION
 from deploy.serving.events import ModelUpdatePublisher
 from pipeline import cycle as cycle_mod
 from pipeline.core.store.cycles import recent_cycles
-from pipeline.core.store.deploys import moves, served_and_accepted
+from pipeline.core.store.deploys import moves
 from pipeline.core.store.event_reads import stored_offsets
+from pipeline.core.store.online import served_and_accepted
 from pipeline.core.store.tables import feedback as feedback_table
 from pipeline.core.store.tables import interactions, training_runs
 from pipeline.core.store.training import get_run

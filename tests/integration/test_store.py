@@ -15,9 +15,9 @@ from ingest.ndjson import export_events
 from ingest.replay import replay_dead_letters, replay_from_file
 from pipeline.core.config import Config
 from pipeline.core.store import db as store_db
-from pipeline.core.store.deploys import online_units, served_and_accepted
 from pipeline.core.store.event_reads import stored_offsets, table_counts
 from pipeline.core.store.events import Rows, dead_letter_row, write_rows
+from pipeline.core.store.online import online_units, served_and_accepted
 from pipeline.core.store.tables import dead_letters, feedback, interactions, metadata
 from pipeline.core.types import SourcePosition
 from tests.support.factories import encode, interaction

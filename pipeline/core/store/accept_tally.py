@@ -22,7 +22,7 @@ import threading
 
 from sqlalchemy import Engine, and_, case, exists, func, select
 
-from pipeline.core.store.deploys import served_and_accepted
+from pipeline.core.store.online import served_and_accepted
 from pipeline.core.store.tables import feedback, interactions
 from pipeline.core.store.watermarks import safe_tops
 
