@@ -21,8 +21,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
+from pipeline.core.config_section import Section as _Section
 from pipeline.core.decision_config import (  # noqa: F401 - re-exported
     DURATION,
     Bound,
@@ -39,10 +40,6 @@ DEFAULT_STATE_DIR = Path.home() / ".rtrl"
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the field and what is allowed."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class StoreConfig(_Section):

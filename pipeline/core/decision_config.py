@@ -10,11 +10,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from pipeline.core.config_section import Section as _Section
 
 
 class Bound(_Section):

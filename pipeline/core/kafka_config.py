@@ -22,13 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
+
+from pipeline.core.config_section import Section as _Section
 
 SECRET_FIELDS = ("password", "key_password")  # refused in a config file (pipeline/core/config.py)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class KafkaSecurityConfig(_Section):

@@ -6,12 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+from pipeline.core.config_section import Section as _Section
 
 LossName = Literal["cispo", "grpo", "dr_grpo", "dapo", "kto"]
 
