@@ -19,9 +19,9 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 
+from pipeline.core.store.episode_reads import iter_episode_chunks
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.online import served_and_accepted
-from pipeline.core.store.rewards import iter_episode_chunks
 from pipeline.core.textchecks import is_abstention
 from reward.compute import RewardResult, Scorer
 from reward.scoring import PAYLOAD_KINDS, build_episode

@@ -24,7 +24,7 @@ from datetime import datetime
 from sqlalchemy import Engine
 
 from pipeline.core.store import db as store_db
-from pipeline.core.store.rewards import interaction_id_span
+from pipeline.core.store.episode_reads import interaction_id_span
 from reward.scoring import RewardRunReport, Settling, score_part
 from reward.spec import RewardSpec
 

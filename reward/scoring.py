@@ -36,12 +36,9 @@ import orjson
 from sqlalchemy import Engine
 
 from pipeline.core.store import db as store_db
+from pipeline.core.store.episode_reads import EpisodeRow, episode_rows, feedback_rows, iter_episode_chunks
 from pipeline.core.store.rewards import (
-    EpisodeRow,
     RewardRow,
-    episode_rows,
-    feedback_rows,
-    iter_episode_chunks,
     judge_scores_for,
     store_judge_scores,
     trained_request_ids,

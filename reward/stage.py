@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
 
+from pipeline.core.store.episode_reads import iter_episode_chunks
 from pipeline.core.store.events import utcnow
 from pipeline.core.store.reward_progress import (
     RewardProgress,
@@ -26,7 +27,7 @@ from pipeline.core.store.reward_progress import (
     revisit_ids,
     save_progress,
 )
-from pipeline.core.store.rewards import episode_request_ids, iter_episode_chunks, orphaned_feedback
+from pipeline.core.store.rewards import episode_request_ids, orphaned_feedback
 from pipeline.core.store.watermarks import safe_tops
 from reward.compute import compute_reward, is_ripe
 from reward.judge import Judge

@@ -15,8 +15,9 @@ from sqlalchemy import select
 from pipeline.cli import cli
 from pipeline.core.store import db as store_db
 from pipeline.core.store import tables
+from pipeline.core.store.episode_reads import iter_episode_chunks
 from pipeline.core.store.events import write_rows
-from pipeline.core.store.rewards import iter_episode_chunks, stored_reward
+from pipeline.core.store.rewards import stored_reward
 from reward.analysis import audit, diff_specs
 from reward.spec import DEFAULT_SPEC, load_spec
 from reward.stage import run_rewards
