@@ -4,6 +4,7 @@ rtrl kafka up|down|status      the local Kafka broker (--secure: SASL_SSL, as ma
 rtrl db upgrade|current        schema migrations
 rtrl ingest                    consume events into the store (exactly once)
 rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
+rtrl dead-letters list|show|replay   the records ingest set aside
 rtrl export                    write stored events out as NDJSON(.gz)
 rtrl status                    lag, table counts, dead letters
 rtrl reward run|explain|diff|recompute|audit|model   rewards from delayed outcomes
@@ -16,6 +17,7 @@ rtrl serve                     the reference policy server (or --vllm URL: keep 
 rtrl daemon                    ingest continuously, run cycles on a schedule (one daemon at a time)
 rtrl demo [--naive-reward]     the whole loop on a laptop, with a simulated fleet and a report
 rtrl sim                       the simulated fleet alone, against a running `rtrl serve`
+rtrl gateway                   capture and route requests in front of vLLM (or rtrl serve)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import click
 
 from pipeline.cli import daemon as daemon_cmds
 from pipeline.cli import db as db_cmds
+from pipeline.cli import dead_letters as dead_letter_cmds
 from pipeline.cli import demo as demo_cmds
 from pipeline.cli import deploy as deploy_cmds
 from pipeline.cli import events as event_cmds
@@ -70,8 +73,9 @@ cli.add_command(reward_cmds.reward)
 cli.add_command(model_cmds.model)
 cli.add_command(train_cmds.train)
 cli.add_command(daemon_cmds.daemon)
-for command in event_cmds.COMMANDS + deploy_cmds.COMMANDS + gateway_cmds.COMMANDS + demo_cmds.COMMANDS:
-    cli.add_command(command)
+for group in (event_cmds, dead_letter_cmds, deploy_cmds, gateway_cmds, demo_cmds):
+    for command in group.COMMANDS:
+        cli.add_command(command)
 
 
 def main() -> None:

@@ -21,10 +21,21 @@ from pipeline.cli.reward import SPEC_OPTION, reward_spec
     help="Seconds a dead daemon keeps the cycle lease before another takes over.",
 )
 @click.option("--no-ingest", is_flag=True, help="Run cycles only (ingest runs elsewhere).")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Ingest until caught up, run one cycle, exit (cron, a Kubernetes CronJob); the exit code says what happened.",
+)
 @SPEC_OPTION
 @pass_ctx
 def daemon(
-    ctx: Context, metrics_port: int, metrics_host: str, lease_ttl: float, no_ingest: bool, spec_path: str | None
+    ctx: Context,
+    metrics_port: int,
+    metrics_host: str,
+    lease_ttl: float,
+    no_ingest: bool,
+    once: bool,
+    spec_path: str | None,
 ) -> None:
     """Ingest continuously and run reward -> train -> gate -> promote every `cycle.every`.
 
@@ -32,6 +43,13 @@ def daemon(
     partitions), exactly one runs cycles (a lease in the store; another takes over within
     --lease-ttl when it dies). SIGTERM drains ingest and stops; an interrupted cycle resumes
     from its state on the next start.
+
+    With --once: store what the topics hold, take the lease, run or resume one cycle, release
+    the lease and exit: 0 when the loop did its job (promoted, rejected, skipped, or a canary
+    waiting on traffic, looked at again by the next run), 1 a stage failed, 3 the store could
+    not be written, 4 another daemon holds the cycle lease, 5 the lease was taken over
+    mid-cycle, 6 stopped by a signal (the next run resumes). Settings are read at every run;
+    a running daemon reads them at start (restart it after a change).
     """
     from pipeline.core.logs import quiet_progress_bars
     from pipeline.cycle import default_deps
@@ -46,6 +64,9 @@ def daemon(
     except ModelError as exc:
         raise click.ClickException(f"train.base_model: {exc}") from None
     d = Daemon(config, deps, lease_ttl_s=lease_ttl)
+    if once:
+        _once(d, ingest=not no_ingest)
+        return
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
@@ -57,3 +78,25 @@ def daemon(
     )
     stopped.wait()
     d.shutdown()
+
+
+def _once(d, ingest: bool) -> None:
+    from ingest.lag import KafkaError
+    from pipeline.cli.common import kafka_failure
+    from pipeline.once import run_once
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: d.stop.set())
+    try:
+        result = run_once(d, ingest=ingest)
+    except KafkaError as exc:  # step 1: no cycle runs on a store that may be behind the topics
+        raise kafka_failure(d.config, exc, "ingest before the cycle (--no-ingest runs the cycle alone)") from None
+    cycle = result.cycle
+    said = [f"cycle {cycle['cycle_id']}" if cycle.get("cycle_id") else "no cycle", result.outcome]
+    if cycle.get("reason"):
+        said.append(str(cycle["reason"]))
+    if result.ingested is not None:
+        said.append(f"{result.ingested} events ingested first")
+    click.echo(": ".join(said[:2]) + ("; " + "; ".join(said[2:]) if said[2:] else ""))
+    ctx = click.get_current_context()
+    ctx.exit(result.exit_code)

@@ -155,3 +155,42 @@ def test_two_daemons_one_runs_cycles_and_the_other_takes_over(cfg_env, engine, t
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_once_ingests_runs_one_cycle_and_exits_with_what_happened(cfg_env, engine, kafka_bootstrap, topics, tmp_path):
+    """`rtrl daemon --once` as a CronJob runs it: what the topics hold is stored first, one cycle
+    runs (skipped here: too few rewarded episodes), exit 0; while a daemon holds the lease, exit 4."""
+    from pipeline.core.store.tables import interactions
+    from tests.support.factories import interaction
+    from tests.support.kafka_events import produce_events
+
+    produce_events(kafka_bootstrap, topics, [interaction(i, prefix="once") for i in range(5)])
+    env = {
+        **os.environ,
+        **cfg_env,
+        "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "RTRL_CYCLE__MIN_NEW_EPISODES": "1000000",
+    }
+
+    def once() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "daemon", "--once"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    out = once()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skipped" in out.stdout and "5 events ingested first" in out.stdout, out.stdout
+    with engine.connect() as conn:
+        assert len(conn.execute(select(interactions.c.id)).all()) == 5
+        assert [r.state for r in conn.execute(select(cycles.c.state))] == ["skipped"]
+    assert acquire(engine, "cycle", "a-daemon", ttl_s=120) is not None  # the run released it
+    held = once()
+    assert held.returncode == 4 and "lease_held" in held.stdout, held.stdout + held.stderr[-2000:]
+    with engine.connect() as conn:
+        assert len(conn.execute(select(cycles.c.state)).all()) == 1  # no second cycle

@@ -25,6 +25,10 @@ COMMANDS = [
     ["db", "current"],
     ["ingest"],
     ["replay"],
+    ["dead-letters"],
+    ["dead-letters", "list"],
+    ["dead-letters", "show"],
+    ["dead-letters", "replay"],
     ["export"],
     ["status"],
     ["reward"],
@@ -85,6 +89,17 @@ def test_db_upgrade_then_status_without_broker(tmp_path):
         and "cannot reach the Kafka broker at 127.0.0.1:1 (kafka.bootstrap)" in status.output
     )
     assert "cycles (no daemon holds the lease):" in status.output
+
+
+def test_daemon_once_without_a_broker_says_which_setting_and_runs_no_cycle(tmp_path):
+    env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1", "RTRL_KAFKA__CONNECT_TIMEOUT_S": "1"}
+    runner = CliRunner()
+    assert runner.invoke(cli, ["db", "upgrade"], env=env).exit_code == 0
+    once = runner.invoke(cli, ["daemon", "--once"], env=env)
+    assert once.exit_code == 1 and "kafka.bootstrap" in once.output, once.output
+    assert "Traceback" not in once.output
+    status = runner.invoke(cli, ["status"], env=env)
+    assert "cycles (no daemon holds the lease):" in status.output  # none ran, and the lease is free
 
 
 def test_bad_config_is_refused_with_field_and_allowed_values(tmp_path):

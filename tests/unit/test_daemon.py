@@ -72,3 +72,88 @@ def test_a_run_dispatched_as_shutdown_begins_neither_takes_the_lease_again_nor_h
     daemon.heartbeat()  # the lease job's last tick
     assert not daemon.holds_lease
     assert acquire(engine, LEASE, "next-daemon", 30) is not None  # free for the next daemon at once
+
+
+def _record(state: str, reason: str | None = None):
+    from datetime import UTC, datetime
+
+    from pipeline.core.store.cycles import CycleRecord
+
+    now = datetime.now(UTC)
+    return CycleRecord("c-1", state, reason, None, None, None, {}, None, now, now, None)
+
+
+@pytest.mark.parametrize(
+    ("returns", "outcome", "code"),
+    [
+        ("rejected", "rejected", 0),  # the loop working: a CronJob must not retry it
+        ("skipped", "skipped", 0),
+        ("canary", "canary", 0),  # waiting on traffic: the next run looks again
+        ("failed", "failed", 1),
+        (RuntimeError("store away"), "unrecorded", 3),
+    ],
+)
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_once_runs_one_cycle_exits_with_what_happened_and_frees_the_lease(engine, monkeypatch, returns, outcome, code):
+    from pipeline.core.store.leases import acquire
+    from pipeline.daemon import LEASE
+    from pipeline.once import run_once
+
+    def cycle(deps):
+        assert deps.fence is not None and deps.fence.owner == daemon.owner  # run under the lease
+        if isinstance(returns, Exception):
+            raise returns
+        return _record(returns, reason="a reason")
+
+    monkeypatch.setattr("pipeline.daemon.run_cycle", cycle)
+    daemon = Daemon(load_config(), SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+    result = run_once(daemon, ingest=False)
+    assert (result.outcome, result.exit_code) == (outcome, code)
+    assert acquire(engine, LEASE, "next-daemon", 30) is not None  # released: the next run goes on at once
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_once_runs_nothing_while_another_daemon_holds_the_lease(engine, monkeypatch):
+    from pipeline.core.store.leases import acquire, holder
+    from pipeline.daemon import LEASE
+    from pipeline.once import run_once
+
+    ran = []
+    monkeypatch.setattr("pipeline.daemon.run_cycle", lambda deps: ran.append(deps))
+    assert acquire(engine, LEASE, "the-daemon", 30) is not None
+    result = run_once(Daemon(load_config(), SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30), ingest=False)
+    assert (result.outcome, result.exit_code, ran) == ("lease_held", 4, [])
+    assert holder(engine, LEASE).owner == "the-daemon"  # not released by a run that never held it
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_once_renews_the_lease_while_its_cycle_runs(engine, monkeypatch):
+    # a cycle longer than the lease's ttl: without renewal another daemon would take it over mid-cycle
+    from pipeline.core.store.leases import acquire, holder
+    from pipeline.daemon import LEASE
+    from pipeline.once import run_once
+
+    def cycle(deps):
+        first = holder(engine, LEASE)
+        wait_for(lambda: holder(engine, LEASE).expires_at > first.expires_at, 20, "the lease to be renewed")
+        assert acquire(engine, LEASE, "another-daemon", 3) is None
+        return _record("done")
+
+    monkeypatch.setattr("pipeline.daemon.run_cycle", cycle)
+    result = run_once(Daemon(load_config(), SimpleNamespace(engine=engine, owner=None), lease_ttl_s=3), ingest=False)
+    assert (result.outcome, result.exit_code) == ("done", 0)
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_once_stopped_by_a_signal_says_so(engine, monkeypatch):
+    from pipeline.once import run_once
+
+    daemon = Daemon(load_config(), SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+
+    def cycle(deps):
+        daemon.stop.set()  # SIGTERM mid-cycle: run_cycle stops before its next stage, returns None
+        return None
+
+    monkeypatch.setattr("pipeline.daemon.run_cycle", cycle)
+    result = run_once(daemon, ingest=False)
+    assert (result.outcome, result.exit_code) == ("stopped", 6)

@@ -1,10 +1,13 @@
 """Reading raw events back: the consumer's stored offsets, which event ids are stored, counts
-per table and per dead-letter reason, and the bodies and dead letters in id order for export
-and replay (keyset pagination: each chunk is one short query, so memory stays flat)."""
+per table and per dead-letter reason, the dead letters listed and shown (`rtrl dead-letters`),
+and the bodies and dead letters in id order for export and replay (keyset pagination: each
+chunk is one short query, so memory stays flat)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine, Row, Select, func, select
@@ -79,3 +82,42 @@ def iter_event_bodies(engine: Engine, batch: int = 1000) -> Iterator[str]:
 def iter_dead_letters(engine: Engine, batch: int = 500) -> Iterator[Any]:
     for rows in iter_id_chunks(engine, select(dead_letters), dead_letters.c.id, batch):
         yield from rows
+
+
+@dataclass(frozen=True)
+class DeadLetterRecord:
+    """A stored dead letter: where the record was in the log, why ingest set it aside, and its bytes."""
+
+    id: int
+    source: str  # the Kafka topic, or "file:<path>" for a replayed file (partition -1, offset: the line)
+    partition: int
+    offset: int
+    reason: str  # a DeadLetterReason value (pipeline/core/types.py): malformed_json, oversized, ...
+    detail: str  # what the decoder said
+    size: int  # bytes of the raw record
+    created_at: datetime
+    raw: bytes | None = None  # the record as it was read; only dead_letter() reads it
+
+
+def dead_letter_list(engine: Engine, reason: str | None = None, limit: int = 50) -> list[DeadLetterRecord]:
+    """The newest `limit` dead letters (of `reason`, when given), newest first, without their bytes."""
+    stmt = select(*[c for c in dead_letters.c if c.key != "raw"], func.length(dead_letters.c.raw).label("size"))
+    if reason is not None:
+        stmt = stmt.where(dead_letters.c.reason == reason)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt.order_by(dead_letters.c.id.desc()).limit(limit)).all()
+    return [_letter(row) for row in rows]
+
+
+def dead_letter(engine: Engine, letter_id: int) -> DeadLetterRecord | None:
+    """One dead letter with its raw bytes."""
+    with engine.connect() as conn:
+        row = conn.execute(select(dead_letters).where(dead_letters.c.id == letter_id)).first()
+    return None if row is None else _letter(row, raw=bytes(row.raw))
+
+
+def _letter(row: Any, raw: bytes | None = None) -> DeadLetterRecord:
+    size = len(raw) if raw is not None else int(row.size)
+    return DeadLetterRecord(
+        row.id, row.source, row.partition, row.offset, row.reason, row.detail, size, row.created_at, raw
+    )
