@@ -18,6 +18,8 @@ from pipeline.cli.reward import SPEC_OPTION, reward_spec
 from pipeline.core.store.deploys import latest_decision, moves
 from pipeline.core.store.training import get_run, latest_finished_run
 
+GATE_REFUSED = 3  # `rtrl gate`'s exit code when the decision is FAILED (1: an error, nothing decided)
+
 # deploy.* imports mlflow (seconds): imported inside the commands, never at `rtrl --help`
 
 
@@ -53,6 +55,9 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
     and the doubly robust estimate beside it), the regression suite, canaries, KL and a
     load-and-generate check; stores the decision with every number and tags it on the model
     version. RUN_ID defaults to the latest finished run.
+
+    Exit code: 0 passed, 3 refused (the decision is stored either way; a CI job can branch on
+    it), 1 an error (nothing decided).
     """
     from deploy.stage import GateJob, gate_run
     from deploy.suite import EMPTY, SuiteError, load_suite
@@ -116,6 +121,8 @@ def gate(ctx: Context, run_id: str | None, promote: bool, suite: str | None, spe
         click.echo(f"promoted v{result.version.version} to champion")
     elif promote and d.passed:
         click.echo(f"v{result.version.version} already is the champion")
+    if not d.passed:
+        click.get_current_context().exit(GATE_REFUSED)
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

@@ -312,10 +312,12 @@ def test_cli_from_kafka_to_train_gate_promote_rollback_on_an_mlflow_server(
     assert "no `previous` version" in rtrl("rollback", ok=False)
 
     rtrl("train", "run", "--since", "0")  # a second candidate from the same data
-    second = rtrl("gate")
+    # a bar no candidate clears: the decision is FAILED, stored, and the exit code says so (CI branches on it)
+    refused = runner.invoke(cli, ["gate"], env={**env, "RTRL_GATE__MIN_IMPROVEMENT": "100"})
+    second = refused.output
+    assert refused.exit_code == 3 and "FAILED" in second, second
     assert "candidate v2" in second and "against champion v1" in second
-    if "FAILED" in second:
-        assert "failed its gate" in rtrl("promote", "2", ok=False)
+    assert "failed its gate" in rtrl("promote", "2", ok=False)
     assert "v2 is the champion" in rtrl("promote", "2", "--force", "--reason", "canary tenant")
     assert "v1 is the champion" in rtrl("rollback", "--reason", "back to the gated one")
     assert "no canary to withdraw" in rtrl("rollback", "--canary")
