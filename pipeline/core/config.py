@@ -174,8 +174,13 @@ _SHORT_ENV = {
 }
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """RTRL_* variables as a nested dict, and which variable set each path (for error messages).
+    A value that starts with `[` or `{` is JSON (a list or a table: RTRL_GATE__BOUNDS='{"kl":
+    {"max": 1.0}}'); `topics` also takes a comma-separated list; anything else is text that the
+    config's types convert."""
     overrides: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
     for name, value in environ.items():
         if name in _SHORT_ENV:
             path = _SHORT_ENV[name]
@@ -186,8 +191,27 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         node = overrides
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = value.split(",") if path[-1] == "topics" else value
-    return overrides
+        if value.lstrip()[:1] in ("[", "{"):
+            try:
+                node[path[-1]] = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"{name}: a value that starts with {value.lstrip()[0]!r} is read as JSON, and this is "
+                    f'not valid JSON ({exc.msg} at character {exc.pos}); e.g. {name}=\'["a", "b"]\''
+                ) from None
+        else:
+            node[path[-1]] = [part.strip() for part in value.split(",")] if path[-1] == "topics" else value
+        sources[path] = name
+    return overrides, sources
+
+
+def _where(loc: tuple[Any, ...], sources: dict[tuple[str, ...], str], path: str | Path | None) -> str:
+    """Where a wrong value came from: the variable that set it (or a table above it), else the file."""
+    keys = tuple(str(part) for part in loc)
+    for n in range(len(keys), 0, -1):
+        if keys[:n] in sources:
+            return f" (from {sources[keys[:n]]})"
+    return f" (in {path})" if path else ""
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -222,15 +246,17 @@ def load_config(
             f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
             f"kafka.security.password_file"
         )
-    data = _merge(_merge(under or {}, data), _env_overrides(environ))
+    overrides, sources = _env_overrides(environ)
+    data = _merge(_merge(under or {}, data), overrides)
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        where = f" in {path}" if path else ""
         lines = [
-            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})" for err in exc.errors()
+            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+            + _where(err["loc"], sources, path)
+            for err in exc.errors()
         ]
-        raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
 
 
 def to_toml(config: Config) -> str:

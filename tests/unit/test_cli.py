@@ -146,3 +146,23 @@ def test_the_docs_stand_alone():
         for target in re.findall(r"\]\(([^)#]+)\)", text):
             if not target.startswith("http"):
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_environment_lists_and_tables_are_json_and_errors_name_the_variable(tmp_path):
+    from pipeline.core.config import ConfigError, load_config
+
+    # a JSON list was one topic named '["t"]'; a table could not be set from the environment at all
+    cfg = load_config(environ={"RTRL_INGEST__TOPICS": '["a", "b"]', "RTRL_GATE__BOUNDS": '{"kl": {"max": 1.5}}'})
+    assert cfg.ingest.topics == ["a", "b"] and cfg.gate.bounds["kl"].max == 1.5
+    assert load_config(environ={"RTRL_INGEST__TOPICS": "a, b"}).ingest.topics == ["a", "b"]  # commas too
+    with pytest.raises(ConfigError, match=r"RTRL_INGEST__TOPICS: .* read as JSON, and this is not valid JSON"):
+        load_config(environ={"RTRL_INGEST__TOPICS": '["a",'})
+    # a wrong value names the variable that set it, not the config file beside it
+    (tmp_path / "rtrl.toml").write_text("[ingest]\nbatch_max_records = 10\n")
+    with pytest.raises(ConfigError) as bad:
+        load_config(tmp_path / "rtrl.toml", environ={"RTRL_GATE__BOUNDS": '{"kl": {"max_increase": -1}}'})
+    assert "gate.bounds.kl.max_increase" in str(bad.value) and "(from RTRL_GATE__BOUNDS)" in str(bad.value)
+    assert "rtrl.toml" not in str(bad.value)
+    (tmp_path / "rtrl.toml").write_text("[ingest]\nbatch_max_records = 0\n")
+    with pytest.raises(ConfigError, match=r"ingest.batch_max_records: .*\(in .*rtrl.toml\)"):
+        load_config(tmp_path / "rtrl.toml", environ={})
