@@ -340,14 +340,18 @@ class Daemon:
                     extra={"drain_s": drain_s},
                 )
         if self.cycle_running.acquire(timeout=drain_s):  # no cycle in progress: let another daemon go on
-            self.holds_lease = False  # first: a heartbeat from now on does not take it again
-            release(self.deps.engine, LEASE, self.owner)
+            self.release_lease()
             # a run dispatched before the scheduler stopped may be waiting on the lock: it finds
             # `stop` set and returns, rather than hold its thread (and the exit) forever
             self.cycle_running.release()
         else:
             log.warning("a cycle is still running; the lease expires instead", extra={"drain_s": drain_s})
         log.info("daemon stopped", extra={"owner": self.owner})
+
+    def release_lease(self) -> None:
+        """Give the cycle lease up now, so that another daemon goes on without waiting for its ttl."""
+        self.holds_lease = False  # first: a heartbeat from now on does not take it again
+        release(self.deps.engine, LEASE, self.owner)
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "owner": self.owner, "lease": self.holds_lease, "last_cycle": self.last_cycle}

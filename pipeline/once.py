@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingest.consumer import run_ingest
-from pipeline.core.store.leases import release
-from pipeline.daemon import LEASE, Daemon
+from pipeline.daemon import Daemon
 
 log = logging.getLogger("rtrl.daemon")
 
@@ -77,8 +76,7 @@ def run_once(daemon: Daemon, ingest: bool = True) -> OnceResult:
     finally:
         renewing.set()
         renewer.join()
-        if daemon.holds_lease:  # first: the lease is not taken again by a last renewal
-            daemon.holds_lease = False
-            release(daemon.deps.engine, LEASE, daemon.owner)
+        if daemon.holds_lease:
+            daemon.release_lease()
     log.info("one cycle run", extra={"outcome": outcome, **daemon.last_cycle})
     return OnceResult(outcome, dict(daemon.last_cycle), ingested)

@@ -92,11 +92,9 @@ def _once(d, ingest: bool) -> None:
     except KafkaError as exc:  # step 1: no cycle runs on a store that may be behind the topics
         raise kafka_failure(d.config, exc, "ingest before the cycle (--no-ingest runs the cycle alone)") from None
     cycle = result.cycle
-    said = [f"cycle {cycle['cycle_id']}" if cycle.get("cycle_id") else "no cycle", result.outcome]
-    if cycle.get("reason"):
-        said.append(str(cycle["reason"]))
+    head = f"cycle {cycle['cycle_id']}" if cycle.get("cycle_id") else "no cycle"
+    details = [str(cycle["reason"])] if cycle.get("reason") else []
     if result.ingested is not None:
-        said.append(f"{result.ingested} events ingested first")
-    click.echo(": ".join(said[:2]) + ("; " + "; ".join(said[2:]) if said[2:] else ""))
-    ctx = click.get_current_context()
-    ctx.exit(result.exit_code)
+        details.append(f"{result.ingested} events ingested first")
+    click.echo(f"{head}: {result.outcome}" + "".join(f"; {d}" for d in details))
+    click.get_current_context().exit(result.exit_code)
