@@ -16,13 +16,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-# the MLflow client retries an unreachable server for minutes by default; an operator at a
-# prompt wants the error now (still overridable from the environment)
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
+from deploy.mlflow_client import MlflowClient, MlflowException
+from pipeline.core.logs import mask_uri, redacted_uri
 
 CANDIDATE, CHAMPION, PREVIOUS, CANARY = "candidate", "champion", "previous", "canary"
 
@@ -63,8 +58,10 @@ class RegistryReader:
     ) -> None:
         """`engine` (the store, for decisions and the audit trail) may be None for read-only use;
         `cache_dir` keeps downloaded adapters (see `adapter`)."""
+        mask_uri(tracking_uri)  # MLflow's errors quote the URI: its password stays out of the logs
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.uri, self.name, self.engine, self.publish = tracking_uri, model_name, engine, publish
+        self.shown = redacted_uri(tracking_uri)  # the URI in messages
         self.cache_dir = cache_dir
         # a daemon's cycle sets its lease's fence: its decisions and moves are then recorded only
         # while it holds the lease (the registry call follows the fenced audit row)
@@ -76,14 +73,14 @@ class RegistryReader:
             return fn()
         except MlflowException as exc:
             if not _connection_failed(exc):
-                raise RegistryError(f"registry {self.uri}: {what} failed: {exc.message}") from None
+                raise RegistryError(f"registry {self.shown}: {what} failed: {exc.message}") from None
             raise self._unreachable(what, exc) from None
         except Exception as exc:  # noqa: BLE001 - connection errors come from requests/urllib3
             raise self._unreachable(what, exc) from None
 
     def _unreachable(self, what: str, exc: Exception) -> RegistryError:
         return RegistryError(
-            f"registry {self.uri} unreachable during {what}: {type(exc).__name__}: {exc}. "
+            f"registry {self.shown} unreachable during {what}: {type(exc).__name__}: {exc}. "
             "Check mlflow.tracking_uri and that the server is up; nothing was moved"
         )
 
@@ -105,7 +102,7 @@ class RegistryReader:
                 raise self._unreachable(f"reading alias {alias}", exc) from None
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
                 return None
-            raise RegistryError(f"registry {self.uri}: reading alias {alias} failed: {exc.message}") from None
+            raise RegistryError(f"registry {self.shown}: reading alias {alias} failed: {exc.message}") from None
         except Exception as exc:  # noqa: BLE001
             raise self._unreachable(f"reading alias {alias}", exc) from None
 

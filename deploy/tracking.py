@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
-from mlflow.tracking import MlflowClient
+
+from deploy.mlflow_client import MlflowClient
+from pipeline.core.logs import mask_uri
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter value
 BATCH = 100  # MLflow's limit on params per log_batch call
@@ -27,6 +29,7 @@ class MlflowTracker:
     def __init__(
         self, tracking_uri: str, experiment: str, artifact_root: Path | None = None, run_name: str | None = None
     ) -> None:
+        mask_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:

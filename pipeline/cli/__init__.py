@@ -37,11 +37,11 @@ from pipeline.cli import kafka as kafka_cmds
 from pipeline.cli import model as model_cmds
 from pipeline.cli import reward as reward_cmds
 from pipeline.cli import train as train_cmds
-from pipeline.cli.common import CONTEXT_SETTINGS, Context
+from pipeline.cli.common import CONTEXT_SETTINGS, Context, Group
 from pipeline.core.logs import setup_logging
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "--config",
     "config_path",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import click
 from sqlalchemy import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from pipeline.core.config import Config, ConfigError, load_config
-from pipeline.core.store import SchemaError, make_engine, require_current_schema
+from pipeline.core.logs import mask_uri, redacted_uri, scrub
+from pipeline.core.store import SchemaError, StoreAccessError, make_engine, require_current_schema, store_failure
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -23,9 +27,12 @@ class Context:
     @cached_property
     def config(self) -> Config:
         try:
-            return load_config(self.config_path)
+            config = load_config(self.config_path)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
+        for uri in (config.db_url, config.tracking_uri):  # out of every log line and error
+            mask_uri(uri)
+        return config
 
     def engine(self, check_schema: bool = True) -> Engine:
         """The store's engine; refuses a database whose schema is behind the code."""
@@ -40,6 +47,59 @@ class Context:
 
 
 pass_ctx = click.make_pass_decorator(Context)
+log = logging.getLogger("rtrl.cli")
+
+
+class Group(click.Group):
+    """The top-level group. A store or MLflow tracking server that cannot be reached or opened
+    is one line naming its setting and what to check, as a broker is (`kafka_failure`), in place
+    of a library's traceback (--log-level DEBUG logs the traceback too)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:  # a library's message may quote a URL with its password
+            exc.message = scrub(exc.message)
+            raise
+        except StoreAccessError as exc:
+            raise _one_line(exc, str(exc)) from None
+        except (OperationalError, InterfaceError) as exc:  # the connection's, not a query's, failures
+            raise _one_line(exc, str(store_failure(_store_url(ctx), exc))) from None
+        except Exception as exc:
+            mlflow_errors = sys.modules.get("mlflow.exceptions")  # loaded only by the commands that use it
+            if mlflow_errors is None or not isinstance(exc, mlflow_errors.MlflowException):
+                raise
+            raise _one_line(exc, tracking_failure(_config(ctx), exc)) from None
+
+
+def _one_line(exc: BaseException, message: str) -> click.ClickException:
+    log.debug("command failed", exc_info=exc)
+    return click.ClickException(scrub(message))
+
+
+def _config(ctx: click.Context) -> Config | None:
+    obj = ctx.obj
+    try:
+        return obj.config if isinstance(obj, Context) else None
+    except click.ClickException:
+        return None
+
+
+def _store_url(ctx: click.Context) -> str:
+    obj = ctx.obj
+    if isinstance(obj, Context) and obj._engine is not None:
+        return obj._engine.url.render_as_string(hide_password=False)
+    config = _config(ctx)
+    return config.db_url if config else "(unknown)"
+
+
+def tracking_failure(config: Config | None, exc: BaseException) -> str:
+    """One line for an MLflow call that failed: the tracking URI (credentials masked), MLflow's
+    first line, and what to check."""
+    text = str(getattr(exc, "message", None) or exc).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
+    where = redacted_uri(config.tracking_uri) if config else "(unknown)"
+    return f"MLflow at {where}: {detail}; check mlflow.tracking_uri and that the tracking server is up"
 
 
 def outcome_model(ctx: Context, spec_version: str, force: bool = False) -> Any:

@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 # what every LogRecord has; anything else on a record came from `extra`
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -33,6 +33,15 @@ def mask(secret: str) -> None:
     if len(secret) >= 4:  # a shorter one would mask ordinary words, and is no secret anyway
         _SECRETS.add(secret)
         _SECRETS.add(json.dumps(secret)[1:-1])
+
+
+def mask_uri(uri: str) -> None:
+    """Never write the password of `uri`'s userinfo (a store URL or tracking URI may hold one)
+    in a log line or a command's error, as written or decoded."""
+    password = urlsplit(uri).password
+    if password:
+        mask(password)
+        mask(unquote(password))
 
 
 def redacted_uri(uri: str) -> str:
@@ -48,7 +57,8 @@ def redacted_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def _masked(line: str) -> str:
+def scrub(line: str) -> str:
+    """`line` with every registered secret replaced by `***`."""
     for secret in _SECRETS:
         line = line.replace(secret, "***")
     return line
@@ -72,7 +82,7 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         line = json.dumps(out, default=str)
-        return _masked(line) if _SECRETS else line
+        return scrub(line) if _SECRETS else line
 
 
 def setup_logging(level: str = "INFO") -> None:

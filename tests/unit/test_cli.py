@@ -166,3 +166,27 @@ def test_environment_lists_and_tables_are_json_and_errors_name_the_variable(tmp_
     (tmp_path / "rtrl.toml").write_text("[ingest]\nbatch_max_records = 0\n")
     with pytest.raises(ConfigError, match=r"ingest.batch_max_records: .*\(in .*rtrl.toml\)"):
         load_config(tmp_path / "rtrl.toml", environ={})
+
+
+def _store_error(env: dict[str, str], *args: str) -> str:
+    result = CliRunner().invoke(cli, list(args or ["status"]), env={"RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1", **env})
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
+    assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1, result.output
+    return result.output
+
+
+def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_check(tmp_path):
+    """A wrong scheme, or a SQLite folder that cannot be made: one line, no traceback."""
+    out = _store_error({"RTRL_DB_URL": "postgres://rtrl:s3cret-pw@127.0.0.1:5432/rtrl"})
+    assert "postgresql+psycopg://" in out and "s3cret-pw" not in out and "rtrl:***@" in out
+    (tmp_path / "file").write_text("")
+    out = _store_error({"RTRL_DB_URL": f"sqlite:///{tmp_path}/file/sub/rtrl.db"}, "db", "upgrade")
+    assert f"cannot create the folder {tmp_path}/file/sub" in out and "store.url" in out
+
+
+def test_an_unreachable_tracking_server_is_one_line_with_its_password_masked(tmp_path):
+    env = {"RTRL_STATE_DIR": str(tmp_path), "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    assert CliRunner().invoke(cli, ["db", "upgrade"], env=env).exit_code == 0
+    env |= {"RTRL_MLFLOW__TRACKING_URI": "http://alice:tr4cking-pw@127.0.0.1:1", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    out = _store_error(env, "models", "list")
+    assert "http://alice:***@127.0.0.1:1" in out and "mlflow.tracking_uri" in out and "tr4cking-pw" not in out

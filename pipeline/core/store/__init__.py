@@ -3,6 +3,20 @@
 Imports no torch, transformers, peft, mlflow or kafka: everything may depend on it.
 """
 
-from pipeline.core.store.db import SchemaError, make_engine, require_current_schema, upgrade
+from pipeline.core.store.db import (
+    SchemaError,
+    StoreAccessError,
+    make_engine,
+    require_current_schema,
+    store_failure,
+    upgrade,
+)
 
-__all__ = ["SchemaError", "make_engine", "require_current_schema", "upgrade"]
+__all__ = [
+    "SchemaError",
+    "StoreAccessError",
+    "make_engine",
+    "require_current_schema",
+    "store_failure",
+    "upgrade",
+]

@@ -18,10 +18,50 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 
 class SchemaError(RuntimeError):
     """The database schema is missing or behind the code."""
+
+
+class StoreAccessError(RuntimeError):
+    """The store cannot be opened or reached; the message names store.url and what to check."""
+
+
+# words in a DBAPI's message -> what the operator checks; the first entry whose words all appear
+_DIAGNOSES = (
+    (("password authentication failed",), "the user or password in store.url is wrong"),
+    (("no password supplied",), "the server wants a password: set RTRL_DB_PASSWORD or store.password_file"),
+    (("database", "does not exist"), "create the database (`createdb NAME`, then `rtrl db upgrade`) or fix store.url"),
+    (("role", "does not exist"), "the user in store.url does not exist on that server"),
+    (("connection refused",), "no server answers there: is PostgreSQL up, and are the host and port right?"),
+    (("could not translate host name",), "the host in store.url does not resolve"),
+    (("name or service not known",), "the host in store.url does not resolve"),
+    (("timeout",), "the server did not answer in time: is it up, and reachable from here?"),
+    (("unable to open database file",), "the SQLite file's folder must exist and be writable"),
+    (("permission denied",), "the store's user lacks a privilege rtrl needs (it owns its tables)"),
+)
+
+
+def shown_url(url: str | URL) -> str:
+    """A store URL fit to print: its password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable URL>"
+
+
+def store_failure(url: str | URL, exc: BaseException) -> StoreAccessError:
+    """One line for a store that could not be reached or opened (the DBAPI's first line, and
+    what to check), in place of SQLAlchemy's traceback."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
+    hint = next(
+        (h for words, h in _DIAGNOSES if all(w in detail.lower() for w in words)),
+        "check store.url and that the database is up",
+    )
+    return StoreAccessError(f"store {shown_url(url)}: {detail}; {hint}")
 
 
 # orjson for the JSON columns: several per event row, ~10x faster than the json module.
@@ -34,11 +74,26 @@ def in_memory(url: URL) -> bool:
 
 
 def make_engine(url: str) -> Engine:
-    """Create an engine; for SQLite, create the folder and set the pragmas on every connection."""
-    parsed = make_url(url)
+    """Create an engine; for SQLite, create the folder and set the pragmas on every connection.
+    A URL SQLAlchemy cannot use, or a folder that cannot be made, is a StoreAccessError."""
+    try:
+        parsed = make_url(url)
+        parsed.get_dialect()  # a scheme without a dialect (postgres://) fails here, not at first use
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise StoreAccessError(
+            f"store.url {shown_url(url) if isinstance(exc, NoSuchModuleError) else repr(url)} cannot be used "
+            f"({exc}): write postgresql+psycopg://USER@HOST:PORT/DB or sqlite:///PATH"
+        ) from None
     if parsed.get_backend_name() == "sqlite":
         if not in_memory(parsed):
-            Path(parsed.database or "").expanduser().parent.mkdir(parents=True, exist_ok=True)
+            folder = Path(parsed.database or "").expanduser().parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreAccessError(
+                    f"store {shown_url(url)}: cannot create the folder {folder} ({exc.strerror}); fix store.url "
+                    "or state_dir"
+                ) from None
         engine = create_engine(url, connect_args={"timeout": 60}, **_JSON)
 
         @event.listens_for(engine, "connect")
