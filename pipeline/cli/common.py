@@ -28,10 +28,10 @@ class Context:
     def config(self) -> Config:
         try:
             config = load_config(self.config_path)
+            for uri in (config.db_url, config.tracking_uri):  # out of every log line and error
+                mask_uri(uri)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
-        for uri in (config.db_url, config.tracking_uri):  # out of every log line and error
-            mask_uri(uri)
         return config
 
     def engine(self, check_schema: bool = True) -> Engine:

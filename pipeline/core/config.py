@@ -20,8 +20,9 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pipeline.core.config_section import Section as _Section
 from pipeline.core.decision_config import (  # noqa: F401 - re-exported
@@ -33,6 +34,7 @@ from pipeline.core.decision_config import (  # noqa: F401 - re-exported
     duration_s,
 )
 from pipeline.core.kafka_config import SECRET_FIELDS, KafkaAccess, KafkaConfig
+from pipeline.core.logs import redacted_uri
 from pipeline.core.train_config import LossName, TrainConfig  # noqa: F401 - re-exported
 
 DEFAULT_STATE_DIR = Path.home() / ".rtrl"
@@ -43,7 +45,27 @@ class ConfigError(ValueError):
 
 
 class StoreConfig(_Section):
-    url: str | None = Field(default=None, description="SQLAlchemy URL; default: a SQLite file in the state folder")
+    url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL; default: a SQLite file in the state folder. Its password: only from the "
+        "environment (RTRL_DB_URL, RTRL_DB_PASSWORD) or password_file",
+    )
+    password: SecretStr | None = Field(
+        default=None, description="only from the environment: RTRL_DB_PASSWORD (or use password_file)"
+    )
+    password_file: Path | None = Field(
+        default=None, description="a file holding the store's password (one line), e.g. a mounted secret"
+    )
+
+    @model_validator(mode="after")
+    def _one_password(self) -> StoreConfig:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("store: give the password once, RTRL_DB_PASSWORD or store.password_file")
+        if (self.password is not None or self.password_file is not None) and not self.url:
+            raise ValueError("store.password/password_file need store.url (the server they are for)")
+        if self.password_file is not None and not self.password_file.is_file():
+            raise ValueError(f"store.password_file: {self.password_file} is not a readable file")
+        return self
 
 
 class IngestConfig(_Section):
@@ -139,7 +161,19 @@ class Config(_Section):
     # --- derived values: computed, never stored twice -------------------------------------
     @property
     def db_url(self) -> str:
-        return self.store.url or f"sqlite:///{self.state_dir / 'rtrl.db'}"
+        """The store's URL, with its password when one is given apart (RTRL_DB_PASSWORD,
+        store.password_file): what engines connect with; print it through redacted_uri."""
+        url = self.store.url or f"sqlite:///{self.state_dir / 'rtrl.db'}"
+        s = self.store
+        if s.password is not None:
+            return with_password(url, s.password.get_secret_value())
+        if s.password_file is not None:
+            try:
+                secret = s.password_file.read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise ConfigError(f"store.password_file {s.password_file} cannot be read: {exc.strerror}") from None
+            return with_password(url, secret)
+        return url
 
     @property
     def tracking_uri(self) -> str:
@@ -166,9 +200,48 @@ class Config(_Section):
         return self.ingest.topics or [self.kafka.interactions_topic, self.kafka.feedback_topic]
 
 
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in its userinfo (percent-encoded, as SQLAlchemy reads it)."""
+    parts = urlsplit(url)
+    if not parts.username:
+        raise ConfigError(f"store.url {redacted_uri(url)} names no user for the password to go with: USER@HOST")
+    netloc = f"{parts.username}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _secrets_in_file(data: dict[str, Any], path: str | Path | None) -> str | None:
+    """The first secret written in the config file, as an error; None when there is none. One
+    policy for every secret: it comes from the environment or a file, never from rtrl.toml."""
+    written = [k for k in SECRET_FIELDS if k in data.get("kafka", {}).get("security", {})]
+    if written:
+        return (
+            f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
+            f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
+            f"kafka.security.password_file"
+        )
+    store = data.get("store", {})
+    if "password" in store:
+        return f"store.password must not be written in the config file {path}: RTRL_DB_PASSWORD or store.password_file"
+    if isinstance(store.get("url"), str) and urlsplit(store["url"]).password is not None:
+        return (
+            f"store.url in the config file {path} holds a password: leave it out of the URL "
+            f"({redacted_uri(store['url']).replace(':***@', '@')}) and use store.password_file or RTRL_DB_PASSWORD "
+            "(or give the whole URL as RTRL_DB_URL)"
+        )
+    uri = data.get("mlflow", {}).get("tracking_uri")
+    if isinstance(uri, str) and urlsplit(uri).password is not None:
+        return (
+            f"mlflow.tracking_uri in the config file {path} holds a password: leave it out and set MLflow's own "
+            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), or give the URI as "
+            "RTRL_MLFLOW__TRACKING_URI"
+        )
+    return None
+
+
 _SHORT_ENV = {
     "RTRL_STATE_DIR": ("state_dir",),
     "RTRL_DB_URL": ("store", "url"),
+    "RTRL_DB_PASSWORD": ("store", "password"),
     "RTRL_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
     "RTRL_KAFKA_PASSWORD": ("kafka", "security", "password"),
 }
@@ -239,13 +312,9 @@ def load_config(
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    written = [k for k in SECRET_FIELDS if k in data.get("kafka", {}).get("security", {})]
-    if written:
-        raise ConfigError(
-            f"kafka.security.{written[0]} must not be written in the config file {path}: set it in "
-            f"the environment (RTRL_KAFKA_PASSWORD, RTRL_KAFKA__SECURITY__KEY_PASSWORD) or use "
-            f"kafka.security.password_file"
-        )
+    refused = _secrets_in_file(data, path)
+    if refused:
+        raise ConfigError(refused)
     overrides, sources = _env_overrides(environ)
     data = _merge(_merge(under or {}, data), overrides)
     try:
@@ -259,12 +328,24 @@ def load_config(
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
 
 
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
 def to_toml(config: Config) -> str:
     """The configuration as a TOML file `load_config` reads back to the same settings: unset
     (None) values and secrets are left out (a secret belongs in the environment)."""
     data = config.model_dump(mode="json", exclude_none=True)
     for key in SECRET_FIELDS:
         data.get("kafka", {}).get("security", {}).pop(key, None)
+    data.get("store", {}).pop("password", None)
+    for section, key in (("store", "url"), ("mlflow", "tracking_uri")):  # a URL's password stays out too
+        if isinstance(data.get(section, {}).get(key), str):
+            data[section][key] = _without_password(data[section][key])
     lines: list[str] = []
 
     def value(v: Any) -> str:

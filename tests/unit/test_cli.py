@@ -119,7 +119,8 @@ def test_the_documented_config_example_is_valid(tmp_path):
     text = (REPO / "docs" / "configuration.md").read_text()
     section = text[text.index("## How settings are layered") :]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
-    for named in ("/etc/rtrl/kafka-ca.pem", "/run/secrets/kafka"):  # files the config checks exist
+    # files the config checks exist
+    for named in ("/etc/rtrl/kafka-ca.pem", "/run/secrets/kafka", "/run/secrets/rtrl-db"):
         here = tmp_path / named.rsplit("/", 1)[1]
         here.write_text("x")
         example = example.replace(named, str(here))
@@ -127,6 +128,7 @@ def test_the_documented_config_example_is_valid(tmp_path):
     cfg = load_config(tmp_path / "rtrl.toml", environ={})
     assert cfg.train.loss == "cispo" and cfg.mlflow.tracking_uri == "http://mlflow:5000"
     assert cfg.kafka.security.protocol == "SASL_SSL" and cfg.kafka_access.password() == "x"
+    assert cfg.db_url == "postgresql+psycopg://rtrl:x@db:5432/rtrl"
 
 
 def test_the_configuration_reference_in_docs_matches_the_config_models():
@@ -190,3 +192,36 @@ def test_an_unreachable_tracking_server_is_one_line_with_its_password_masked(tmp
     env |= {"RTRL_MLFLOW__TRACKING_URI": "http://alice:tr4cking-pw@127.0.0.1:1", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
     out = _store_error(env, "models", "list")
     assert "http://alice:***@127.0.0.1:1" in out and "mlflow.tracking_uri" in out and "tr4cking-pw" not in out
+
+
+def test_every_secret_has_one_policy_environment_or_file_never_the_config_file(tmp_path):
+    """The store's password and MLflow's credentials are refused in rtrl.toml as Kafka's are; the
+    store's password comes from RTRL_DB_PASSWORD, store.password_file or RTRL_DB_URL; the settings
+    file rtrl writes leaves every password out."""
+    from pipeline.core.config import ConfigError, load_config, to_toml
+
+    def refused(text: str) -> str:
+        (tmp_path / "rtrl.toml").write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_config(tmp_path / "rtrl.toml", environ={})
+        assert "pw-in-file" not in str(err.value)
+        return str(err.value)
+
+    assert "store.password_file or RTRL_DB_PASSWORD" in refused(
+        '[store]\nurl = "postgresql+psycopg://u:pw-in-file@db/r"\n'
+    )
+    assert "RTRL_DB_PASSWORD" in refused('[store]\nurl = "postgresql+psycopg://u@db/r"\npassword = "pw-in-file"\n')
+    assert "MLFLOW_TRACKING_PASSWORD" in refused('[mlflow]\ntracking_uri = "https://u:pw-in-file@mlflow.example"\n')
+
+    (tmp_path / "rtrl.toml").write_text('[store]\nurl = "postgresql+psycopg://u@db:5432/r"\n')
+    from_env = load_config(tmp_path / "rtrl.toml", environ={"RTRL_DB_PASSWORD": "p@ss/word"})
+    assert from_env.db_url == "postgresql+psycopg://u:p%40ss%2Fword@db:5432/r"
+    secret = tmp_path / "db-secret"
+    secret.write_text("from-file\n")
+    from_file = load_config(tmp_path / "rtrl.toml", environ={"RTRL_STORE__PASSWORD_FILE": str(secret)})
+    assert from_file.db_url == "postgresql+psycopg://u:from-file@db:5432/r"
+    whole = load_config(environ={"RTRL_DB_URL": "postgresql+psycopg://u:env-pw@db/r"})
+    assert whole.db_url.endswith("u:env-pw@db/r") and "env-pw" not in to_toml(whole)
+    assert "u@db/r" in to_toml(whole) and "from-file" not in to_toml(from_file) and "p@ss" not in to_toml(from_env)
+    with pytest.raises(ConfigError, match="no user"):
+        _ = load_config(environ={"RTRL_DB_URL": "postgresql+psycopg://db/r", "RTRL_DB_PASSWORD": "x"}).db_url
