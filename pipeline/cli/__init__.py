@@ -1,6 +1,7 @@
 """`rtrl` — the command line. Commands mirror nouns; each parses, calls one function, prints.
 
 rtrl kafka up|down|status      the local Kafka broker (--secure: SASL_SSL, as managed Kafka)
+rtrl kafka topics create|check the loop's topics on any broker, with the settings it relies on
 rtrl db upgrade|current        schema migrations
 rtrl ingest                    consume events into the store (exactly once)
 rtrl replay                    re-feed history: from Kafka by time, from a file, dead letters
