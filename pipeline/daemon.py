@@ -56,6 +56,9 @@ def trigger(every: str):
     return CronTrigger.from_crontab(every)
 
 
+POLICY_METRICS_EVERY_S = 15.0  # how often the champion and per-alias metrics are read again
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -199,6 +202,8 @@ class Daemon:
             self.last_cycle = {"cycle_id": row.cycle_id, "state": row.state, "canary": row.candidate_version}
             self._online_metrics()
             return
+        if row.finished_at is not None:  # a canary cycle ran across several calls: its whole life counts
+            seconds = max(seconds, (row.finished_at - row.started_at).total_seconds())
         self.metrics.cycle_seconds.observe(seconds)
         self.metrics.cycles.labels(row.state).inc()
         if seconds > self.config.cycle.sla_s:
@@ -311,6 +316,11 @@ class Daemon:
             max_instances=1,
             coalesce=True,
             misfire_grace_time=300,
+        )
+        # the champion gauge and per-alias counts follow a promote or rollback made from the CLI
+        # within this interval, not at the next cycle hours later
+        self.scheduler.add_job(
+            self._online_metrics, IntervalTrigger(seconds=POLICY_METRICS_EVERY_S), id="policy-metrics", max_instances=1
         )
         if self.config.rollout.share > 0:
             self.scheduler.add_job(

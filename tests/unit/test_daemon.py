@@ -4,7 +4,8 @@ one still running is counted, not overlapped."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -157,3 +158,37 @@ def test_once_stopped_by_a_signal_says_so(engine, monkeypatch):
     monkeypatch.setattr("pipeline.daemon.run_cycle", cycle)
     result = run_once(daemon, ingest=False)
     assert (result.outcome, result.exit_code) == ("stopped", 6)
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_a_cycle_finished_by_its_canary_check_counts_its_whole_life_in_the_duration_metric(engine, monkeypatch):
+    """A cycle that staged a canary returns before it is decided; the short canary check that
+    finishes it later must observe the cycle's whole life (started .. finished), not its own
+    seconds, which made three 30-40 s cycles read 3.6 s."""
+    from pipeline.once import run_once
+
+    row = replace(_record("done"), started_at=datetime.now(UTC) - timedelta(seconds=40), finished_at=datetime.now(UTC))
+    monkeypatch.setattr("pipeline.daemon.run_cycle", lambda deps: row)
+    daemon = Daemon(load_config(), SimpleNamespace(engine=engine, owner=None), lease_ttl_s=30)
+    assert run_once(daemon, ingest=False).exit_code == 0
+    observed = daemon.metrics.registry.get_sample_value("rtrl_cycle_duration_seconds_sum")
+    assert observed is not None and observed >= 40
+
+
+@pytest.mark.parametrize("empty_db_url", ["sqlite"], indirect=True)
+def test_the_champion_gauge_follows_a_rollback_made_between_cycles(engine, monkeypatch):
+    """`rtrl rollback` moves the alias from the CLI; the daemon's gauge must follow within its
+    refresh interval, not keep the old version until the next cycle."""
+    aliases = {"champion": SimpleNamespace(version="2")}
+    registry = SimpleNamespace(alias=lambda name: aliases.get(name))
+    monkeypatch.setattr("pipeline.daemon.POLICY_METRICS_EVERY_S", 0.2)
+    config = load_config(environ={"RTRL_CYCLE__EVERY": "1h"})
+    daemon = Daemon(config, SimpleNamespace(engine=engine, owner=None, registry=registry), lease_ttl_s=30)
+    daemon.start(ingest=False)
+    try:
+        champion = lambda: daemon.metrics.registry.get_sample_value("rtrl_champion_version")  # noqa: E731
+        wait_for(lambda: champion() == 2.0, 30, "the gauge to show the champion")
+        aliases["champion"] = SimpleNamespace(version="1")  # rolled back from the CLI
+        wait_for(lambda: champion() == 1.0, 30, "the gauge to follow the rollback")
+    finally:
+        daemon.shutdown()
