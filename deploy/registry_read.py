@@ -73,14 +73,18 @@ class RegistryReader:
             return fn()
         except MlflowException as exc:
             if not _connection_failed(exc):
-                raise RegistryError(f"registry {self.shown}: {what} failed: {exc.message}") from None
+                raise RegistryError(f"registry {self.shown}: {what} failed: {self._hide(exc.message)}") from None
             raise self._unreachable(what, exc) from None
         except Exception as exc:  # noqa: BLE001 - connection errors come from requests/urllib3
             raise self._unreachable(what, exc) from None
 
+    def _hide(self, message: str) -> str:
+        """MLflow's message with the tracking URI (and so its password) as it is shown."""
+        return message.replace(self.uri, self.shown)
+
     def _unreachable(self, what: str, exc: Exception) -> RegistryError:
         return RegistryError(
-            f"registry {self.shown} unreachable during {what}: {type(exc).__name__}: {exc}. "
+            f"registry {self.shown} unreachable during {what}: {type(exc).__name__}: {self._hide(str(exc))}. "
             "Check mlflow.tracking_uri and that the server is up; nothing was moved"
         )
 

@@ -58,9 +58,6 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except click.ClickException as exc:  # a library's message may quote a URL with its password
-            exc.message = scrub(exc.message)
-            raise
         except StoreAccessError as exc:
             raise _one_line(exc, str(exc)) from None
         except (OperationalError, InterfaceError) as exc:  # the connection's, not a query's, failures
